@@ -1,0 +1,1 @@
+"""Beam's building blocks, one module each: norm, rope, linear, attention, mlp, moe, decoder."""

@@ -1,0 +1,57 @@
+"""One Beam decoder layer: sandwich norms around attention and the MLP, depth-scaled residuals."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from beam_jax.config import BeamConfig
+from beam_jax.kv_cache import KVCache
+from beam_jax.layers.attention import Attention
+from beam_jax.layers.mlp import DenseMLP
+from beam_jax.layers.moe import MoE
+from beam_jax.layers.norm import RMSNorm
+
+
+def depth_scaled_residual(
+    update: Float[Array, "... d"], residual: Float[Array, "... d"], add_index: int
+) -> Float[Array, "... d"]:
+    """`update/sqrt(n) + residual*sqrt((n-1)/n)`: the n-th residual addition keeps unit variance."""
+    out = update.astype(jnp.float32) * (1.0 / math.sqrt(add_index)) + residual.astype(jnp.float32) * math.sqrt(
+        (add_index - 1) / add_index
+    )
+    return out.astype(residual.dtype)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: BeamConfig, layer: int, *, dtype):
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.is_sparse = config.is_sparse(layer)
+        self.self_attn = Attention(config, layer, dtype=dtype)
+        if self.is_sparse:
+            self.mlp = MoE(config, dtype=dtype)
+        else:
+            self.mlp = DenseMLP(hidden, config.intermediate_size, dtype=dtype)
+        self.input_layernorm = RMSNorm(hidden, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, dtype)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps, dtype)
+        self.attn_add_index = 2 * (layer + 1)
+        self.mlp_add_index = 2 * (layer + 1) + 1
+
+    def __call__(
+        self, x: Float[Array, "batch t hidden"], positions: Int[Array, "batch t"], cache: KVCache | None
+    ) -> tuple[Float[Array, "batch t hidden"], KVCache | None, Int[Array, "tokens k"] | None]:
+        attn_out, cache = self.self_attn(self.input_layernorm(x), positions, cache)
+        x = depth_scaled_residual(self.post_attention_layernorm(attn_out), x, self.attn_add_index)
+
+        h = self.pre_feedforward_layernorm(x)
+        if self.is_sparse:
+            mlp_out, expert_indices = self.mlp(h)
+        else:
+            mlp_out, expert_indices = self.mlp(h), None
+        x = depth_scaled_residual(self.post_feedforward_layernorm(mlp_out), x, self.mlp_add_index)
+        return x, cache, expert_indices

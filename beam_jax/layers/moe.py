@@ -1,0 +1,118 @@
+"""Beam's MoE block: fp32 sigmoid routing with a correction bias and group-limited top-k, routed
+experts with fp32 SwiGLU, and the routed scaling factor applied after aggregation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from beam_jax.config import BeamConfig
+from beam_jax.layers.linear import matmul_precision
+from beam_jax.layers.mlp import swiglu
+
+
+def route(
+    x: Float[Array, "tokens hidden"],
+    router_weight: Float[Array, "experts hidden"],
+    correction_bias: Float[Array, " experts"],
+    *,
+    num_groups: int,
+    groups_kept: int,
+    top_k: int,
+    normalize: bool,
+) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
+    """Expert weights and indices, fp32 end to end (small rounding flips selections)."""
+    logits = jnp.einsum(
+        "th,eh->te", x.astype(jnp.float32), router_weight.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+    )
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + correction_bias.astype(jnp.float32)
+    tokens, experts = choice.shape
+    grouped = choice.reshape(tokens, num_groups, experts // num_groups)
+    group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
+    _, kept_groups = jax.lax.top_k(group_scores, groups_kept)
+    group_mask = jnp.zeros((tokens, num_groups), bool).at[jnp.arange(tokens)[:, None], kept_groups].set(True)
+    choice = jnp.where(jnp.repeat(group_mask, experts // num_groups, axis=1), choice, -jnp.inf)
+    _, indices = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, indices, axis=1)
+    if normalize:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights, indices
+
+
+def experts_reference(
+    x: Float[Array, "tokens hidden"],
+    weights: Float[Array, "tokens k"],
+    indices: Int[Array, "tokens k"],
+    gate_up_proj: Float[Array, "experts two_i hidden"],
+    down_proj: Float[Array, "experts hidden i"],
+) -> Float[Array, "tokens hidden"]:
+    """Weighted sum of each token's experts, in plain jnp: the (token, expert) pairs are sorted by
+    expert and run as two ragged matmuls. Sums over experts in fp32, rounded once."""
+    tokens, top_k = indices.shape
+    num_experts = gate_up_proj.shape[0]
+    flat_experts = indices.reshape(-1)
+    order = jnp.argsort(flat_experts, stable=True)
+    token_of_pair = order // top_k
+    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
+    precision = matmul_precision(gate_up_proj.dtype)
+    # Weights are [out, in] (HF layout): contract the lhs feature dim with the rhs dim 2.
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+    )
+    gate_up = jax.lax.ragged_dot_general(x[token_of_pair], gate_up_proj, group_sizes, dims, precision=precision)
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    out = jax.lax.ragged_dot_general(swiglu(gate, up), down_proj, group_sizes, dims, precision=precision)
+    pair_weights = weights.reshape(-1)[order][:, None]
+    weighted = (out.astype(jnp.float32) * pair_weights).astype(x.dtype).astype(jnp.float32)
+    return jnp.zeros((tokens, x.shape[1]), jnp.float32).at[token_of_pair].add(weighted)
+
+
+class Router(nnx.Module):
+    """`mlp.gate`: fp32 weight and correction bias, whatever the model's dtype."""
+
+    def __init__(self, config: BeamConfig):
+        self.weight = nnx.Param(jnp.zeros((config.num_experts, config.hidden_size), jnp.float32))
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((config.num_experts,), jnp.float32))
+        self.num_groups = config.num_groups
+        self.groups_kept = config.groups_kept
+        self.top_k = config.num_experts_per_tok
+        self.normalize = config.norm_topk_prob
+
+    def __call__(self, x: Float[Array, "tokens hidden"]):
+        return route(
+            x,
+            self.weight[...],
+            self.e_score_correction_bias[...],
+            num_groups=self.num_groups,
+            groups_kept=self.groups_kept,
+            top_k=self.top_k,
+            normalize=self.normalize,
+        )
+
+
+class Experts(nnx.Module):
+    """Fused expert weights: `gate_up_proj [E, 2I, H]` (gate rows first), `down_proj [E, H, I]`."""
+
+    def __init__(self, config: BeamConfig, *, dtype):
+        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nnx.Param(jnp.zeros((e, 2 * i, h), dtype))
+        self.down_proj = nnx.Param(jnp.zeros((e, h, i), dtype))
+
+    def __call__(self, x, weights, indices):
+        return experts_reference(x, weights, indices, self.gate_up_proj[...], self.down_proj[...])
+
+
+class MoE(nnx.Module):
+    def __init__(self, config: BeamConfig, *, dtype):
+        self.gate = Router(config)
+        self.experts = Experts(config, dtype=dtype)
+        self.routed_scaling_factor = config.routed_scaling_factor
+
+    def __call__(self, x: Float[Array, "... hidden"]) -> tuple[Float[Array, "... hidden"], Int[Array, "tokens k"]]:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, indices = self.gate(flat)
+        out = self.experts(flat, weights, indices) * self.routed_scaling_factor
+        return out.astype(x.dtype).reshape(x.shape), indices
