@@ -20,8 +20,11 @@ import tokenizers
 from beam_jax.config import PRESETS, BeamConfig, preset
 from beam_jax.generate import greedy_generate
 from beam_jax.kv_cache import KVCache
-from beam_jax.model import ForwardOutput, Params, init_params, jit_forward
+from beam_jax.model import ForwardOutput, Params, abstract_flat, init_params, jit_forward
 from beam_jax.tokenizer import STOP_TOKENS, load_tokenizer
+
+
+RANDOM_PRESET_LIMIT_BYTES = 16 * 2**30  # random weights are drawn on the host
 
 
 def default_dtype() -> jnp.dtype:
@@ -85,6 +88,12 @@ def load(model: str | Path = "beam-tiny", *, dtype=None, seed: int = 0) -> Beam:
     dtype = default_dtype() if dtype is None else jnp.dtype(dtype)
     if str(model) in PRESETS:
         config = preset(str(model))
+        size = sum(np.prod(leaf.shape) * leaf.dtype.itemsize for leaf in abstract_flat(config, dtype).values())
+        if size > RANDOM_PRESET_LIMIT_BYTES:
+            raise ValueError(
+                f"preset {model!r} would need {size / 2**30:.0f} GiB of random weights; "
+                "load a checkpoint directory instead (beam-jax init-checkpoint writes one for small presets)"
+            )
         return Beam(config, init_params(config, seed, dtype), load_tokenizer())
     path = Path(model)
     if not path.is_dir():

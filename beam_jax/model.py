@@ -59,6 +59,7 @@ class BeamForCausalLM(nnx.Module):
                 routing.append(expert_indices.reshape(*tokens.shape, -1))
         x = self.model.norm(x)
         head = self.model.embed_tokens.weight if config.tie_word_embeddings else self.lm_head.weight
+        # Logits leave the head in the model dtype (as in the reference); the soft-cap runs in fp32.
         logits = linear(x, head[...]).astype(jnp.float32)
         if config.final_logit_softcapping is not None:
             cap = config.final_logit_softcapping

@@ -33,13 +33,15 @@ def attend(
     v: Float[Array, "batch tk kv_heads d"],
     mask: Bool[Array, "batch tq tk"],
 ) -> Float[Array, "batch tq heads d"]:
-    """Plain-jnp GQA softmax attention: scores and softmax in fp32, probabilities rounded once."""
+    """Plain-jnp GQA softmax attention with the reference's rounding points: scores rounded to the
+    input dtype, scaled, then softmax in fp32 and probabilities rounded to the input dtype."""
     batch, tq, heads, d = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(batch, tq, kv_heads, heads // kv_heads, d)
     precision = matmul_precision(q.dtype)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=precision, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask[:, None, None], scores * d**-0.5, -jnp.inf)
+    scores = (scores.astype(q.dtype).astype(jnp.float32) * d**-0.5).astype(q.dtype).astype(jnp.float32)
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     # A query with no visible key (only padding) gets zeros rather than NaN.
     probs = jnp.where(mask[:, None, None].any(-1, keepdims=True), probs, 0.0).astype(v.dtype)
@@ -93,7 +95,10 @@ class Attention(nnx.Module):
             k_positions = jnp.broadcast_to(jnp.arange(cache.max_len), (batch, cache.max_len))
         out = attend(q, keys, values, visibility_mask(positions, k_positions, self.window))
 
+        # The output gate, rounded where the reference rounds: biased logits, sigmoid, product.
+        dtype = h.dtype
         gate = self.gate_proj(h).reshape(batch, t, -1, self.head_dim).astype(jnp.float32)
-        gate = jax.nn.sigmoid(gate + self.gate_bias[...].astype(jnp.float32)[:, None])
-        out = (out.astype(jnp.float32) * gate).astype(h.dtype)
+        gate = (gate + self.gate_bias[...].astype(jnp.float32)[:, None]).astype(dtype)
+        gate = jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dtype)
+        out = (out.astype(jnp.float32) * gate.astype(jnp.float32)).astype(dtype)
         return self.o_proj(out.reshape(batch, t, -1)), cache

@@ -19,11 +19,13 @@ from beam_jax.layers.norm import RMSNorm
 def depth_scaled_residual(
     update: Float[Array, "... d"], residual: Float[Array, "... d"], add_index: int
 ) -> Float[Array, "... d"]:
-    """`update/sqrt(n) + residual*sqrt((n-1)/n)`: the n-th residual addition keeps unit variance."""
-    out = update.astype(jnp.float32) * (1.0 / math.sqrt(add_index)) + residual.astype(jnp.float32) * math.sqrt(
-        (add_index - 1) / add_index
-    )
-    return out.astype(residual.dtype)
+    """`update/sqrt(n) + residual*sqrt((n-1)/n)`: the n-th residual addition keeps unit variance.
+    Rounded as the reference rounds: each scaled term, then their sum (fp32 arithmetic, exact
+    scalars; a bf16 scalar would be off by up to 0.4%)."""
+    dtype = residual.dtype
+    scaled_update = (update.astype(jnp.float32) * (1.0 / math.sqrt(add_index))).astype(dtype)
+    scaled_residual = (residual.astype(jnp.float32) * math.sqrt((add_index - 1) / add_index)).astype(dtype)
+    return (scaled_update.astype(jnp.float32) + scaled_residual.astype(jnp.float32)).astype(dtype)
 
 
 class DecoderLayer(nnx.Module):

@@ -50,7 +50,9 @@ def experts_reference(
     down_proj: Float[Array, "experts hidden i"],
 ) -> Float[Array, "tokens hidden"]:
     """Weighted sum of each token's experts, in plain jnp: the (token, expert) pairs are sorted by
-    expert and run as two ragged matmuls. Sums over experts in fp32, rounded once."""
+    expert and run as two ragged matmuls. As in the reference, each weighted expert output is
+    rounded to the input dtype and a token's outputs are added in increasing expert order, each
+    addition rounded (in bf16 the order changes the result)."""
     tokens, top_k = indices.shape
     num_experts = gate_up_proj.shape[0]
     flat_experts = indices.reshape(-1)
@@ -66,8 +68,15 @@ def experts_reference(
     gate, up = jnp.split(gate_up, 2, axis=-1)
     out = jax.lax.ragged_dot_general(swiglu(gate, up), down_proj, group_sizes, dims, precision=precision)
     pair_weights = weights.reshape(-1)[order][:, None]
-    weighted = (out.astype(jnp.float32) * pair_weights).astype(x.dtype).astype(jnp.float32)
-    return jnp.zeros((tokens, x.shape[1]), jnp.float32).at[token_of_pair].add(weighted)
+    weighted = (out.astype(jnp.float32) * pair_weights).astype(x.dtype)
+    # Back to [tokens, k] with each token's experts in increasing expert order: the sort was
+    # stable by expert, so pair j of a token in sorted order lands in slot rank(j).
+    slot_in_token = jnp.argsort(jnp.argsort(indices, axis=1, stable=True), axis=1).reshape(-1)[order]
+    per_token = jnp.zeros((tokens, top_k, x.shape[1]), x.dtype).at[token_of_pair, slot_in_token].set(weighted)
+    total = per_token[:, 0]
+    for slot in range(1, top_k):
+        total = (total.astype(jnp.float32) + per_token[:, slot].astype(jnp.float32)).astype(x.dtype)
+    return total
 
 
 class Router(nnx.Module):
@@ -114,5 +123,5 @@ class MoE(nnx.Module):
     def __call__(self, x: Float[Array, "... hidden"]) -> tuple[Float[Array, "... hidden"], Int[Array, "tokens k"]]:
         flat = x.reshape(-1, x.shape[-1])
         weights, indices = self.gate(flat)
-        out = self.experts(flat, weights, indices) * self.routed_scaling_factor
+        out = self.experts(flat, weights, indices).astype(jnp.float32) * self.routed_scaling_factor
         return out.astype(x.dtype).reshape(x.shape), indices

@@ -1,0 +1,109 @@
+"""`beam-jax` command line: generate, init-checkpoint, to-orbax, compare."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from beam_jax.config import PRESETS
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise SystemExit("error: --prompt-ids is empty")
+    return ids
+
+
+def cmd_generate(args) -> int:
+    from beam_jax.api import load
+
+    prompt = _token_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
+    try:
+        beam = load(args.model, dtype=args.dtype, seed=args.seed)
+        output = beam.generate(prompt, args.max_new_tokens)
+    except (FileNotFoundError, ValueError) as error:  # CheckpointError is a ValueError
+        raise SystemExit(f"error: {error}") from None
+    print(json.dumps(output) if args.prompt_ids is not None else args.prompt + output)
+    return 0
+
+
+def cmd_init_checkpoint(args) -> int:
+    from beam_jax.checkpoint import init_checkpoint
+    from beam_jax.config import preset
+
+    overrides = {"num_hidden_layers": args.layers} if args.layers is not None else {}
+    config = preset(args.preset, **overrides)
+    path = init_checkpoint(
+        args.out,
+        config,
+        seed=args.seed,
+        dtype=args.dtype,
+        expert_layout=args.expert_layout,
+        max_shard_bytes=args.max_shard_mb * 2**20,
+    )
+    print(f"wrote {args.preset} with random weights (seed {args.seed}, {args.dtype}) to {path}")
+    return 0
+
+
+def cmd_to_orbax(args) -> int:
+    from beam_jax.checkpoint import load_checkpoint, save_orbax
+
+    config, params = load_checkpoint(args.checkpoint, dtype=args.dtype)
+    print(f"wrote orbax checkpoint {save_orbax(args.out, config, params)}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from beam_jax.compare import main as compare_main
+
+    return compare_main(args.args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="beam-jax", description="Beam in JAX: generation and checkpoint tools")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="greedy generation with the contiguous KV cache")
+    gen.add_argument("--model", default="beam-tiny", help=f"checkpoint directory or preset ({', '.join(PRESETS)})")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="text prompt (encoded with the model's tokenizer)")
+    prompt.add_argument("--prompt-ids", help="comma-separated token ids; prints the generated ids as JSON")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: bf16 on GPU, fp32 on CPU")
+    gen.add_argument("--seed", type=int, default=0, help="weights seed for presets")
+    gen.set_defaults(run=cmd_generate)
+
+    init = commands.add_parser("init-checkpoint", help="write a random-weight HF checkpoint of a preset")
+    init.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    init.add_argument("--out", required=True)
+    init.add_argument("--layers", type=int, default=None, help="layer count (for beam-tp8-slice)")
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    init.add_argument("--expert-layout", choices=["per_expert", "fused"], default="per_expert")
+    init.add_argument("--max-shard-mb", type=int, default=2048)
+    init.set_defaults(run=cmd_init_checkpoint)
+
+    orbax = commands.add_parser("to-orbax", help="convert a safetensors checkpoint to orbax for fast restarts")
+    orbax.add_argument("--checkpoint", required=True)
+    orbax.add_argument("--out", required=True)
+    orbax.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    orbax.set_defaults(run=cmd_to_orbax)
+
+    compare = commands.add_parser("compare", help="JAX vs transformers' BeamForCausalLM (same as python -m beam_jax.compare)")
+    compare.add_argument("args", nargs=argparse.REMAINDER)
+    compare.set_defaults(run=cmd_compare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
