@@ -58,6 +58,23 @@ def cmd_to_orbax(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from beam_jax.config import preset
+    from beam_jax.memory_plan import format_plan, plan_memory
+
+    config = preset(args.preset)
+    plan = plan_memory(
+        config,
+        tp=args.tp,
+        quant=args.quant,
+        drafter=args.drafter,
+        hbm_gb=args.hbm_gb,
+        mem_fraction=args.mem_fraction,
+    )
+    print(format_plan(plan))
+    return 0
+
+
 def cmd_compare(args) -> int:
     from beam_jax.compare import main as compare_main
 
@@ -93,6 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
     orbax.add_argument("--out", required=True)
     orbax.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     orbax.set_defaults(run=cmd_to_orbax)
+
+    plan = commands.add_parser("plan", help="GPU memory plan: weights, KV per token, cache groups, pool size")
+    plan.add_argument("--preset", default="beam-501b", choices=sorted(PRESETS))
+    plan.add_argument("--tp", type=int, default=8, help="tensor-parallel GPUs")
+    plan.add_argument("--quant", choices=["bf16", "fp8", "nvfp4"], default="nvfp4", help="expert weight format")
+    plan.add_argument("--drafter", action="store_true", help="with the DFlash drafter (5 full-history layers)")
+    plan.add_argument("--hbm-gb", type=float, default=186.0, help="HBM per GPU in GB (1e9 bytes); GB200: 186")
+    plan.add_argument("--mem-fraction", type=float, default=0.95)
+    plan.set_defaults(run=cmd_plan)
 
     compare = commands.add_parser("compare", help="JAX vs transformers' BeamForCausalLM (same as python -m beam_jax.compare)")
     compare.add_argument("args", nargs=argparse.REMAINDER)

@@ -34,6 +34,8 @@ class KVCache:
     def write(self, layer: int, positions: Int[Array, "batch t"], k, v) -> KVCache:
         """Store the new keys/values at their positions (out-of-range positions are dropped)."""
         rows = jnp.arange(positions.shape[0])[:, None]
+        # Negative positions mark padding; jnp indexing would wrap them onto the last slots.
+        positions = jnp.where(positions < 0, self.max_len, positions)
         keys = _replace_at(self.keys, layer, self.keys[layer].at[rows, positions].set(k, mode="drop"))
         values = _replace_at(self.values, layer, self.values[layer].at[rows, positions].set(v, mode="drop"))
         return KVCache(keys, values)

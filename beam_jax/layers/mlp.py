@@ -9,7 +9,10 @@ from beam_jax.layers.linear import Linear
 
 
 def swiglu(gate: Float[Array, "... i"], up: Float[Array, "... i"]) -> Float[Array, "... i"]:
-    return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
+    gate32 = gate.astype(jnp.float32)
+    # silu as torch's kernel computes it, `x / (1 + exp(-x))` (jax.nn.silu's `x * sigmoid(x)` is an
+    # ulp off for a quarter of the inputs).
+    return (gate32 / (1.0 + jnp.exp(-gate32)) * up.astype(jnp.float32)).astype(gate.dtype)
 
 
 class DenseMLP(nnx.Module):

@@ -38,7 +38,10 @@ def route(
     _, indices = jax.lax.top_k(choice, top_k)
     weights = jnp.take_along_axis(scores, indices, axis=1)
     if normalize:
-        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        # Divide as the reference does: XLA rewrites `x / broadcast(d)` into `x * (1 / d)`, an ulp
+        # off for ~20% of the weights, unless the broadcast divisor is hidden behind a barrier.
+        total = jnp.broadcast_to(weights.sum(-1, keepdims=True) + 1e-20, weights.shape)
+        weights = weights / jax.lax.optimization_barrier(total)
     return weights, indices
 
 
