@@ -14,6 +14,8 @@ SLIDING = "sliding_attention"
 FULL = "full_attention"
 DENSE = "dense"
 SPARSE = "sparse"
+# Expert weight formats (everything else stays bf16, the router fp32).
+EXPERT_FORMATS = ("bf16", "nvfp4", "fp8_channel", "fp8_tensor")
 
 # Fields of transformers.BeamConfig that matter only for training or HF plumbing: kept on a
 # round trip through config.json so that nothing a user wrote is dropped.
@@ -67,8 +69,11 @@ class BeamConfig:
     layer_types: tuple[str, ...] | None = None
     mlp_layer_types: tuple[str, ...] | None = None
     # Keyed by layer type; a None entry means that layer type runs without positional encoding.
-    # Stored as a tuple of (layer_type, params-or-None) pairs so the config stays hashable.
+    # Frozen into sorted (key, value) pairs so the config stays hashable.
     rope_parameters: Any = None
+    # HF's `quantization_config` as the producer wrote it (ModelOpt or compressed-tensors), frozen
+    # into nested tuples; None for bf16/fp32 checkpoints. `expert_format` reads it.
+    quantization_config: Any = None
     initializer_range: float = 0.02
     use_cache: bool = True
     attention_dropout: float = 0.0
@@ -83,9 +88,9 @@ class BeamConfig:
             tuple(self.mlp_layer_types) if self.mlp_layer_types is not None else default_mlp_layer_types(n),
         )
         rope = self.rope_parameters if self.rope_parameters is not None else default_rope_parameters()
-        if isinstance(rope, dict):
-            rope = tuple(sorted((k, _freeze(v)) for k, v in rope.items()))
-        set_("rope_parameters", rope)
+        set_("rope_parameters", _freeze(dict(rope)))
+        if isinstance(self.quantization_config, dict):
+            set_("quantization_config", _freeze(self.quantization_config))
         if isinstance(self.eos_token_id, list):
             set_("eos_token_id", tuple(self.eos_token_id))
         self.validate()
@@ -119,9 +124,14 @@ class BeamConfig:
                 problems.append(
                     f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts in the kept groups"
                 )
-        for layer_type, params in self.rope_parameters:
-            if params is not None and dict(params).get("rope_type", "default") != "default":
-                problems.append(f"rope_type {dict(params)['rope_type']!r} for {layer_type} is not supported")
+        for layer_type, params in _thaw(self.rope_parameters).items():
+            if params is not None and params.get("rope_type", "default") != "default":
+                problems.append(f"rope_type {params['rope_type']!r} for {layer_type} is not supported")
+        if self.quantization_config is not None:
+            try:
+                self.expert_format
+            except ValueError as error:
+                problems.append(str(error))
         if problems:
             raise ValueError("invalid BeamConfig: " + "; ".join(problems))
 
@@ -138,10 +148,35 @@ class BeamConfig:
     def num_kv_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    @property
+    def expert_format(self) -> str:
+        """One of EXPERT_FORMATS, read off `quantization_config`."""
+        if self.quantization_config is None:
+            return "bf16"
+        qc = _thaw(self.quantization_config)
+        method = qc.get("quant_method")
+        if method == "modelopt":
+            algo = str(qc.get("quant_algo", "")).upper()
+            if algo == "NVFP4":
+                if qc.get("group_size", 16) != 16:
+                    raise ValueError(f"NVFP4 group_size {qc['group_size']} is not supported (16 is)")
+                return "nvfp4"
+            if algo == "FP8":
+                return "fp8_tensor"
+            raise ValueError(f"ModelOpt quant_algo {qc.get('quant_algo')!r} is not supported (NVFP4, FP8 are)")
+        if method == "compressed-tensors":
+            strategies = {g.get("weights", {}).get("strategy") for g in qc.get("config_groups", {}).values()}
+            if strategies == {"channel"}:
+                return "fp8_channel"
+            if strategies == {"tensor"}:
+                return "fp8_tensor"
+            raise ValueError(f"compressed-tensors weight strategies {sorted(map(str, strategies))} are not supported")
+        raise ValueError(f"quant_method {method!r} is not supported (modelopt, compressed-tensors are)")
+
     def rope_theta(self, layer_type: str) -> float | None:
         """RoPE base for a layer type, or None when that type runs without positional encoding."""
-        params = dict(self.rope_parameters).get(layer_type)
-        return None if params is None else float(dict(params).get("rope_theta", 10000.0))
+        params = _thaw(self.rope_parameters).get(layer_type)
+        return None if params is None else float(params.get("rope_theta", 10000.0))
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types[layer] == SLIDING
@@ -161,7 +196,11 @@ class BeamConfig:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["layer_types"] = list(self.layer_types)
         out["mlp_layer_types"] = list(self.mlp_layer_types)
-        out["rope_parameters"] = {k: _thaw(v) for k, v in self.rope_parameters}
+        out["rope_parameters"] = _thaw(self.rope_parameters)
+        if self.quantization_config is None:
+            del out["quantization_config"]
+        else:
+            out["quantization_config"] = _thaw(self.quantization_config)
         if isinstance(self.eos_token_id, tuple):
             out["eos_token_id"] = list(self.eos_token_id)
         out["model_type"] = "beam"
@@ -189,15 +228,23 @@ class BeamConfig:
         return cls.from_hf_dict(json.loads(path.read_text()))
 
 
+class _FrozenDict(tuple):
+    """A JSON object as sorted (key, value) pairs: hashable, so the config can be a jit static."""
+
+
 def _freeze(value):
     if isinstance(value, dict):
-        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+        return _FrozenDict(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple) and not isinstance(value, _FrozenDict):
+        return tuple(_freeze(v) for v in value)
     return value
 
 
 def _thaw(value):
-    if isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
+    if isinstance(value, _FrozenDict):
         return {k: _thaw(v) for k, v in value}
+    if isinstance(value, tuple):
+        return [_thaw(v) for v in value]
     return value
 
 

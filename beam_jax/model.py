@@ -100,6 +100,11 @@ def init_params(config: BeamConfig, seed: int = 0, dtype=jnp.bfloat16) -> Params
     """Random parameters with the reference's initialisation: normal(0, initializer_range) for
     matrices and the router, ones for norms, zeros for biases (the router stays fp32).
     Drawn with numpy, which is much faster than compiling hundreds of small random ops."""
+    if config.expert_format != "bf16":
+        raise ValueError(
+            f"random init draws bf16/fp32 weights; for {config.expert_format} experts, init a bf16 config "
+            "and quantize it (beam_jax.quant.convert.quantize_params or `beam-jax quantize`)"
+        )
     rng = np.random.default_rng(seed)
     arrays = {}
     for name, leaf in abstract_flat(config, dtype).items():

@@ -11,6 +11,7 @@ from jaxtyping import Array, Float, Int
 from beam_jax.config import BeamConfig
 from beam_jax.layers.linear import matmul_precision
 from beam_jax.layers.mlp import swiglu
+from beam_jax.layers.quantized import QuantizedExpertLinear
 
 
 def route(
@@ -106,15 +107,29 @@ class Router(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """Fused expert weights: `gate_up_proj [E, 2I, H]` (gate rows first), `down_proj [E, H, I]`."""
+    """bf16 experts fused as in the reference: `gate_up_proj [E, 2I, H]` (gate rows first),
+    `down_proj [E, H, I]`. Quantized experts keep `gate_proj`, `up_proj`, `down_proj` apart, each
+    packed in its checkpoint format (`QuantizedExpertLinear`), since each has its own scales."""
 
     def __init__(self, config: BeamConfig, *, dtype):
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
-        self.gate_up_proj = nnx.Param(jnp.zeros((e, 2 * i, h), dtype))
-        self.down_proj = nnx.Param(jnp.zeros((e, h, i), dtype))
+        self.expert_format = config.expert_format
+        if self.expert_format == "bf16":
+            self.gate_up_proj = nnx.Param(jnp.zeros((e, 2 * i, h), dtype))
+            self.down_proj = nnx.Param(jnp.zeros((e, h, i), dtype))
+        else:
+            self.gate_proj = QuantizedExpertLinear(e, i, h, self.expert_format)
+            self.up_proj = QuantizedExpertLinear(e, i, h, self.expert_format)
+            self.down_proj = QuantizedExpertLinear(e, h, i, self.expert_format)
 
     def __call__(self, x, weights, indices):
-        return experts_reference(x, weights, indices, self.gate_up_proj[...], self.down_proj[...])
+        if self.expert_format == "bf16":
+            gate_up, down = self.gate_up_proj[...], self.down_proj[...]
+        else:
+            gate = self.gate_proj.dequantize(x.dtype)
+            gate_up = jnp.concatenate([gate, self.up_proj.dequantize(x.dtype)], axis=1)
+            down = self.down_proj.dequantize(x.dtype)
+        return experts_reference(x, weights, indices, gate_up, down)
 
 
 class MoE(nnx.Module):
