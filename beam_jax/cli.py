@@ -1,10 +1,12 @@
-"""`beam-jax` command line: generate, init-checkpoint, to-orbax, compare."""
+"""`beam-jax` command line: generate, init-checkpoint, to-orbax, quantize, plan, compare."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+from pathlib import Path
 
 from beam_jax.config import PRESETS
 
@@ -55,6 +57,47 @@ def cmd_to_orbax(args) -> int:
 
     config, params = load_checkpoint(args.checkpoint, dtype=args.dtype)
     print(f"wrote orbax checkpoint {save_orbax(args.out, config, params)}")
+    return 0
+
+
+# `quantize --format` choices -> expert formats (fp8: compressed-tensors FP8_DYNAMIC, per channel).
+QUANTIZE_FORMATS = {"nvfp4": "nvfp4", "fp8": "fp8_channel", "fp8-tensor": "fp8_tensor"}
+# Files beside the weights that a quantized copy should keep (tokenizer, generation defaults).
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+def cmd_quantize(args) -> int:
+    from beam_jax.checkpoint import load_checkpoint, save_checkpoint
+    from beam_jax.quant.convert import expert_nbytes, quantize_params
+
+    source, out = Path(args.source), Path(args.out)
+    if out.resolve() == source.resolve():
+        raise SystemExit("error: --out must differ from --in (saving removes the old weight files)")
+    try:
+        config, params = load_checkpoint(source, progress=False)
+        quantized_config, quantized = quantize_params(config, params, QUANTIZE_FORMATS[args.format])
+    except (FileNotFoundError, ValueError) as error:  # CheckpointError is a ValueError
+        raise SystemExit(f"error: {error}") from None
+    before, after = expert_nbytes(params), expert_nbytes(quantized)
+    del params
+    save_checkpoint(out, quantized_config, quantized)
+    copied = [name for name in SIDE_FILES if (source / name).is_file()]
+    for name in copied:
+        shutil.copy2(source / name, out / name)
+    print(
+        f"experts {before:,} -> {after:,} bytes ({before / after:.2f}x smaller, {quantized_config.expert_format}); "
+        f"wrote {out}" + (f" with {', '.join(copied)}" if copied else "")
+    )
     return 0
 
 
@@ -110,6 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
     orbax.add_argument("--out", required=True)
     orbax.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     orbax.set_defaults(run=cmd_to_orbax)
+
+    quantize = commands.add_parser("quantize", help="quantize a bf16 checkpoint's experts (NVFP4 or FP8)")
+    quantize.add_argument("--in", dest="source", metavar="BF16_DIR", required=True, help="bf16 (or fp32) HF checkpoint")
+    quantize.add_argument("--out", metavar="DIR", required=True, help="directory for the quantized checkpoint")
+    quantize.add_argument(
+        "--format",
+        required=True,
+        choices=sorted(QUANTIZE_FORMATS),
+        help="nvfp4: ModelOpt NVFP4; fp8: compressed-tensors FP8_DYNAMIC (per channel); fp8-tensor: ModelOpt FP8",
+    )
+    quantize.set_defaults(run=cmd_quantize)
 
     plan = commands.add_parser("plan", help="GPU memory plan: weights, KV per token, cache groups, pool size")
     plan.add_argument("--preset", default="beam-501b", choices=sorted(PRESETS))

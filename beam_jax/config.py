@@ -163,6 +163,8 @@ class BeamConfig:
                 return "nvfp4"
             if algo == "FP8":
                 return "fp8_tensor"
+            if algo == "FP8_PER_CHANNEL_PER_TOKEN":
+                return "fp8_channel"
             raise ValueError(f"ModelOpt quant_algo {qc.get('quant_algo')!r} is not supported (NVFP4, FP8 are)")
         if method == "compressed-tensors":
             strategies = {g.get("weights", {}).get("strategy") for g in qc.get("config_groups", {}).values()}

@@ -2,6 +2,9 @@
 
     config, params = load_any("/ckpt/beam")            # orbax or safetensors, whichever it is
     save_checkpoint("/out", config, params)              # HF layout, transformers loads it
+
+Quantized checkpoints (ModelOpt NVFP4 / FP8, compressed-tensors FP8) load and save in the
+producers' per-expert layouts (`quant_layout`); `beam_jax.quant.convert` makes them from bf16.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from pathlib import Path
 
 from beam_jax.checkpoint.errors import CheckpointError
 from beam_jax.checkpoint.orbax_io import is_orbax_checkpoint, restore_orbax, save_orbax
-from beam_jax.checkpoint.reader import load_checkpoint
+from beam_jax.checkpoint.reader import load_checkpoint, read_config
 from beam_jax.checkpoint.writer import init_checkpoint, save_checkpoint
 from beam_jax.config import BeamConfig
 from beam_jax.model import Params
@@ -31,6 +34,7 @@ __all__ = [
     "is_orbax_checkpoint",
     "load_any",
     "load_checkpoint",
+    "read_config",
     "restore_orbax",
     "save_checkpoint",
     "save_orbax",

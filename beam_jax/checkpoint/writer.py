@@ -2,6 +2,10 @@
 
 Tensors are streamed one at a time from device to file (headers are planned from shapes alone),
 so writing never holds more than one parameter on the host.
+
+Quantized experts are written as their producer does: one tensor per expert and projection,
+packed values and scales in their own dtypes (per-expert scalars as shape `[]`), the
+`quantization_config` in config.json, and for ModelOpt also `hf_quant_config.json`.
 """
 
 from __future__ import annotations
@@ -14,10 +18,17 @@ from typing import Literal
 import jax
 import numpy as np
 
-from beam_jax.checkpoint.reader import natural_key, float_dtype, fp32_params
+from beam_jax.checkpoint.quant_layout import (
+    HF_QUANT_CONFIG,
+    STACKED_QUANT,
+    hf_quant_config_from_quantization_config,
+    is_modelopt,
+)
+from beam_jax.checkpoint.reader import float_dtype, fp32_params, natural_key
 from beam_jax.checkpoint.safetensors_io import INDEX_FILE, SINGLE_FILE, TensorSpec, write_safetensors
 from beam_jax.config import BeamConfig
-from beam_jax.model import Params, flat_params, init_params
+from beam_jax.model import Params, abstract_flat, flat_params, init_params
+from beam_jax.quant.convert import quantize_params
 
 ExpertLayout = Literal["per_expert", "fused"]
 _SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
@@ -28,19 +39,29 @@ _Entry = tuple[TensorSpec, str, tuple]
 
 
 def plan_tensors(
-    config: BeamConfig, shapes: dict[str, tuple[int, ...]], dtype: np.dtype, expert_layout: ExpertLayout
+    config: BeamConfig, params: dict[str, jax.ShapeDtypeStruct], dtype: np.dtype, expert_layout: ExpertLayout
 ) -> list[_Entry]:
     """Checkpoint tensors in a stable order (layers numerically); with `per_expert`, each fused
-    expert parameter becomes `experts.{e}.{gate,up,down}_proj.weight` (HF's original layout)."""
+    expert parameter becomes `experts.{e}.{gate,up,down}_proj.weight` (HF's original layout).
+    Quantized experts are always written per expert, each tensor in its parameter's dtype."""
     if expert_layout not in ("per_expert", "fused"):
         raise ValueError(f"expert_layout must be 'per_expert' or 'fused', not {expert_layout!r}")
+    if expert_layout == "fused" and config.expert_format != "bf16":
+        raise ValueError(f"{config.expert_format} experts are written per expert (the producers' layout), not fused")
     router = fp32_params(config)
     entries: list[_Entry] = []
-    for name in sorted(shapes, key=natural_key):
-        shape, stored = shapes[name], np.dtype(np.float32) if name in router else dtype
+    for name in sorted(params, key=natural_key):
+        shape = tuple(params[name].shape)
+        if quantized := STACKED_QUANT.match(name):
+            prefix, proj, suffix = quantized[1], quantized[3], quantized[4]
+            stored = np.dtype(params[name].dtype)  # packed values and scales are never cast
+            for e in range(shape[0]):
+                entries.append((TensorSpec(f"{prefix}.{e}.{proj}.{suffix}", stored, shape[1:]), name, (e,)))
+            continue
+        stored = np.dtype(np.float32) if name in router else dtype
         fused = _FUSED.match(name)
         if fused is None or expert_layout == "fused":
-            entries.append((TensorSpec(name, stored, tuple(shape)), name, ()))
+            entries.append((TensorSpec(name, stored, shape), name, ()))
             continue
         prefix, which = fused[1], fused[2]
         if which == "gate_up_proj":
@@ -76,12 +97,35 @@ def write_config(directory: Path, config: BeamConfig, dtype: np.dtype) -> Path:
     return path
 
 
+def write_hf_quant_config(directory: Path, config: BeamConfig) -> Path | None:
+    """ModelOpt's `hf_quant_config.json` beside config.json, for a ModelOpt-format config."""
+    quantization_config = config.to_hf_dict().get("quantization_config")
+    if not is_modelopt(quantization_config):
+        return None
+    path = directory / HF_QUANT_CONFIG
+    path.write_text(json.dumps(hf_quant_config_from_quantization_config(quantization_config), indent=2) + "\n")
+    return path
+
+
 def _remove_stale_weights(directory: Path) -> None:
     # A leftover index or shard from an earlier save would be picked up by a loader in place of
-    # (or beside) the new files; transformers' save_pretrained cleans up the same way.
+    # (or beside) the new files; transformers' save_pretrained cleans up the same way. So would
+    # an hf_quant_config.json: the reader falls back to it when config.json has no quantization.
     for path in directory.iterdir():
-        if path.name in (SINGLE_FILE, INDEX_FILE) or _SHARD.match(path.name):
+        if path.name in (SINGLE_FILE, INDEX_FILE, HF_QUANT_CONFIG) or _SHARD.match(path.name):
             path.unlink()
+
+
+def _check_matches_config(config: BeamConfig, flat: dict[str, jax.Array]) -> None:
+    # Quantized parameters saved under a bf16 config (or the reverse) would give a checkpoint
+    # whose config.json contradicts its tensors; catch it here rather than at the next load.
+    expected = abstract_flat(config).keys()
+    if flat.keys() != expected:
+        extra, missing = sorted(flat.keys() - expected), sorted(expected - flat.keys())
+        raise ValueError(
+            f"params do not match the config (expert format {config.expert_format}): "
+            f"{len(extra)} unexpected, e.g. {extra[:3]}; {len(missing)} missing, e.g. {missing[:3]}"
+        )
 
 
 def save_checkpoint(
@@ -97,13 +141,15 @@ def save_checkpoint(
     plus `model.safetensors.index.json` when the tensors exceed `max_shard_bytes`.
 
     `dtype=None` keeps the parameters' floating dtype (the embedding's); the router is always
-    written as float32. Returns the directory.
+    written as float32, quantized experts in their own dtypes. Returns the directory.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     flat = flat_params(params)
+    _check_matches_config(config, flat)
     stored = float_dtype(dtype if dtype is not None else flat["model.embed_tokens.weight"].dtype)
-    entries = plan_tensors(config, {n: tuple(a.shape) for n, a in flat.items()}, stored, expert_layout)
+    shapes = {n: jax.ShapeDtypeStruct(a.shape, a.dtype) for n, a in flat.items()}
+    entries = plan_tensors(config, shapes, stored, expert_layout)
     sources = {spec.name: (source, index, spec.dtype) for spec, source, index in entries}
     shards = split_shards([spec for spec, _, _ in entries], max_shard_bytes)
 
@@ -131,6 +177,7 @@ def save_checkpoint(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     write_config(directory, config, stored)
+    write_hf_quant_config(directory, config)
     return directory
 
 
@@ -144,7 +191,13 @@ def init_checkpoint(
     max_shard_bytes: int = 2**31,
 ) -> Path:
     """A checkpoint of random weights (`beam_jax.model.init_params`): the reference's
-    initialisation, router fp32. Builds the whole model in memory first, so it is meant for
-    test- and slice-sized configs."""
-    params = init_params(config, seed, float_dtype(dtype))
+    initialisation, router fp32. A quantized config gets random bf16-format weights quantized
+    to its expert format (`beam_jax.quant.convert.quantize_params`). Builds the whole model in
+    memory first, so it is meant for test- and slice-sized configs."""
+    if config.expert_format == "bf16":
+        params = init_params(config, seed, float_dtype(dtype))
+    else:
+        unquantized = config.replace(quantization_config=None)
+        unquantized_params = init_params(unquantized, seed, float_dtype(dtype))
+        _, params = quantize_params(unquantized, unquantized_params, config.expert_format)
     return save_checkpoint(out_dir, config, params, max_shard_bytes=max_shard_bytes, expert_layout=expert_layout)
