@@ -9,7 +9,9 @@ ending with one summary line. Needs the `reference` extra (torch, transformers>=
 Relative error of a tensor is `max|jax - ref| / max|ref|`: an elementwise ratio is meaningless
 where the reference is near zero. In bf16 a last-bit difference can flip a near-tied expert, and
 a token routed elsewhere gets different logits by design; so the logits error is also reported
-over the tokens whose expert selections agree at every sparse layer.
+over the tokens whose expert selections agree at every sparse layer. Run bf16 comparisons on the
+CPU: there our model rounds where the reference rounds; XLA:GPU fuses bf16 intermediates in fp32
+(benchmarks/parity/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("transformers", minversion="5.23")
 torch = pytest.importorskip("torch")
 
-import jax.numpy as jnp  # noqa: E402
+import jax  # noqa: E402
 
 from beam_jax import compare  # noqa: E402
 from beam_jax.checkpoint import load_checkpoint  # noqa: E402
@@ -67,6 +67,11 @@ def test_fp32_greedy_continuations_match_reference_generate(checkpoint):
         assert continuation == expected.tolist(), f"prompt of {len(prompt)} tokens"
 
 
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu",
+    reason="bf16 rounding matches the reference's CPU kernels; on GPU, XLA's excess precision and cuBLAS "
+    "accumulation diverge in these random networks (benchmarks/parity/RESULTS.md)",
+)
 def test_bf16_logits_match_and_routing_disagreement_is_reported(checkpoint, capsys):
     _, _, _, result = run_both(checkpoint, "bfloat16")
     selections = result.routed_tokens * len(result.routing_disagreements)
