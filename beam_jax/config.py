@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,8 @@ class BeamConfig:
                 return "fp8_channel"
             raise ValueError(f"ModelOpt quant_algo {qc.get('quant_algo')!r} is not supported (NVFP4, FP8 are)")
         if method == "compressed-tensors":
+            if self._experts_ignored(qc.get("ignore", ())):
+                return "bf16"
             strategies = {g.get("weights", {}).get("strategy") for g in qc.get("config_groups", {}).values()}
             if strategies == {"channel"}:
                 return "fp8_channel"
@@ -174,6 +177,17 @@ class BeamConfig:
                 return "fp8_tensor"
             raise ValueError(f"compressed-tensors weight strategies {sorted(map(str, strategies))} are not supported")
         raise ValueError(f"quant_method {method!r} is not supported (modelopt, compressed-tensors are)")
+
+    def _experts_ignored(self, ignore) -> bool:
+        """compressed-tensors may leave the experts unquantized: does `ignore` (names, or `re:`
+        patterns) cover an expert projection?"""
+        sparse = [i for i in range(self.num_hidden_layers) if self.is_sparse(i)]
+        if not sparse:
+            return True
+        expert = f"model.layers.{sparse[0]}.mlp.experts.0.gate_proj"
+        return any(
+            re.fullmatch(entry[3:], expert) if entry.startswith("re:") else entry == expert for entry in ignore
+        )
 
     def rope_theta(self, layer_type: str) -> float | None:
         """RoPE base for a layer type, or None when that type runs without positional encoding."""

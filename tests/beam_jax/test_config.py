@@ -231,3 +231,15 @@ def test_agrees_with_transformers_beam_config():
     assert set(fields) <= set(theirs), sorted(set(fields) - set(theirs))
     differing = {k: (ours[k], theirs[k]) for k in fields if k != "max_position_embeddings" and ours[k] != theirs[k]}
     assert not differing
+
+
+def test_compressed_tensors_ignore_list_can_leave_experts_in_bf16():
+    fp8 = {
+        "quant_method": "compressed-tensors",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"strategy": "channel"}}},
+        "ignore": ["lm_head", "re:.*self_attn.*"],
+    }
+    tiny = preset("beam-tiny")
+    assert tiny.replace(quantization_config=fp8).expert_format == "fp8_channel"
+    experts_ignored = {**fp8, "ignore": ["lm_head", "re:.*mlp\\.experts\\..*"]}
+    assert tiny.replace(quantization_config=experts_ignored).expert_format == "bf16"
