@@ -1,0 +1,346 @@
+"""Ragged paged attention for one layer: one step that mixes prefill chunks, single-token decodes and
+16-token verify blocks, over a paged KV cache, with GQA, causal masking and an optional sliding window.
+
+Layout (one layer):
+  k_pages, v_pages  [num_pages, page_size, kv_heads, head_dim]
+  queries           [total_q_tokens, heads, head_dim]   heads = kv_heads * group
+  query_start       [batch + 1] int32: sequence b owns flat tokens query_start[b] .. query_start[b+1]-1;
+                    tokens at or past query_start[batch] are padding (their output is zeros)
+  seq_lens          [batch] int32: context length INCLUDING the new tokens; sequence b's q_len query
+                    tokens sit at positions seq_len - q_len .. seq_len - 1 (the end of its context)
+  page_table        [batch, max_pages] int32: logical page -> physical page; -1 = released or absent
+                    (its keys are invisible; sliding layers release out-of-window pages, so -1 entries
+                    may come before live ones)
+
+A key at position k_pos is visible to a query at q_pos iff k_pos <= q_pos, its logical page is
+mapped (page_table entry >= 0) and, when `window` is set, q_pos - k_pos < window.
+
+Rounding points follow `beam_jax.layers.attention.attend` (the dense reference), so the paged and
+contiguous caches give the same numbers:
+  1. scores = q . k accumulated in fp32 (fp32 inputs: Precision.HIGHEST), rounded to q.dtype;
+  2. scores * softmax_scale in fp32, rounded to q.dtype again;
+  3. softmax in fp32 over visible keys (a query with no visible key gets zeros, not NaN);
+  4. probabilities rounded to v.dtype; probs . v accumulated in fp32, rounded to v.dtype.
+
+Files in pallas_kernels import nothing from beam_jax or serving.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int
+
+
+def _precision(dtype) -> lax.Precision:
+    # fp32 runs are parity runs: true fp32 products (no TF32 on GPU), as in beam_jax's matmul_precision.
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing the step's new K/V into the pages
+# --------------------------------------------------------------------------------------------------
+
+
+def write_kv(
+    k_pages: Float[Array, "pages page_size kv_heads d"],
+    v_pages: Float[Array, "pages page_size kv_heads d"],
+    new_k: Float[Array, "tokens kv_heads d"],
+    new_v: Float[Array, "tokens kv_heads d"],
+    slot_mapping: Int[Array, " tokens"],
+) -> tuple[Float[Array, "pages page_size kv_heads d"], Float[Array, "pages page_size kv_heads d"]]:
+    """Scatter each token's K/V to flat slot `page * page_size + offset`; slot -1 (padding) is skipped.
+    Returns the new page arrays (donate them under jit for an in-place update)."""
+    num_pages, page_size, kv_heads, head_dim = k_pages.shape
+    num_slots = num_pages * page_size
+    # JAX wraps negative indices, so -1 must become an out-of-range index that mode="drop" discards.
+    slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
+
+    def scatter(pages, new):
+        flat = pages.reshape(num_slots, kv_heads, head_dim)
+        flat = flat.at[slots].set(new.astype(pages.dtype), mode="drop")
+        return flat.reshape(pages.shape)
+
+    return scatter(k_pages, new_k), scatter(v_pages, new_v)
+
+
+# --------------------------------------------------------------------------------------------------
+# Token metadata shared by the reference and the kernel wrapper
+# --------------------------------------------------------------------------------------------------
+
+
+def _token_sequence_and_position(query_start, seq_lens, total_tokens: int):
+    """For each flat query token: its sequence, its absolute position, and whether it is a real token."""
+    batch = seq_lens.shape[0]
+    tokens = jnp.arange(total_tokens, dtype=jnp.int32)
+    # side="right" maps a token to the last sequence starting at or before it, which skips empty ones.
+    sequence = jnp.searchsorted(query_start, tokens, side="right").astype(jnp.int32) - 1
+    valid = tokens < query_start[batch]
+    sequence = jnp.clip(sequence, 0, batch - 1)
+    q_len = query_start[sequence + 1] - query_start[sequence]
+    position = seq_lens[sequence] - q_len + (tokens - query_start[sequence])
+    return sequence, position, valid
+
+
+# --------------------------------------------------------------------------------------------------
+# Plain-jnp reference
+# --------------------------------------------------------------------------------------------------
+
+
+def ragged_paged_attention_reference(
+    queries: Float[Array, "tokens heads d"],
+    k_pages: Float[Array, "pages page_size kv_heads d"],
+    v_pages: Float[Array, "pages page_size kv_heads d"],
+    query_start: Int[Array, " batch_plus_1"],
+    seq_lens: Int[Array, " batch"],
+    page_table: Int[Array, "batch max_pages"],
+    *,
+    window: int | None = None,
+    softmax_scale: float | None = None,
+) -> Float[Array, "tokens heads d"]:
+    """Plain jnp: each query token gathers its sequence's pages through the page table (all
+    `max_pages` of them, a static shape) and attends with the module's rounding points.
+
+    Memory is O(tokens * max_pages * page_size * kv_heads * d): a reference, not a serving path."""
+    tokens, heads, head_dim = queries.shape
+    _, page_size, kv_heads, _ = k_pages.shape
+    max_pages = page_table.shape[1]
+    group = heads // kv_heads
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+
+    sequence, q_pos, valid = _token_sequence_and_position(query_start, seq_lens, tokens)
+    token_pages = page_table[sequence]  # [tokens, max_pages]
+    gathered = jnp.maximum(token_pages, 0)  # -1 gathers page 0; masked below
+    span = max_pages * page_size
+    keys = k_pages[gathered].reshape(tokens, span, kv_heads, head_dim)
+    values = v_pages[gathered].reshape(tokens, span, kv_heads, head_dim)
+
+    k_pos = jnp.arange(span, dtype=jnp.int32)
+    mapped = jnp.repeat(token_pages >= 0, page_size, axis=1)  # [tokens, span]
+    distance = q_pos[:, None] - k_pos[None, :]
+    visible = (distance >= 0) & mapped & valid[:, None]
+    if window is not None:
+        visible &= distance < window
+
+    q = queries.reshape(tokens, kv_heads, group, head_dim)
+    precision = _precision(q.dtype)
+    scores = jnp.einsum("thgd,tkhd->thgk", q, keys, precision=precision, preferred_element_type=jnp.float32)
+    scores = (scores.astype(q.dtype).astype(jnp.float32) * scale).astype(q.dtype).astype(jnp.float32)
+    mask = visible[:, None, None, :]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(mask.any(-1, keepdims=True), probs, 0.0).astype(v_pages.dtype)
+    out = jnp.einsum("thgk,tkhd->thgd", probs, values, precision=precision, preferred_element_type=jnp.float32)
+    return out.reshape(tokens, heads, head_dim).astype(v_pages.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Pallas kernel (Triton backend style; tested in interpret mode on CPU)
+# --------------------------------------------------------------------------------------------------
+
+# Finite start for the running max: a row whose keys are all masked keeps m = _M_INIT, so the
+# correction exp(m_prev - m_next) stays 1 instead of exp(-inf + inf) = NaN.
+_M_INIT = -1e30
+
+
+def _ragged_paged_attention_kernel(
+    # inputs
+    block_meta_ref,  # [4] int32: seq_len, q_len, first query row of this block within the sequence, valid rows
+    page_row_ref,  # [max_pages] int32: this block's sequence's page table row
+    q_ref,  # [block_q * group, head_dim]: rows are (query, head of the group), query-major
+    k_pages_ref,  # [num_pages, page_size, head_dim] for this kv head
+    v_pages_ref,  # [num_pages, page_size, head_dim] for this kv head
+    # outputs
+    o_ref,  # [block_q * group, head_dim]
+    *,
+    group: int,
+    window: int | None,
+    softmax_scale: float,
+):
+    rows, head_dim = q_ref.shape
+    page_size = k_pages_ref.shape[1]
+    seq_len, q_len = block_meta_ref[0], block_meta_ref[1]
+    block_start, valid_rows = block_meta_ref[2], block_meta_ref[3]
+
+    q = q_ref[...]
+    row_query = lax.broadcasted_iota(jnp.int32, (rows, page_size), 0) // group
+    q_pos = seq_len - q_len + block_start + row_query  # [rows, page_size]
+    row_valid = row_query < valid_rows
+    key_offset = lax.broadcasted_iota(jnp.int32, (rows, page_size), 1)
+
+    # Pages this block can see: from the window start of its first query to its last query.
+    first_q_pos = seq_len - q_len + block_start
+    last_q_pos = first_q_pos + valid_rows - 1
+    first_key = 0 if window is None else jnp.maximum(first_q_pos - window + 1, 0)
+    first_page = first_key // page_size
+    end_page = jnp.where(valid_rows > 0, last_q_pos // page_size + 1, first_page)
+
+    def body(page, carry):
+        acc, m_prev, l_prev = carry
+        physical = page_row_ref[page]
+        # A released page (-1) inside the range (a hole) is read from page 0 and fully masked.
+        k = k_pages_ref[jnp.maximum(physical, 0)]  # [page_size, head_dim]
+        v = v_pages_ref[jnp.maximum(physical, 0)]
+        # Rounding points of the reference: fp32 dot -> q.dtype -> * scale -> q.dtype -> fp32.
+        scores = lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), precision=_precision(q.dtype), preferred_element_type=jnp.float32
+        )
+        scores = (scores.astype(q.dtype).astype(jnp.float32) * softmax_scale).astype(q.dtype).astype(jnp.float32)
+        k_pos = page * page_size + key_offset
+        visible = (k_pos <= q_pos) & row_valid & (physical >= 0)
+        if window is not None:
+            visible &= q_pos - k_pos < window
+        scores = jnp.where(visible, scores, -jnp.inf)
+
+        m_next = jnp.maximum(m_prev, scores.max(axis=-1))
+        correction = jnp.exp(m_prev - m_next)
+        probs = jnp.exp(scores - m_next[:, None])  # masked keys: exp(-inf) = 0
+        l_next = correction * l_prev + probs.sum(axis=-1)
+        # Unnormalized probabilities are rounded to v.dtype here (the reference rounds normalized
+        # ones): identical in fp32, within bf16 rounding otherwise.
+        pv = lax.dot_general(
+            probs.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+            precision=_precision(v.dtype), preferred_element_type=jnp.float32,
+        )
+        return correction[:, None] * acc + pv, m_next, l_next
+
+    acc = jnp.zeros((rows, head_dim), jnp.float32)
+    m = jnp.full((rows,), _M_INIT, jnp.float32)
+    l = jnp.zeros((rows,), jnp.float32)
+    acc, m, l = lax.fori_loop(first_page, end_page, body, (acc, m, l))
+    # A query with no visible key gets zeros, as in the reference.
+    out = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+def _query_blocks(query_start, seq_lens, total_tokens: int, block_q: int):
+    """Splits each sequence's query tokens into blocks of `block_q` rows (a block never straddles two
+    sequences). The number of blocks is static: cdiv(total_tokens, block_q) + batch bounds it."""
+    batch = seq_lens.shape[0]
+    num_blocks = pl.cdiv(total_tokens, block_q) + batch
+    q_lens = query_start[1:] - query_start[:-1]
+    blocks_per_seq = (q_lens + block_q - 1) // block_q
+    blocks_end = jnp.cumsum(blocks_per_seq)
+    blocks_start = blocks_end - blocks_per_seq
+    block = jnp.arange(num_blocks, dtype=jnp.int32)
+    sequence = jnp.searchsorted(blocks_end, block, side="right").astype(jnp.int32)
+    used = sequence < batch
+    sequence = jnp.minimum(sequence, batch - 1)
+    block_start = (block - blocks_start[sequence]) * block_q  # first query row within the sequence
+    valid_rows = jnp.where(used, jnp.clip(q_lens[sequence] - block_start, 0, block_q), 0)
+    meta = jnp.stack([seq_lens[sequence], q_lens[sequence], block_start, valid_rows], axis=1).astype(jnp.int32)
+    return num_blocks, sequence, meta, blocks_start
+
+
+def ragged_paged_attention_kernel(
+    queries: Float[Array, "tokens heads d"],
+    k_pages: Float[Array, "pages page_size kv_heads d"],
+    v_pages: Float[Array, "pages page_size kv_heads d"],
+    query_start: Int[Array, " batch_plus_1"],
+    seq_lens: Int[Array, " batch"],
+    page_table: Int[Array, "batch max_pages"],
+    *,
+    window: int | None = None,
+    softmax_scale: float | None = None,
+    block_q: int = 16,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> Float[Array, "tokens heads d"]:
+    """Pallas kernel, grid (query block, kv head). Each query block holds up to `block_q` tokens of ONE
+    sequence times the kv head's `group` query heads (padded to a power of two), and runs an online
+    softmax over that sequence's pages, one page (block_k = page_size) per step, visiting only pages
+    between its first query's window start and its last query: pages out of the window are never read.
+
+    Tested in interpret mode on CPU (tests/pallas_kernels); also compiled through Triton on one H200
+    and matched the reference on four mixed batches (bf16 and fp32, GQA 1/6/8, page sizes 16/64,
+    windows 17/64/512, a 4000-token context). Not yet benchmarked or tuned: block_q and a pages-per-step
+    block are the knobs, and a split over the context (flash-decoding) for long decodes is still to do.
+    Triton needs block_q * padded_group >= 16 rows and power-of-two page_size and head_dim."""
+    tokens, heads, head_dim = queries.shape
+    num_pages, page_size, kv_heads, _ = k_pages.shape
+    group = heads // kv_heads
+    padded_group = 1 << (group - 1).bit_length()  # Triton wants power-of-two block rows
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    max_pages = page_table.shape[1]
+
+    num_blocks, block_sequence, block_meta, blocks_start = _query_blocks(query_start, seq_lens, tokens, block_q)
+    # Gather queries into [block, kv_head, block_q * padded_group, d]; rows past a sequence's end are
+    # clamped reads, masked in the kernel and dropped below.
+    token_of_row = query_start[block_sequence][:, None] + block_meta[:, 2:3] + jnp.arange(block_q)[None, :]
+    q = queries.reshape(tokens, kv_heads, group, head_dim)
+    if padded_group != group:
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, padded_group - group), (0, 0)))
+    q = q[jnp.minimum(token_of_row, tokens - 1)]  # [blocks, block_q, kv_heads, padded_group, d]
+    q = q.transpose(0, 2, 1, 3, 4).reshape(num_blocks, kv_heads, block_q * padded_group, head_dim)
+    rows = block_q * padded_group
+
+    kernel = functools.partial(_ragged_paged_attention_kernel, group=padded_group, window=window, softmax_scale=scale)
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_blocks, kv_heads),
+        in_specs=[
+            pl.BlockSpec((None, 4), lambda i, h: (i, 0)),  # block metadata
+            pl.BlockSpec((None, max_pages), lambda i, h: (i, 0)),  # the block's page table row
+            pl.BlockSpec((None, None, rows, head_dim), lambda i, h: (i, h, 0, 0)),  # queries
+            pl.BlockSpec((num_pages, page_size, None, head_dim), lambda i, h: (0, 0, h, 0)),  # k_pages
+            pl.BlockSpec((num_pages, page_size, None, head_dim), lambda i, h: (0, 0, h, 0)),  # v_pages
+        ],
+        out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda i, h: (i, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((num_blocks, kv_heads, rows, head_dim), v_pages.dtype),
+        compiler_params=_triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name=f"ragged_paged_attention_{block_q=}",
+    )(block_meta, page_table[block_sequence], q, k_pages, v_pages)
+
+    # Back to the flat token axis: token t sits in block blocks_start[seq] + local // block_q.
+    sequence, _, valid = _token_sequence_and_position(query_start, seq_lens, tokens)
+    local = jnp.arange(tokens, dtype=jnp.int32) - query_start[sequence]
+    block = jnp.where(valid, blocks_start[sequence] + local // block_q, 0)
+    out = out.reshape(num_blocks, kv_heads, block_q, padded_group, head_dim)[block, :, local % block_q, :group]
+    out = jnp.where(valid[:, None, None, None], out, 0)
+    return out.reshape(tokens, heads, head_dim)
+
+
+def _triton_params(num_warps: int, num_stages: int):
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+# --------------------------------------------------------------------------------------------------
+# The op
+# --------------------------------------------------------------------------------------------------
+
+
+def ragged_paged_attention(
+    queries: Float[Array, "tokens heads d"],
+    k_pages: Float[Array, "pages page_size kv_heads d"],
+    v_pages: Float[Array, "pages page_size kv_heads d"],
+    query_start: Int[Array, " batch_plus_1"],
+    seq_lens: Int[Array, " batch"],
+    page_table: Int[Array, "batch max_pages"],
+    *,
+    window: int | None = None,
+    softmax_scale: float | None = None,
+    use_kernel: bool = False,
+    block_q: int = 16,
+    interpret: bool = False,
+) -> Float[Array, "tokens heads d"]:
+    """Ragged paged attention (see the module docstring for the layout and rounding).
+
+    By default this runs the plain-jnp reference on every backend. The Pallas kernel
+    (`use_kernel=True`; `interpret=True` on CPU) matches it but is not yet benchmarked against the
+    HBM floor; switch the GPU default to it once the issue-5 benchmarks say it is the faster path."""
+    if use_kernel:
+        return ragged_paged_attention_kernel(
+            queries, k_pages, v_pages, query_start, seq_lens, page_table,
+            window=window, softmax_scale=softmax_scale, block_q=block_q, interpret=interpret,
+        )
+    return ragged_paged_attention_reference(
+        queries, k_pages, v_pages, query_start, seq_lens, page_table, window=window, softmax_scale=softmax_scale
+    )

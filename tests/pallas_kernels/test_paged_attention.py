@@ -1,0 +1,344 @@
+"""Ragged paged attention against an independent dense attention written here (each sequence's
+contiguous K/V, a plain causal/window mask, fp32 math), on fresh seeded random inputs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import paged_attention as pa
+
+HEAD_DIM = 32
+
+# Jitted once per shape: eager dispatch compiles every primitive separately and is far slower.
+reference = jax.jit(pa.ragged_paged_attention_reference, static_argnames=("window", "softmax_scale"))
+
+
+@dataclasses.dataclass
+class Batch:
+    queries: jax.Array
+    k_pages: jax.Array
+    v_pages: jax.Array
+    query_start: jax.Array
+    seq_lens: jax.Array
+    page_table: jax.Array
+    # Per sequence, for the dense check: contiguous fp32 q/k/v and which key positions are present.
+    dense: list
+
+
+def make_batch(
+    seed,
+    specs,
+    *,
+    page_size,
+    kv_heads,
+    group,
+    dtype,
+    window=None,
+    release="none",
+    padding_tokens=0,
+):
+    """specs: list of (seq_len, q_len). release: "none"; "before_window" (pages no query of the step
+    can see become -1, as the engine frees them); "hole" (also an in-window page is -1: its keys must
+    be invisible). Unused physical pages hold large garbage, so reading a wrong page shows."""
+    rng = np.random.default_rng(seed)
+    heads = kv_heads * group
+    pages_per_seq = [-(-seq_len // page_size) for seq_len, _ in specs]
+    max_pages = max(pages_per_seq) + 1
+    num_pages = sum(pages_per_seq) + 3
+    k_pages = 10 * rng.standard_normal((num_pages, page_size, kv_heads, HEAD_DIM), dtype=np.float32)
+    v_pages = 10 * rng.standard_normal((num_pages, page_size, kv_heads, HEAD_DIM), dtype=np.float32)
+    physical = iter(rng.permutation(num_pages))
+    page_table = np.full((len(specs), max_pages), -1, np.int32)
+    queries, query_start, dense = [], [0], []
+    for b, (seq_len, q_len) in enumerate(specs):
+        # Round through dtype so the dense check sees exactly the values the kernel sees.
+        k = rng.standard_normal((seq_len, kv_heads, HEAD_DIM), dtype=np.float32)
+        v = rng.standard_normal((seq_len, kv_heads, HEAD_DIM), dtype=np.float32)
+        q = rng.standard_normal((q_len, heads, HEAD_DIM), dtype=np.float32)
+        k, v, q = (x.astype(dtype).astype(np.float32) for x in (k, v, q))
+        present = np.ones(seq_len, bool)
+        first_q_pos = seq_len - q_len
+        for page in range(pages_per_seq[b]):
+            lo, hi = page * page_size, min((page + 1) * page_size, seq_len)
+            released = False
+            if release in ("before_window", "hole") and window is not None:
+                released = hi - 1 < first_q_pos - window + 1  # every key out of every query's window
+            if released:
+                present[lo:hi] = False
+                continue
+            phys = next(physical)
+            page_table[b, page] = phys
+            k_pages[phys, : hi - lo] = k[lo:hi]
+            v_pages[phys, : hi - lo] = v[lo:hi]
+        if release == "hole":
+            live = [p for p in range(pages_per_seq[b] - 1) if page_table[b, p] >= 0]
+            if live:
+                hole = live[len(live) // 2]
+                page_table[b, hole] = -1
+                present[hole * page_size : (hole + 1) * page_size] = False
+        queries.append(q)
+        query_start.append(query_start[-1] + q_len)
+        dense.append((q, k, v, present))
+    queries.append(rng.standard_normal((padding_tokens, heads, HEAD_DIM), dtype=np.float32))
+    return Batch(
+        queries=jnp.asarray(np.concatenate(queries), dtype),
+        k_pages=jnp.asarray(k_pages, dtype),
+        v_pages=jnp.asarray(v_pages, dtype),
+        query_start=jnp.asarray(query_start, jnp.int32),
+        seq_lens=jnp.asarray([s for s, _ in specs], jnp.int32),
+        page_table=jnp.asarray(page_table),
+        dense=dense,
+    )
+
+
+def dense_attention(q, k, v, present, window, scale):
+    """fp32 numpy attention of a sequence's last q_len tokens over its contiguous keys."""
+    q_len, heads, _ = q.shape
+    seq_len, kv_heads, _ = k.shape
+    if q_len == 0:
+        return np.zeros(q.shape)
+    group = heads // kv_heads
+    k = np.repeat(k, group, axis=1)
+    v = np.repeat(v, group, axis=1)
+    q_pos = np.arange(seq_len - q_len, seq_len)[:, None]
+    k_pos = np.arange(seq_len)[None, :]
+    visible = (k_pos <= q_pos) & present[None, :]
+    if window is not None:
+        visible &= q_pos - k_pos < window
+    scores = np.einsum("qhd,khd->hqk", q.astype(np.float64), k.astype(np.float64)) * scale
+    scores = np.where(visible[None], scores, -np.inf)
+    scores -= np.where(visible.any(-1), scores.max(-1), 0.0)[..., None]
+    probs = np.exp(scores)
+    # A query with no visible key (its only keys were on a released page) gets zeros.
+    probs /= np.maximum(probs.sum(-1, keepdims=True), 1e-30)
+    return np.einsum("hqk,khd->qhd", probs, v.astype(np.float64))
+
+
+TOLERANCE = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=4e-2, rtol=4e-2)}
+
+
+def check(batch, out, window, dtype, scale=None):
+    out = np.asarray(jnp.asarray(out, jnp.float32))
+    scale = HEAD_DIM**-0.5 if scale is None else scale
+    starts = np.asarray(batch.query_start)
+    for b, (q, k, v, present) in enumerate(batch.dense):
+        expected = dense_attention(q, k, v, present, window, scale)
+        np.testing.assert_allclose(out[starts[b] : starts[b + 1]], expected, **TOLERANCE[dtype], err_msg=f"seq {b}")
+    # Padding tokens past the last sequence see no keys: zeros, not NaN.
+    np.testing.assert_array_equal(out[starts[-1] :], 0.0)
+
+
+# A mixed step: odd prefill chunks (a first chunk and a later one), decodes at page boundaries,
+# a 16-token verify block, and an empty padding sequence.
+MIXED = [(37, 37), (63, 1), (64, 1), (65, 1), (130, 29), (97, 16), (0, 0), (128, 3)]
+
+
+# Every GQA ratio (1, 6, 8) and page size (16, 64) appears in fp32 and in bf16.
+CAUSAL_CASES = [
+    (jnp.float32, 1, 16),
+    (jnp.float32, 6, 64),
+    (jnp.float32, 8, 16),
+    (jnp.float32, 8, 64),
+    (jnp.bfloat16, 1, 64),
+    (jnp.bfloat16, 6, 16),
+    (jnp.bfloat16, 8, 64),
+]
+
+
+@pytest.mark.parametrize("dtype, group, page_size", CAUSAL_CASES)
+def test_reference_matches_dense_causal(dtype, group, page_size):
+    batch = make_batch(
+        1000 + group + page_size, MIXED, page_size=page_size, kv_heads=2, group=group, dtype=dtype, padding_tokens=5
+    )
+    out = reference(
+        batch.queries, batch.k_pages, batch.v_pages, batch.query_start, batch.seq_lens, batch.page_table
+    )
+    assert out.shape == batch.queries.shape and out.dtype == dtype
+    check(batch, out, None, dtype)
+
+
+# Lengths around the window (64) and page boundaries; window larger than some sequences.
+WINDOWED = [(63, 1), (64, 1), (65, 1), (129, 1), (200, 16), (150, 40), (30, 30), (64, 64), (190, 7)]
+
+
+WINDOW_CASES = [
+    (jnp.float32, release, window, page_size)
+    for release in ("before_window", "hole")
+    for window in (64, 17, 1000)
+    for page_size in (16, 64)
+] + [(jnp.bfloat16, "hole", 64, 16), (jnp.bfloat16, "before_window", 17, 64), (jnp.bfloat16, "none", 1000, 64)]
+
+
+@pytest.mark.parametrize("dtype, release, window, page_size", WINDOW_CASES)
+def test_reference_matches_dense_window(dtype, release, window, page_size):
+    batch = make_batch(
+        7 * window + page_size, WINDOWED, page_size=page_size, kv_heads=2, group=6, dtype=dtype,
+        window=window, release=release, padding_tokens=3,
+    )
+    if release != "none" and window < 100:
+        assert (np.asarray(batch.page_table)[:, :2] == -1).any()  # released pages come before live ones
+    out = reference(
+        batch.queries, batch.k_pages, batch.v_pages, batch.query_start, batch.seq_lens, batch.page_table, window=window
+    )
+    check(batch, out, window, dtype)
+
+
+def test_reference_softmax_scale_and_jit():
+    batch = make_batch(3, MIXED, page_size=16, kv_heads=1, group=8, dtype=jnp.float32)
+    fn = jax.jit(pa.ragged_paged_attention_reference, static_argnames=("window", "softmax_scale"))
+    args = (batch.queries, batch.k_pages, batch.v_pages, batch.query_start, batch.seq_lens, batch.page_table)
+    out = fn(*args, softmax_scale=0.3)
+    check(batch, out, None, jnp.float32, scale=0.3)
+
+
+def test_reference_rounds_like_attend():
+    """bf16: the paged reference reproduces beam_jax's dense `attend` (same rounding points)."""
+    from beam_jax.layers.attention import attend, visibility_mask
+
+    window = 40
+    batch = make_batch(11, [(90, 13)], page_size=16, kv_heads=2, group=6, dtype=jnp.bfloat16, window=window)
+    out = reference(
+        batch.queries, batch.k_pages, batch.v_pages, batch.query_start, batch.seq_lens, batch.page_table, window=window
+    )
+    starts = np.asarray(batch.query_start)
+    for b, (q, k, v, _) in enumerate(batch.dense):
+        seq_len, q_len = k.shape[0], q.shape[0]
+        q_pos = jnp.arange(seq_len - q_len, seq_len)[None]
+        k_pos = jnp.arange(seq_len)[None]
+        expected = jax.jit(attend)(
+            jnp.asarray(q, jnp.bfloat16)[None], jnp.asarray(k, jnp.bfloat16)[None], jnp.asarray(v, jnp.bfloat16)[None],
+            visibility_mask(q_pos, k_pos, window),
+        )[0]
+        got = out[starts[b] : starts[b + 1]].astype(jnp.float32)
+        # Same rounding points; only fp32 summation order may differ (at most a bf16 ulp here and there).
+        np.testing.assert_allclose(got, expected.astype(jnp.float32), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_write_kv_follows_page_table_and_skips_padding(page_size):
+    rng = np.random.default_rng(page_size)
+    num_pages, kv_heads = 12, 2
+    k_pages = rng.standard_normal((num_pages, page_size, kv_heads, HEAD_DIM)).astype(np.float32)
+    v_pages = rng.standard_normal((num_pages, page_size, kv_heads, HEAD_DIM)).astype(np.float32)
+    page_table = np.full((3, 4), -1, np.int32)
+    page_table[0, :2] = [5, 2]
+    page_table[1, 1:3] = [9, 0]  # logical page 0 released
+    page_table[2, :1] = [7]
+    # (sequence, positions) of this step's new tokens, then two padding tokens.
+    new_tokens = [(0, p) for p in range(page_size - 3, page_size + 4)] + [(1, 2 * page_size + 1)] + [(2, 0), (2, 1)]
+    slots = [page_table[b, p // page_size] * page_size + p % page_size for b, p in new_tokens] + [-1, -1]
+    tokens = len(slots)
+    new_k = rng.standard_normal((tokens, kv_heads, HEAD_DIM)).astype(np.float32)
+    new_v = rng.standard_normal((tokens, kv_heads, HEAD_DIM)).astype(np.float32)
+    got_k, got_v = jax.jit(pa.write_kv)(
+        jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(new_k), jnp.asarray(new_v),
+        jnp.asarray(slots, jnp.int32),
+    )
+    want_k, want_v = k_pages.copy(), v_pages.copy()
+    for t, (b, p) in enumerate(new_tokens):
+        phys = page_table[b, p // page_size]
+        want_k[phys, p % page_size] = new_k[t]
+        want_v[phys, p % page_size] = new_v[t]
+    np.testing.assert_array_equal(got_k, want_k)  # also: the -1 slots wrote nothing (no wrap to the last slot)
+    np.testing.assert_array_equal(got_v, want_v)
+
+
+def test_write_then_attend_decode_step():
+    """A decode step end to end: write the new token's K/V through the slot mapping, then attend."""
+    page_size, kv_heads, group = 16, 2, 6
+    specs = [(33, 1), (64, 1), (17, 1)]
+    batch = make_batch(21, specs, page_size=page_size, kv_heads=kv_heads, group=group, dtype=jnp.float32)
+    rng = np.random.default_rng(22)
+    table = np.asarray(batch.page_table)
+    # Overwrite each sequence's last key/value (the new token) through write_kv.
+    new_k = rng.standard_normal((len(specs), kv_heads, HEAD_DIM)).astype(np.float32)
+    new_v = rng.standard_normal((len(specs), kv_heads, HEAD_DIM)).astype(np.float32)
+    slots = [table[b, (s - 1) // page_size] * page_size + (s - 1) % page_size for b, (s, _) in enumerate(specs)]
+    k_pages, v_pages = pa.write_kv(batch.k_pages, batch.v_pages, new_k, new_v, jnp.asarray(slots, jnp.int32))
+    for b, (q, k, v, present) in enumerate(batch.dense):
+        k[-1], v[-1] = new_k[b], new_v[b]
+    out = reference(batch.queries, k_pages, v_pages, batch.query_start, batch.seq_lens, batch.page_table)
+    check(batch, out, None, jnp.float32)
+
+
+# --- The Pallas kernel, in interpret mode on CPU, against the dense check and the reference ---
+
+kernel_op = jax.jit(
+    pa.ragged_paged_attention, static_argnames=("window", "softmax_scale", "use_kernel", "block_q", "interpret")
+)
+
+KERNEL_CASES = [
+    # dtype, group, page_size, window, release, specs, block_q
+    (jnp.float32, 6, 16, None, "none", MIXED, 8),
+    (jnp.float32, 8, 64, 17, "hole", WINDOWED, 16),
+    (jnp.float32, 1, 16, 64, "before_window", WINDOWED, 4),
+    (jnp.bfloat16, 6, 64, 1000, "hole", MIXED[:6], 16),
+]
+
+
+@pytest.mark.parametrize("dtype, group, page_size, window, release, specs, block_q", KERNEL_CASES)
+def test_kernel_interpret_matches_dense_and_reference(dtype, group, page_size, window, release, specs, block_q):
+    batch = make_batch(
+        31 + group, specs, page_size=page_size, kv_heads=2, group=group, dtype=dtype,
+        window=window, release=release, padding_tokens=3,
+    )
+    args = (batch.queries, batch.k_pages, batch.v_pages, batch.query_start, batch.seq_lens, batch.page_table)
+    out = kernel_op(*args, window=window, use_kernel=True, block_q=block_q, interpret=True)
+    assert out.shape == batch.queries.shape and out.dtype == dtype
+    check(batch, out, window, dtype)
+    expected = reference(*args, window=window)
+    # fp32: same math up to summation order. bf16: the kernel rounds unnormalized probabilities.
+    tol = dict(atol=2e-6, rtol=2e-6) if dtype == jnp.float32 else dict(atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32), **tol)
+
+
+def test_kernel_never_reads_pages_out_of_the_window():
+    """Pages wholly before every query's window stay mapped but hold NaN: if the kernel read them,
+    0 * NaN would poison the output."""
+    window, page_size = 20, 16
+    specs = [(200, 1), (150, 16), (97, 33)]
+    batch = make_batch(41, specs, page_size=page_size, kv_heads=1, group=8, dtype=jnp.float32, window=window)
+    table = np.asarray(batch.page_table)
+    k_pages, v_pages = np.array(batch.k_pages), np.array(batch.v_pages)
+    poisoned = 0
+    for b, (seq_len, q_len) in enumerate(specs):
+        first_key = seq_len - q_len - window + 1
+        for page in range(first_key // page_size):  # pages ending before the first visible key
+            k_pages[table[b, page]] = np.nan
+            v_pages[table[b, page]] = np.nan
+            poisoned += 1
+    assert poisoned >= 10
+    out = kernel_op(
+        batch.queries, jnp.asarray(k_pages), jnp.asarray(v_pages), batch.query_start, batch.seq_lens, batch.page_table,
+        window=window, use_kernel=True, block_q=8, interpret=True,
+    )
+    check(batch, out, window, jnp.float32)
+
+
+def test_op_defaults_to_reference():
+    batch = make_batch(51, MIXED[:4], page_size=16, kv_heads=2, group=6, dtype=jnp.float32)
+    args = (batch.queries, batch.k_pages, batch.v_pages, batch.query_start, batch.seq_lens, batch.page_table)
+    np.testing.assert_array_equal(kernel_op(*args), reference(*args))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dtype, group, page_size, window",
+    [(jnp.bfloat16, 6, 16, None), (jnp.bfloat16, 8, 64, 17), (jnp.float32, 1, 16, 64)],
+)
+def test_kernel_compiled_matches_reference_on_gpu(dtype, group, page_size, window):
+    batch = make_batch(
+        61, WINDOWED, page_size=page_size, kv_heads=2, group=group, dtype=dtype,
+        window=window, release="hole", padding_tokens=3,
+    )
+    args = (batch.queries, batch.k_pages, batch.v_pages, batch.query_start, batch.seq_lens, batch.page_table)
+    out = kernel_op(*args, window=window, use_kernel=True, block_q=16)
+    check(batch, out, window, dtype)
+    tol = dict(atol=2e-6, rtol=2e-6) if dtype == jnp.float32 else dict(atol=2e-2, rtol=2e-2)
+    expected = reference(*args, window=window)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32), **tol)
