@@ -150,7 +150,9 @@ def forward(
     return_routing: bool = False,
 ) -> ForwardOutput:
     """The pure forward pass. Jit it with `config`, `hidden_layers`, `return_routing` static
-    (`jit_forward` does). With a cache, the new keys/values are written at `positions` first."""
+    (`jit_forward` does). With a cache, the new keys/values are written at `positions` first.
+    With a `beam_jax.paged_cache.PagedKVCache` (its `PagedBatch` set by `with_batch`), `tokens` and
+    `positions` are one flat ragged step `[1, total_tokens]` that the batch metadata describes."""
     model = nnx.merge(graphdef(config), params)
     return model(tokens, positions, cache, hidden_layers=hidden_layers, return_routing=return_routing)
 

@@ -13,6 +13,7 @@ from beam_jax.kv_cache import KVCache
 from beam_jax.layers.linear import Linear, matmul_precision
 from beam_jax.layers.norm import RMSNorm
 from beam_jax.layers.rope import apply_rope, apply_ssmax, rope_cos_sin
+from beam_jax.paged_cache import PagedKVCache
 
 
 def visibility_mask(
@@ -75,8 +76,10 @@ class Attention(nnx.Module):
         self,
         h: Float[Array, "batch t hidden"],
         positions: Int[Array, "batch t"],
-        cache: KVCache | None,
-    ) -> tuple[Float[Array, "batch t hidden"], KVCache | None]:
+        cache: KVCache | PagedKVCache | None,
+    ) -> tuple[Float[Array, "batch t hidden"], KVCache | PagedKVCache | None]:
+        """With a `PagedKVCache`, `h` is one flat ragged batch `[1, total_tokens, hidden]` described
+        by the cache's `PagedBatch`; otherwise rows are sequences."""
         batch, t, _ = h.shape
         q = self.q_norm(self.q_proj(h).reshape(batch, t, -1, self.head_dim))
         k = self.k_norm(self.k_proj(h).reshape(batch, t, -1, self.head_dim))
@@ -87,13 +90,19 @@ class Attention(nnx.Module):
         else:
             q = apply_ssmax(q, positions)
 
-        if cache is None:
-            keys, values, k_positions = k, v, positions
+        if isinstance(cache, PagedKVCache):
+            if batch != 1:
+                raise ValueError(f"the paged path takes one flat ragged row [1, tokens], got batch {batch}")
+            out, cache = cache.attend(self.layer, q[0], k[0], v[0], self.window)
+            out = out[None]
         else:
-            cache = cache.write(self.layer, positions, k, v)
-            keys, values = cache.keys[self.layer], cache.values[self.layer]
-            k_positions = jnp.broadcast_to(jnp.arange(cache.max_len), (batch, cache.max_len))
-        out = attend(q, keys, values, visibility_mask(positions, k_positions, self.window))
+            if cache is None:
+                keys, values, k_positions = k, v, positions
+            else:
+                cache = cache.write(self.layer, positions, k, v)
+                keys, values = cache.keys[self.layer], cache.values[self.layer]
+                k_positions = jnp.broadcast_to(jnp.arange(cache.max_len), (batch, cache.max_len))
+            out = attend(q, keys, values, visibility_mask(positions, k_positions, self.window))
 
         # The output gate, rounded where the reference rounds: biased logits, sigmoid, product.
         dtype = h.dtype

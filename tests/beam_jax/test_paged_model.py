@@ -1,0 +1,194 @@
+"""The model on the paged KV cache gives the contiguous-cache model's logits (fp32, random weights).
+
+Three layers: sliding (window 8) dense, full sparse, sliding sparse. The serving pool splits the two
+sliding layers into two cache groups (split limit = one full layer), so the three layers live in
+three groups with their own page tables. Pages hold 8 tokens; prompts of 50 and 23 tokens cross the
+window many times. A run feeds each prompt in chunks of a fixed size (one chunk, 7, 1), packs all
+sequences into one flat ragged step padded to a fixed number of tokens, and takes page tables and
+slot mappings from `serving.kv_cache.KVPool`, which releases out-of-window sliding pages (-1 entries)
+and hands them out again. The page arrays start as large random garbage so that a read of a page
+the step should not see shows. Ground truth: `forward` with the contiguous `KVCache`, one prefill.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from beam_jax.config import DENSE, FULL, SLIDING, SPARSE, BeamConfig
+from beam_jax.kv_cache import KVCache
+from beam_jax.model import flat_params, forward, init_params, params_from_flat
+from beam_jax.paged_cache import PagedBatch, PagedKVCache
+from serving.kv_cache import KVPool
+
+CONFIG = BeamConfig(
+    vocab_size=101,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    sliding_window=8,
+    moe_intermediate_size=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    layer_types=(SLIDING, FULL, SLIDING),
+    mlp_layer_types=(DENSE, SPARSE, SPARSE),
+    max_position_embeddings=128,
+    initializer_range=0.2,
+)
+PAGE = 8
+NUM_PAGES = 32  # 7 + 3 pages per group at most: sliding pages must be released and reused
+MAX_PAGES = 8  # page-table width (64 tokens)
+CACHE_LEN = 64
+LENGTHS = (50, 23)
+TOLERANCE = 1e-5
+
+FORWARD = jax.jit(forward, static_argnames=("config", "hidden_layers", "return_routing"))
+
+
+@pytest.fixture(scope="module")
+def params():
+    rng = np.random.default_rng(0)
+    initial = init_params(CONFIG, seed=1, dtype=jnp.float32)
+    flat = {name: np.asarray(value) for name, value in flat_params(initial).items()}
+    for name, value in flat.items():
+        if name.endswith("norm.weight"):
+            flat[name] = (1 + 0.3 * rng.standard_normal(value.shape)).astype(value.dtype)
+        elif name.endswith("gate_bias"):
+            flat[name] = (0.5 * rng.standard_normal(value.shape)).astype(value.dtype)
+        elif name.endswith("e_score_correction_bias"):
+            flat[name] = (0.05 * rng.standard_normal(value.shape)).astype(value.dtype)
+    return params_from_flat(CONFIG, {name: jnp.asarray(value) for name, value in flat.items()})
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, CONFIG.vocab_size, length).astype(np.int32) for length in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def truth(params, prompts):
+    """Contiguous-cache logits `[length, vocab]` of each prompt, one prefill each."""
+    out = []
+    for prompt in prompts:
+        cache = KVCache.create(CONFIG, 1, CACHE_LEN, jnp.float32)
+        positions = jnp.arange(len(prompt), dtype=jnp.int32)[None]
+        logits = FORWARD(params, jnp.asarray(prompt)[None], positions, cache, config=CONFIG).logits
+        out.append(np.asarray(logits)[0])
+    return out
+
+
+def layer_groups(pool: KVPool) -> tuple[int, ...]:
+    """Cache group of each target layer, from the planner's labels `L{i}`."""
+    by_label = {label: g for g, group in enumerate(pool.groups) for label in group.labels}
+    return tuple(by_label[f"L{i}"] for i in range(CONFIG.num_hidden_layers))
+
+
+def garbage_cache() -> PagedKVCache:
+    cache = PagedKVCache.create(CONFIG, NUM_PAGES, PAGE, jnp.float32)
+    rng = np.random.default_rng(2)
+
+    def noise(pages):
+        return tuple(jnp.asarray(10 * rng.standard_normal(p.shape), jnp.float32) for p in pages)
+
+    return PagedKVCache(noise(cache.k_pages), noise(cache.v_pages))
+
+
+def run_paged(params, prompts, chunk: int, step_tokens: int):
+    """Feed every prompt `chunk` tokens per step, all sequences in one ragged step padded to
+    `step_tokens` flat tokens. Returns each prompt's logits `[length, vocab]` and the number of
+    released (-1) page-table entries seen before a live entry."""
+    pool = KVPool.from_config(CONFIG, NUM_PAGES, page_tokens=PAGE)
+    groups = layer_groups(pool)
+    seq_ids = list(range(len(prompts)))
+    cache = garbage_cache()
+    done = [0] * len(prompts)
+    logits = [[] for _ in prompts]
+    holes = 0
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        q_lens = [min(chunk, len(p) - d) for d, p in zip(done, prompts)]
+        for s, (d, q) in enumerate(zip(done, q_lens)):
+            pool.allocate(s, d + q)
+        pool.check_invariants()
+        tokens = np.zeros(step_tokens, np.int32)
+        positions = np.zeros(step_tokens, np.int32)
+        slots = np.full((len(pool.groups), step_tokens), -1, np.int32)
+        query_start = np.zeros(len(prompts) + 1, np.int32)
+        at = 0
+        for s, (d, q) in enumerate(zip(done, q_lens)):
+            pos = np.arange(d, d + q)
+            tokens[at : at + q] = prompts[s][d : d + q]
+            positions[at : at + q] = pos
+            for g in range(len(pool.groups)):
+                table = pool.page_table(s, g)
+                assert (table[pos // PAGE] >= 0).all()
+                slots[g, at : at + q] = table[pos // PAGE] * PAGE + pos % PAGE
+            at += q
+            query_start[s + 1] = at
+        assert at <= step_tokens
+        tables = tuple(pool.page_tables(seq_ids, g, max_pages=MAX_PAGES) for g in range(len(pool.groups)))
+        for table in tables:
+            for row in table:
+                live = np.flatnonzero(row >= 0)
+                holes += int((row[: live[0]] < 0).sum()) if len(live) else 0
+        batch = PagedBatch(
+            query_start=jnp.asarray(query_start),
+            seq_lens=jnp.asarray([d + q for d, q in zip(done, q_lens)], jnp.int32),
+            page_tables=tuple(jnp.asarray(t) for t in tables),
+            slot_mappings=tuple(jnp.asarray(s) for s in slots),
+            layer_group=groups,
+        )
+        tokens, positions = jnp.asarray(tokens)[None], jnp.asarray(positions)[None]
+        out = FORWARD(params, tokens, positions, cache.with_batch(batch), config=CONFIG)
+        cache = out.cache
+        step_logits = np.asarray(out.logits)[0]
+        for s in seq_ids:
+            logits[s].append(step_logits[query_start[s] : query_start[s + 1]])
+            done[s] += q_lens[s]
+    return [np.concatenate(parts) for parts in logits], holes
+
+
+def assert_logits_match(actual, expected, what: str):
+    """Relative error at every position: max |diff| over the vocabulary / max |expected|."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, f"{what}: {actual.shape} != {expected.shape}"
+    error = np.abs(actual - expected).max(-1) / np.abs(expected).max(-1)
+    assert error.max() <= TOLERANCE, f"{what}: rel err {error.max():.2e} at position {error.argmax()}"
+
+
+def test_layers_live_in_three_groups():
+    pool = KVPool.from_config(CONFIG, NUM_PAGES, page_tokens=PAGE)
+    assert len(pool.groups) == 3
+    assert sorted(layer_groups(pool)) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("chunk", [50, 7, 1], ids=["one_chunk", "chunks_of_7", "decode"])
+def test_single_sequence(params, prompts, truth, chunk):
+    step_tokens = 56 if chunk == 50 else chunk
+    (logits,), holes = run_paged(params, prompts[:1], chunk, step_tokens)
+    assert_logits_match(logits, truth[0], f"chunk {chunk}")
+    if chunk < 50:
+        assert holes > 0, "the pool should have released sliding pages"
+
+
+@pytest.mark.parametrize("chunk", [7, 1, 64], ids=["chunks_of_7", "decode", "one_chunk"])
+def test_two_sequences_in_one_ragged_batch(params, prompts, truth, chunk):
+    step_tokens = 80 if chunk == 64 else 2 * chunk + 3  # padding tokens at the end of every step
+    (first, second), holes = run_paged(params, prompts, chunk, step_tokens)
+    assert_logits_match(first, truth[0], f"sequence 0, chunk {chunk}")
+    assert_logits_match(second, truth[1], f"sequence 1, chunk {chunk}")
+    if chunk < 64:
+        assert holes > 0
+
+
+def test_truth_is_not_trivial(truth):
+    assert np.isfinite(truth[0]).all()
+    assert np.abs(truth[0]).max() > 1.0
+    assert len({int(a) for a in truth[0].argmax(-1)}) > 5
