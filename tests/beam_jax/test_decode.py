@@ -17,7 +17,8 @@ import pytest
 from beam_jax.config import DENSE, FULL, SLIDING, SPARSE, BeamConfig
 from beam_jax.generate import greedy_generate
 from beam_jax.kv_cache import KVCache
-from beam_jax.model import flat_params, forward, init_params, params_from_flat
+from beam_jax.model import flat_params, forward
+from tests.beam_jax.random_params import randomized_fp32_params
 
 CONFIG = BeamConfig(
     vocab_size=101,
@@ -46,18 +47,7 @@ FORWARD = jax.jit(forward, static_argnames=("config", "hidden_layers", "return_r
 
 @pytest.fixture(scope="module")
 def params():
-    """fp32 weights with random norms and biases too (the reference initialises them to 1 and 0)."""
-    rng = np.random.default_rng(0)
-    initial = init_params(CONFIG, seed=1, dtype=jnp.float32)
-    flat = {name: np.asarray(value) for name, value in flat_params(initial).items()}
-    for name, value in flat.items():
-        if name.endswith("norm.weight"):
-            flat[name] = (1 + 0.3 * rng.standard_normal(value.shape)).astype(value.dtype)
-        elif name.endswith("gate_bias"):
-            flat[name] = (0.5 * rng.standard_normal(value.shape)).astype(value.dtype)
-        elif name.endswith("e_score_correction_bias"):
-            flat[name] = (0.05 * rng.standard_normal(value.shape)).astype(value.dtype)
-    return params_from_flat(CONFIG, {name: jnp.asarray(value) for name, value in flat.items()})
+    return randomized_fp32_params(CONFIG)
 
 
 @pytest.fixture(scope="module")
