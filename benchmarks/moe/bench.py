@@ -1,0 +1,366 @@
+"""MoE layer and routing at Beam's TP8 per-GPU shape (issue 4): our Pallas kernels against XLA
+`ragged_dot`, a gather+einsum path and JAX's `ragged_dot_mgpu`, in one run, with the HBM floor.
+
+Shape: 256 experts, hidden 5120, expert intermediate 320 (Beam's 2560 / TP8), top-8 of 8 groups
+keeping 4, routed scaling 2.5. Weights are random, generated on the device:
+  bf16        gate_up [256, 640, 5120] + down [256, 5120, 320]
+  fp8         e4m3 values + fp32 per-channel scales
+  nvfp4       packed uint8 nibbles + e4m3 block scales (per 16) + fp32 global scale
+Tokens pick 8 distinct random experts each (fresh ids for every repeat, so L2 holds no experts).
+
+Variants (MoE layer = both GEMMs, SwiGLU, routing-weight combine; routing excluded):
+  pallas      pallas_kernels.moe_gemm.moe_gemm_kernel (block sizes from choose_blocks unless swept)
+  ragged_dot  XLA: pairs sorted by expert, lax.ragged_dot_general twice; quantized formats are
+              dequantized to bf16 first (the model's reference path)
+  gather      XLA: every pair gathers its expert's (dequantized) weights, then einsum (T <= 64)
+  mgpu        JAX's Mosaic GPU ragged_dot_mgpu for both GEMMs (bf16 only), pairs sorted in XLA
+Routing: pallas_kernels.routing.routing_kernel against the jitted plain-jnp reference.
+
+Timing: each variant runs R times on R different inputs inside one jitted function; the figure is
+the sum of its kernels' device times per call measured with CUPTI
+(jax.experimental.mosaic.gpu.profiler.measure), i.e. without host dispatch and launch gaps. The
+wall time of the same jitted chain divided by R is printed beside it (it includes launch gaps and
+~1/R of one host dispatch).
+Floor: bytes of the touched experts' weights (and scales) / 4.2 TB/s (read streaming, GPU.md);
+at T=8192 the compute floor at 676 TFLOP/s (bf16 dense, GPU.md) is shown too.
+
+Usage (GPU): python3 benchmarks/moe/bench.py --out moe.json [--tokens 1,8,64] [--formats bf16,nvfp4]
+             [--sweep] [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from pallas_kernels import moe_gemm as mg  # noqa: E402
+from pallas_kernels import routing as rt  # noqa: E402
+
+HBM_BPS = 4.2e12
+BF16_FLOPS = 676e12
+E, H, I, TOP_K, GROUPS, GROUPS_KEPT, SCALING = 256, 5120, 320, 8, 8, 4, 2.5
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------------
+
+
+def make_weights(fmt: str, key):
+    kg, kd, ks, kt = jax.random.split(key, 4)
+    if fmt == "bf16":
+        gate_up = (jax.random.normal(kg, (E, 2 * I, H), jnp.float32) * 0.02).astype(jnp.bfloat16)
+        down = (jax.random.normal(kd, (E, H, I), jnp.float32) * 0.02).astype(jnp.bfloat16)
+        return (mg.ExpertWeights(gate_up, rows=I), mg.ExpertWeights(gate_up, row_offset=I, rows=I),
+                mg.ExpertWeights(down))
+
+    def one(k, n, kk):
+        k1, k2, k3 = jax.random.split(k, 3)
+        if fmt == "fp8":
+            values = (jax.random.normal(k1, (E, n, kk), jnp.float32) * 100).astype(jnp.float8_e4m3fn)
+            scale = jax.random.uniform(k2, (E, n), jnp.float32, 1e-4, 3e-4)
+            return mg.ExpertWeights(values, scale, format="fp8_channel")
+        packed = jax.random.bits(k1, (E, n, kk // 2), jnp.uint8)
+        block = jax.random.uniform(k2, (E, n, kk // 16), jnp.float32, 0.5, 4).astype(jnp.float8_e4m3fn)
+        return mg.ExpertWeights(packed, block, jax.random.uniform(k3, (E,), jnp.float32, 1e-3, 2e-3), format="nvfp4")
+
+    return one(kg, I, H), one(ks, I, H), one(kd, H, I)
+
+
+def expert_bytes(gate, up, down) -> float:
+    """Bytes of ONE expert's three projections (values + scales)."""
+    return sum(sum(a.nbytes for a in w.arrays()) / E * (w.num_rows / w.values.shape[1]) for w in (gate, up, down))
+
+
+def make_tokens(t: int, repeats: int, key):
+    kx, ki, kw = jax.random.split(key, 3)
+    x = jax.random.normal(kx, (repeats, t, H), jnp.float32).astype(jnp.bfloat16)
+    ids = jnp.argsort(jax.random.uniform(ki, (repeats, t, E)), axis=-1)[..., :TOP_K].astype(jnp.int32)
+    w = jax.random.uniform(kw, (repeats, t, TOP_K), jnp.float32, 0.1, 1.0)
+    return x, w / w.sum(-1, keepdims=True) * SCALING, ids
+
+
+# --------------------------------------------------------------------------------------------------
+# Baselines
+# --------------------------------------------------------------------------------------------------
+
+
+def _sorted_pairs(ids):
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    return order, jnp.bincount(flat, length=E).astype(jnp.int32)
+
+
+def _combine(out_sorted, order, weights, tokens):
+    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)
+    out = out.astype(jnp.float32) * weights.reshape(-1, 1)
+    return out.reshape(tokens, TOP_K, -1).sum(1).astype(jnp.bfloat16)
+
+
+def ragged_dot_layer(x, weights, ids, gate, up, down):
+    g, u, d = gate.dequantize(x.dtype), up.dequantize(x.dtype), down.dequantize(x.dtype)
+    order, sizes = _sorted_pairs(ids)
+    xs = x[order // TOP_K]
+    dims = lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    gu = lax.ragged_dot_general(xs, jnp.concatenate([g, u], 1) if gate.format != "bf16" else gate.values, sizes, dims)
+    act = mg._swiglu(gu[:, :I], gu[:, I:]).astype(x.dtype)
+    return _combine(lax.ragged_dot_general(act, d, sizes, dims), order, weights, x.shape[0])
+
+
+def mgpu_layer(x, weights, ids, gate, up, down, *, block_m=64, block_n=128, block_k=64):
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    order, sizes = _sorted_pairs(ids)
+    xs = x[order // TOP_K]
+    rd = functools.partial(ragged_dot_mgpu.ragged_dot, group_sizes=sizes, block_m=block_m, block_n=block_n,
+                           block_k=block_k, max_concurrent_steps=2, grid_block_n=1, transpose_rhs=True)
+    gu = rd(xs, gate.values)  # gate.values is the fused [E, 2I, H]
+    act = mg._swiglu(gu[:, :I], gu[:, I:]).astype(x.dtype)
+    return _combine(rd(act, down.values), order, weights, x.shape[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------------
+
+
+def chain(op):
+    """jit(f(stacked inputs, *rest)) running op once per leading index, returning every output."""
+
+    def run(stacked, *rest):
+        outs = []
+        for r in range(jax.tree_util.tree_leaves(stacked)[0].shape[0]):
+            outs.append(op(*jax.tree_util.tree_map(lambda a: a[r], stacked), *rest))
+        return outs
+
+    return jax.jit(run)
+
+
+def time_chain(fn, stacked, *rest, repeats: int, wall: bool = True):
+    from jax.experimental.mosaic.gpu import profiler
+
+    jax.block_until_ready(fn(stacked, *rest))
+    walls = []
+    for _ in range(3 if wall else 0):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(stacked, *rest))
+        walls.append(time.perf_counter() - t0)
+    _, kernel_ms = profiler.measure(fn)(stacked, *rest)
+    return kernel_ms * 1e3 / repeats, (min(walls) * 1e6 / repeats if walls else float("nan"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------------
+
+
+def check_moe(fmt, weights, key, rows):
+    for t in (1, 5, 64, 300):
+        x, w, ids = make_tokens(t, 1, jax.random.fold_in(key, t))
+        got = jax.jit(mg.moe_gemm_kernel)(x[0], w[0], ids[0], *weights)
+        want = jax.jit(mg.moe_gemm_reference)(x[0], w[0], ids[0], *weights)
+        err = float(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)).max())
+        scale = float(jnp.abs(want.astype(jnp.float32)).max())
+        rows.append(dict(kind="check_moe", format=fmt, tokens=t, max_abs_err=err, max_abs_ref=scale))
+        print(f"check moe {fmt:6s} T={t:4d} max|err|={err:.3g} max|ref|={scale:.3g}", flush=True)
+
+
+def check_routing(rows, tokens=100_000):
+    """Selections on `tokens` random tokens. Exact-grid inputs make the logits exact in fp32 in any
+    summation order, so the kernel must agree bit for bit; plain random inputs are reported too."""
+    key = jax.random.key(7)
+    kx, kw, kb = jax.random.split(key, 3)
+    kw_args = dict(num_groups=GROUPS, groups_kept=GROUPS_KEPT, top_k=TOP_K, scaling=SCALING)
+    cases = {
+        "exact_grid": (
+            (jax.random.randint(kx, (tokens, H), -8, 9) / 16).astype(jnp.bfloat16),
+            jax.random.randint(kw, (E, H), -128, 129).astype(jnp.float32) / 2.0**16,
+            jax.random.randint(kb, (E,), -64, 65).astype(jnp.float32) / 2.0**10,
+        ),
+        "random": (
+            jax.random.normal(kx, (tokens, H), jnp.float32).astype(jnp.bfloat16),
+            jax.random.normal(kw, (E, H), jnp.float32) * 0.02,
+            jax.random.normal(kb, (E,), jnp.float32) * 0.1,
+        ),
+    }
+    for name, (x, w, b) in cases.items():
+        got_w, got_i = jax.jit(functools.partial(rt.routing_kernel, **kw_args))(x, w, b)
+        ref_w, ref_i = jax.jit(functools.partial(rt.routing_reference, **kw_args))(x, w, b)
+        differ = int(jnp.any(got_i != ref_i, axis=1).sum())
+        werr = float(jnp.abs(got_w - ref_w).max())
+        rows.append(dict(kind="check_routing", inputs=name, tokens=tokens, tokens_differing=differ, max_weight_err=werr))
+        print(f"check routing {name}: {differ} of {tokens} tokens select differently; max|w err|={werr:.3g}", flush=True)
+
+
+def bench_routing(token_counts, rows, *, sweep: bool, repeats=16):
+    kw_args = dict(num_groups=GROUPS, groups_kept=GROUPS_KEPT, top_k=TOP_K, scaling=SCALING)
+    key = jax.random.key(3)
+    weights = jax.random.normal(key, (repeats, E, H), jnp.float32) * 0.02  # 16 x 5 MB: not in L2
+    bias = jax.random.normal(key, (E,), jnp.float32) * 0.1
+    variants = {"pallas": rt.routing_kernel, "xla": rt.routing_reference}
+    if sweep:
+        for block_e, block_k, splits in itertools.product((16, 32, 64), (64, 128), (None, 32)):
+            variants[f"pallas[e{block_e},k{block_k},s{splits}]"] = functools.partial(
+                rt.routing_kernel, block_e=block_e, block_k=block_k, splits=splits)
+    for t in token_counts:
+        if sweep and t not in (1, 64, 512, 8192):
+            continue
+        x = jax.random.normal(jax.random.fold_in(key, t), (repeats, t, H), jnp.float32).astype(jnp.bfloat16)
+        res = {}
+        for name, op in variants.items():
+            f = chain(lambda xx, ww, bb, op=op: op(xx, ww, bb, **kw_args))
+            try:
+                res[name] = time_chain(f, (x, weights), bias, repeats=repeats, wall=not sweep)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                print(f"routing {name} T={t}: {type(e).__name__}: {e}"[:400], flush=True)
+        floor = (E * H * 4 + t * H * 2) / HBM_BPS * 1e6
+        row = dict(kind="routing", tokens=t, floor_us=floor, **{f"{k}_us": v[0] for k, v in res.items()},
+                   **{f"{k}_wall_us": v[1] for k, v in res.items()})
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def sweep_configs(t, default: mg.MoEBlocks):
+    """A few block-size variants around the default for one token count."""
+    def cfg(source, bm, n1, k1, splits, n2, warps=4, stages=3):
+        return mg.MoEBlocks(source, bm, n1, k1, splits, n2, 64, warps, stages)
+
+    a = default.gate_up_splits
+    if t <= 64:
+        sources = ([("ids", max(16, mg._next_pow2(t)))] if t <= 32 else []) + ([("sorted", 16)] if t >= 8 else [])
+        if t == 64:
+            sources.append(("sorted", 32))
+        for source, bm in sources:
+            yield cfg(source, bm, 32, 64, a, 64)
+            yield cfg(source, bm, 64, 64, max(1, a // 2), 64)
+            yield cfg(source, bm, 32, 128, max(1, a // 2), 64)
+            yield cfg(source, bm, 32, 64, 2 * a, 128)
+            if t <= 8:
+                yield cfg(source, bm, 16, 64, a, 64)
+                yield cfg(source, bm, 32, 64, max(1, a // 2), 32)
+    elif t <= 1024:
+        for bm, n1, n2 in ((32, 64, 64), (64, 64, 64), (64, 128, 128), (64, 64, 128)):
+            yield cfg("sorted", bm, n1, 64, 1, n2)
+    else:
+        for bm, n1, n2, warps in ((64, 64, 64, 4), (128, 64, 64, 4), (128, 128, 128, 8), (64, 128, 128, 4)):
+            yield cfg("sorted", bm, n1, 64, 1, n2, warps)
+
+
+def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool):
+    from jax.experimental.mosaic.gpu import profiler
+
+    gate, up, down = weights
+    per_expert = expert_bytes(gate, up, down)
+    for t in token_counts:
+        repeats = 2 if t >= 4096 else (4 if sweep else 8)
+        x, w, ids = make_tokens(t, repeats, jax.random.key(t))
+        touched = float(np.mean([len(np.unique(np.asarray(ids[r]))) for r in range(repeats)]))
+        floor = touched * per_expert / HBM_BPS * 1e6
+        flops = 2 * t * TOP_K * 3 * H * I
+        default = mg.choose_blocks(t, TOP_K, E, H, I, gate.format)
+        variants = {"pallas": functools.partial(mg.moe_gemm_kernel, blocks=default)}
+        if sweep:
+            for cfg in sweep_configs(t, default):
+                variants[f"pallas[{cfg.source},m{cfg.block_m},n{cfg.gate_up_n},k{cfg.gate_up_k},s{cfg.gate_up_splits},"
+                         f"dn{cfg.down_n},w{cfg.num_warps}]"] = functools.partial(mg.moe_gemm_kernel, blocks=cfg)
+        if baselines:
+            variants["ragged_dot"] = ragged_dot_layer
+            if t <= 64:
+                variants["gather"] = mg.moe_gemm_reference
+            if fmt == "bf16":
+                variants["mgpu"] = mgpu_layer
+        res = {}
+        for name, op in variants.items():
+            f = chain(lambda xx, ww, ii, g, u, d, op=op: op(xx, ww, ii, g, u, d))
+            try:
+                res[name] = time_chain(f, (x, w, ids), gate, up, down, repeats=repeats, wall=not sweep)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                print(f"moe {fmt} T={t} {name}: {type(e).__name__}: {e}"[:600], flush=True)
+        breakdown = None
+        try:  # per-kernel device times of one call of the default configuration
+            single = jax.jit(functools.partial(mg.moe_gemm_kernel, blocks=default))
+            args = (x[0], w[0], ids[0], gate, up, down)
+            _, breakdown = profiler.measure(single, aggregate=False)(*args)
+        except Exception as e:  # noqa: BLE001
+            print(f"breakdown: {type(e).__name__}: {e}"[:300], flush=True)
+        for name, (kernel_us, wall_us) in res.items():
+            row = dict(kind="moe", format=fmt, tokens=t, variant=name, kernel_us=kernel_us, wall_us=wall_us,
+                       floor_us=floor, pct_floor=100 * floor / kernel_us, touched_experts=touched,
+                       tflops=flops / kernel_us / 1e6,
+                       speedup_vs_ragged_dot=res["ragged_dot"][0] / kernel_us if "ragged_dot" in res else None)
+            if name == "pallas":
+                row["blocks"] = default.__dict__
+                row["kernels_us"] = [(n, round(ms * 1e3, 2)) for n, ms in breakdown] if breakdown else None
+            rows.append(row)
+        pallas = {k: v[0] for k, v in res.items() if k.startswith("pallas")}
+        best = min(pallas, key=pallas.get) if pallas else None
+        print(f"moe {fmt} T={t}: floor {floor:.1f} us; " + "; ".join(
+            f"{k} {v[0]:.1f}" for k, v in res.items() if not k.startswith("pallas[")) +
+            (f"; best {best} {pallas[best]:.1f}" if best else "") +
+            (f"; kernels {[(n[:40], round(ms * 1e3, 1)) for n, ms in breakdown]}" if breakdown else ""), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", default="1,8,16,32,64,512,8192")
+    parser.add_argument("--formats", default="bf16,fp8,nvfp4")
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--no-baselines", action="store_true")
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("--no-routing", action="store_true")
+    parser.add_argument("--no-timing", default="", help="formats to check but not time")
+    parser.add_argument("--out", default="moe.json")
+    args = parser.parse_args()
+    token_counts = [int(t) for t in args.tokens.split(",")]
+    rows = [dict(kind="meta", device=str(jax.devices()[0]), jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
+                 argv=sys.argv[1:])]
+    def stage(fn, *a, **k):
+        try:
+            fn(*a, **k)
+        except Exception:  # noqa: BLE001 - keep what was measured, go on with the next stage
+            traceback.print_exc(limit=3)
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+    if args.check:
+        stage(check_routing, rows)
+    if not args.no_routing:
+        stage(bench_routing, token_counts, rows, sweep=args.sweep)
+    for fmt in args.formats.split(","):
+        weights = make_weights(fmt, jax.random.key(11))
+        if args.check:
+            stage(check_moe, fmt, weights, jax.random.key(5), rows)
+        if fmt in args.no_timing.split(","):
+            continue
+        stage(bench_moe, fmt, weights, token_counts, rows, sweep=args.sweep, baselines=not args.no_baselines)
+        del weights
+    print_table(rows)
+
+
+def print_table(rows):
+    print("\n| format | T | variant | kernel µs | wall µs | floor µs | % floor | TFLOP/s | × vs ragged_dot |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["kind"] == "moe" and not r["variant"].startswith("pallas["):
+            sp = r["speedup_vs_ragged_dot"] or float("nan")
+            print(f"| {r['format']} | {r['tokens']} | {r['variant']} | {r['kernel_us']:.1f} | {r['wall_us']:.1f} | "
+                  f"{r['floor_us']:.1f} | {r['pct_floor']:.0f} | {r['tflops']:.0f} | {sp:.1f} |")
+    for r in rows:
+        if r["kind"] == "routing":
+            print(r)
+
+
+if __name__ == "__main__":
+    main()

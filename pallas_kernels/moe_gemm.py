@@ -1,0 +1,497 @@
+"""Beam's routed experts as two grouped GEMMs in Pallas (Triton), for bf16, fp8 and NVFP4 weights.
+
+For tokens `x [T, H]` routed to `top_k` experts each (`ids`, `weights` from routing), the output is
+`sum_j weights[t, j] * down_e(swiglu(gate_e(x_t), up_e(x_t)))` with `e = ids[t, j]`. The T*top_k
+(token, expert) pairs are the rows of the computation ("pair" p = t * top_k + j).
+
+Work is split into blocks of at most `block_m` pairs of one expert; each program computes one
+block against one tile of output columns, so only the experts that tokens were routed to are read.
+Blocks come from one of two sources, chosen by shape:
+- "ids" (decode, T <= block_m): program `slot` finds the slot-th expert that any pair uses and that
+  expert's pairs directly from `ids` inside the kernel. No sort, no extra launch; a block holds all
+  of an expert's pairs because a token picks an expert at most once.
+- "sorted" (prefill): pairs are sorted by expert in XLA and cut into blocks of `block_m` rows.
+Kernel 1 computes gate and up tiles together and applies SwiGLU (or, split over the hidden axis
+for small batches, writes fp32 partial sums that a small XLA epilogue adds before SwiGLU); kernel 2
+computes the down projection and scales each pair by its routing weight; the top_k pair rows of a
+token are added in XLA (fused with whatever follows).
+
+Quantized weights stay packed: fp8 tiles are converted to bf16 in registers and their per-channel
+(or per-tensor) scale applied to the accumulator; NVFP4 nibbles are turned into fp16 bit patterns
+(sign and three magnitude bits moved into place: a few integer operations, no table), scaled by
+their e4m3 block scale, and fed to the tensor cores as bf16; the fp32 global scale is applied to the
+accumulator. Even and odd K elements (low and high nibbles) go through two dots against the even
+and odd activation columns, so nibbles are never interleaved in registers.
+
+Rounding (the reference below does the same): each projection accumulates in fp32 and is rounded
+to the activation dtype; SwiGLU is computed in fp32 from those and rounded; each pair's down output
+is scaled by its weight in fp32 and rounded; a token's pairs are added in fp32 and rounded once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int
+
+Format = Literal["bf16", "fp8_channel", "fp8_tensor", "nvfp4"]
+NVFP4_GROUP = 16
+# fp16 bit pattern (e2m1 code bits moved into place) times 2^14 is the E2M1 value, subnormals included.
+_FP16_E2M1_FACTOR = 2.0**14
+_E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "scale", "global_scale"],
+                   meta_fields=["format", "row_offset", "rows"])
+@dataclasses.dataclass(frozen=True)
+class ExpertWeights:
+    """One projection of every expert, logically `[E, rows, K]` (HF [out, in] layout).
+
+    - bf16 (or any float dtype): `values [E, N, K]`; rows `row_offset .. row_offset + rows` of it
+      are used, so gate and up can be two views of one fused `gate_up_proj` without a copy.
+    - fp8_channel: `values` e4m3 `[E, N, K]`, `scale` fp32 `[E, N]`.
+    - fp8_tensor: `values` e4m3 `[E, N, K]`, `scale` fp32 `[E]`.
+    - nvfp4: `values` uint8 `[E, N, K/2]` (element 2j in the low nibble), `scale` e4m3
+      `[E, N, K/16]`, `global_scale` fp32 `[E]`.
+    """
+
+    values: jax.Array
+    scale: jax.Array | None = None
+    global_scale: jax.Array | None = None
+    format: Format = "bf16"
+    row_offset: int = 0
+    rows: int | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.values.shape[1] - self.row_offset if self.rows is None else self.rows
+
+    @property
+    def in_features(self) -> int:
+        return self.values.shape[2] * (2 if self.format == "nvfp4" else 1)
+
+    def arrays(self) -> tuple[jax.Array, ...]:
+        return tuple(a for a in (self.values, self.scale, self.global_scale) if a is not None)
+
+    def dequantize(self, dtype) -> Float[Array, "experts rows k"]:
+        """Plain-jnp dequantization of the used rows (the reference path)."""
+        rows = slice(self.row_offset, self.row_offset + self.num_rows)
+        values = self.values[:, rows]
+        if self.format == "nvfp4":
+            codes = jnp.stack([values & 0x0F, values >> 4], axis=-1).reshape(*values.shape[:-1], -1)
+            decoded = jnp.asarray(_E2M1_VALUES)[codes.astype(jnp.int32)]
+            block = self.scale[:, rows].astype(jnp.float32)
+            decoded = decoded.reshape(*block.shape, NVFP4_GROUP) * block[..., None]
+            w = decoded.reshape(values.shape[:-1] + (-1,)) * self.global_scale[:, None, None]
+        elif self.format == "fp8_channel":
+            w = values.astype(jnp.float32) * self.scale[:, rows, None]
+        elif self.format == "fp8_tensor":
+            w = values.astype(jnp.float32) * self.scale[:, None, None]
+        else:
+            return values.astype(dtype)
+        return w.astype(dtype)
+
+
+def _swiglu(gate, up):
+    """fp32 SwiGLU of rounded gate/up, silu as `x / (1 + exp(-x))` (the reference's form)."""
+    gate32, up32 = gate.astype(jnp.float32), up.astype(jnp.float32)
+    return gate32 / (1.0 + jnp.exp(-gate32)) * up32
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------------
+
+
+def moe_gemm_reference(
+    x: Float[Array, "tokens hidden"],
+    weights: Float[Array, "tokens k"],
+    ids: Int[Array, "tokens k"],
+    gate: ExpertWeights,
+    up: ExpertWeights,
+    down: ExpertWeights,
+) -> Float[Array, "tokens hidden"]:
+    """Plain jnp: each (token, expert) pair gathers its expert's dequantized weights."""
+    dtype = x.dtype
+    precision = lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
+    tokens, top_k = ids.shape
+    g, u, d = gate.dequantize(dtype), up.dequantize(dtype), down.dequantize(dtype)
+    pair_x = jnp.repeat(x, top_k, axis=0)
+    pair_ids = ids.reshape(-1)
+
+    def project(w, inputs):
+        return jnp.einsum("pk,pnk->pn", inputs, w[pair_ids], precision=precision,
+                          preferred_element_type=jnp.float32).astype(dtype)
+
+    act = _swiglu(project(g, pair_x), project(u, pair_x)).astype(dtype)
+    out = project(d, act).astype(jnp.float32) * weights.reshape(-1, 1)
+    return out.astype(dtype).astype(jnp.float32).reshape(tokens, top_k, -1).sum(1).astype(dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Blocks of pairs
+# --------------------------------------------------------------------------------------------------
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _block_from_ids(ids_ref, slot, *, num_experts: int, block_m: int):
+    """(expert, pair rows [block_m], row valid [block_m]) of the slot-th used expert; expert -1 when
+    fewer experts are used than there are slots. All of the expert's pairs must fit one block.
+    Padding rows point one past the last pair: masked on the GPU, and dropped (not written over a
+    real row) by interpret mode's scatters."""
+    pairs = ids_ref.shape[0]
+    padded_pairs, padded_experts = _next_pow2(pairs), _next_pow2(num_experts)
+    pair_iota = lax.iota(jnp.int32, padded_pairs)
+    if padded_pairs == pairs:
+        ids = ids_ref[...]
+    else:
+        from jax.experimental.pallas import triton as plgpu
+
+        ids = plgpu.load(ids_ref.at[pair_iota], mask=pair_iota < pairs, other=num_experts)
+    expert_iota = lax.iota(jnp.int32, padded_experts)
+    present = jnp.max((ids[:, None] == expert_iota[None, :]).astype(jnp.int32), axis=0)
+    rank = jnp.cumsum(present) - 1
+    expert = jnp.sum(jnp.where((present > 0) & (rank == slot), expert_iota, 0))
+    expert = jnp.where(slot < jnp.sum(present), expert, -1)
+    mine = (ids == expert).astype(jnp.int32)
+    position = jnp.cumsum(mine) - 1
+    match = (mine[None, :] > 0) & (position[None, :] == lax.iota(jnp.int32, block_m)[:, None])
+    rows = jnp.sum(jnp.where(match, pair_iota[None, :], 0), axis=1)
+    row_ok = jnp.max(match.astype(jnp.int32), axis=1) > 0
+    return expert, jnp.where(row_ok, rows, pairs), row_ok
+
+
+def _block_from_table(block_expert_ref, block_rows_ref, block, pairs: int):
+    rows = block_rows_ref[block, :]
+    return block_expert_ref[block], jnp.where(rows >= 0, rows, pairs), rows >= 0
+
+
+def sorted_blocks(ids: Int[Array, "tokens k"], num_experts: int, block_m: int):
+    """Pairs sorted by expert and cut into blocks of `block_m` rows of one expert (XLA).
+    Returns block_expert [B] (-1: unused block) and block_rows [B, block_m] (pair index, -1: pad);
+    B = a static bound on the number of blocks."""
+    flat = ids.reshape(-1)
+    pairs = flat.shape[0]
+    used_bound = min(num_experts, pairs)
+    num_blocks = (pairs + used_bound * (block_m - 1)) // block_m
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    blocks_per_expert = (counts + block_m - 1) // block_m
+    block_end = jnp.cumsum(blocks_per_expert)
+    block_start = block_end - blocks_per_expert
+    pair_start = jnp.cumsum(counts) - counts
+    block = jnp.arange(num_blocks, dtype=jnp.int32)
+    expert = jnp.minimum(jnp.searchsorted(block_end, block, side="right"), num_experts - 1).astype(jnp.int32)
+    used = block < block_end[-1]
+    first_row = (block - block_start[expert]) * block_m
+    valid_rows = jnp.where(used, jnp.clip(counts[expert] - first_row, 0, block_m), 0)
+    row = jnp.arange(block_m, dtype=jnp.int32)
+    source = jnp.minimum(pair_start[expert][:, None] + first_row[:, None] + row[None, :], pairs - 1)
+    block_rows = jnp.where(row[None, :] < valid_rows[:, None], order[source], -1)
+    return jnp.where(used, expert, -1), block_rows
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Operand:
+    """Static description of an ExpertWeights passed to a kernel as 1-3 refs."""
+
+    format: Format
+    row_offset: int
+    rows: int
+    in_features: int
+    num_arrays: int
+
+    @classmethod
+    def of(cls, w: ExpertWeights) -> _Operand:
+        return cls(w.format, w.row_offset, w.num_rows, w.in_features, len(w.arrays()))
+
+
+def _dot(a, b, dtype):
+    precision = lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+
+
+def _e2m1_as_fp16(codes):
+    """E2M1 codes (uint8, one per value, bits 0-3) as fp16 values equal to e2m1 / 2^14."""
+    codes = codes.astype(jnp.uint16)
+    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
+    return lax.bitcast_convert_type(bits, jnp.float16)
+
+
+def _accumulate(acc, x_ref, token_rows, row_ok, op: _Operand, refs, expert, n_idx, n_ok, chunk, block_k: int):
+    """acc [M, N] += x[token_rows, chunk] @ w[expert, n_idx, chunk]^T for one K chunk."""
+    from jax.experimental.pallas import triton as plgpu
+
+    k_total = op.in_features
+    dtype = x_ref.dtype
+    w_rows = (op.row_offset + n_idx)[:, None]
+    k_tail = k_total % block_k != 0
+    n_tail = op.rows % n_idx.shape[0] != 0
+
+    def load_x(cols):
+        mask = row_ok[:, None] & (cols[None, :] < k_total) if k_tail else row_ok[:, None]
+        return plgpu.load(x_ref.at[token_rows[:, None], cols[None, :]], mask=mask, other=0)
+
+    def load_w(ref, cols, bound):
+        """Weight tile; lanes past K are zeroed (past N they only feed masked outputs)."""
+        mask = None
+        if n_tail:
+            mask = n_ok[:, None]
+        if k_tail:
+            mask = (cols[None, :] < bound) if mask is None else mask & (cols[None, :] < bound)
+        # (no `other=`: Triton cannot splat an int into fp8)
+        tile = plgpu.load(ref.at[expert, w_rows, cols[None, :]], mask=mask)
+        return (lambda t: jnp.where(cols[None, :] < bound, t, 0)) if k_tail else (lambda t: t), tile
+
+    if op.format == "nvfp4":
+        half = block_k // 2
+        j = lax.iota(jnp.int32, half)
+        even = chunk * block_k + 2 * j
+        zero_tail, packed = load_w(refs[0], chunk * half + j, k_total // 2)
+        scale_cols = chunk * (block_k // NVFP4_GROUP) + j // (NVFP4_GROUP // 2)
+        zero_scale_tail, scale = load_w(refs[1], scale_cols, k_total // NVFP4_GROUP)
+        scale = zero_scale_tail(scale.astype(jnp.float32) * _FP16_E2M1_FACTOR)
+        low = (_e2m1_as_fp16(packed & 0x0F).astype(jnp.float32) * scale).astype(dtype)
+        high = (_e2m1_as_fp16(packed >> 4).astype(jnp.float32) * scale).astype(dtype)
+        return acc + _dot(load_x(even), low, dtype) + _dot(load_x(even + 1), high, dtype)
+
+    cols = chunk * block_k + lax.iota(jnp.int32, block_k)
+    zero_tail, w = load_w(refs[0], cols, k_total)
+    return acc + _dot(load_x(cols), zero_tail(w.astype(dtype)), dtype)
+
+
+def _output_scale(acc, op: _Operand, refs, expert, n_idx, n_ok):
+    """The quantized formats' scales that factor out of the K sum."""
+    from jax.experimental.pallas import triton as plgpu
+
+    if op.format == "fp8_channel":
+        scale = plgpu.load(refs[1].at[expert, op.row_offset + n_idx], mask=n_ok, other=0.0)
+        return acc * scale[None, :]
+    if op.format == "fp8_tensor":
+        return acc * refs[1][expert]
+    if op.format == "nvfp4":
+        return acc * refs[2][expert]
+    return acc
+
+
+def _project(x_ref, token_rows, row_ok, op, refs, expert, n_idx, n_ok, chunks, block_k, block_m):
+    acc = jnp.zeros((block_m, n_idx.shape[0]), jnp.float32)
+    body = lambda chunk, acc: _accumulate(acc, x_ref, token_rows, row_ok, op, refs, expert, n_idx, n_ok, chunk, block_k)
+    acc = lax.fori_loop(chunks[0], chunks[1], body, acc)
+    return _output_scale(acc, op, refs, expert, n_idx, n_ok)
+
+
+def _split_refs(refs, *ops):
+    out, at = [], 0
+    for op in ops:
+        out.append(refs[at:at + op.num_arrays])
+        at += op.num_arrays
+    return out, refs[at:]
+
+
+def _block(meta_refs, source: str, *, num_experts: int, block_m: int):
+    if source == "ids":
+        return _block_from_ids(meta_refs[0], pl.program_id(0), num_experts=num_experts, block_m=block_m)
+    return _block_from_table(meta_refs[0], meta_refs[1], pl.program_id(0), meta_refs[2].shape[0])
+
+
+def _gate_up_kernel(*refs, source, num_meta, gate: _Operand, up: _Operand, num_experts, top_k,
+                    block_m, block_n, block_k, chunks_per_split, fused):
+    from jax.experimental.pallas import triton as plgpu
+
+    meta_refs, (x_ref, *rest) = refs[:num_meta], refs[num_meta:]
+    (gate_refs, up_refs), (out_ref,) = _split_refs(rest, gate, up)
+    expert, pair_rows, row_ok = _block(meta_refs, source, num_experts=num_experts, block_m=block_m)
+    n_tile, split = pl.program_id(1), pl.program_id(2)
+    intermediate = gate.rows
+    n_idx = n_tile * block_n + lax.iota(jnp.int32, block_n)
+    n_ok = n_idx < intermediate
+    k_chunks = pl.cdiv(gate.in_features, block_k)
+    chunks = (split * chunks_per_split, jnp.minimum((split + 1) * chunks_per_split, k_chunks))
+
+    @pl.when(expert >= 0)
+    def _compute():
+        token_rows = pair_rows // top_k
+        args = (x_ref, token_rows, row_ok)
+        g = _project(*args, gate, gate_refs, expert, n_idx, n_ok, chunks, block_k, block_m)
+        u = _project(*args, up, up_refs, expert, n_idx, n_ok, chunks, block_k, block_m)
+        mask = row_ok[:, None] & n_ok[None, :]
+        if fused:
+            dtype = x_ref.dtype
+            act = _swiglu(g.astype(dtype), u.astype(dtype)).astype(out_ref.dtype)
+            plgpu.store(out_ref.at[pair_rows[:, None], n_idx[None, :]], act, mask=mask)
+        else:
+            plgpu.store(out_ref.at[split, pair_rows[:, None], n_idx[None, :]], g, mask=mask)
+            plgpu.store(out_ref.at[split, pair_rows[:, None], intermediate + n_idx[None, :]], u, mask=mask)
+
+
+def _down_kernel(*refs, source, num_meta, down: _Operand, num_experts, block_m, block_n, block_k):
+    from jax.experimental.pallas import triton as plgpu
+
+    meta_refs, (act_ref, pair_weight_ref, *rest) = refs[:num_meta], refs[num_meta:]
+    (down_refs,), (out_ref,) = _split_refs(rest, down)
+    expert, pair_rows, row_ok = _block(meta_refs, source, num_experts=num_experts, block_m=block_m)
+    n_idx = pl.program_id(1) * block_n + lax.iota(jnp.int32, block_n)
+    n_ok = n_idx < down.rows
+
+    @pl.when(expert >= 0)
+    def _compute():
+        chunks = (0, pl.cdiv(down.in_features, block_k))
+        acc = _project(act_ref, pair_rows, row_ok, down, down_refs, expert, n_idx, n_ok, chunks, block_k, block_m)
+        pair_weight = plgpu.load(pair_weight_ref.at[pair_rows], mask=row_ok, other=0.0)
+        out = (acc.astype(act_ref.dtype).astype(jnp.float32) * pair_weight[:, None]).astype(out_ref.dtype)
+        plgpu.store(out_ref.at[pair_rows[:, None], n_idx[None, :]], out, mask=row_ok[:, None] & n_ok[None, :])
+
+
+# --------------------------------------------------------------------------------------------------
+# Block sizes and the op
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEBlocks:
+    """Block sizes of one call. `source` "ids" needs tokens <= block_m."""
+
+    source: Literal["ids", "sorted"]
+    block_m: int
+    gate_up_n: int
+    gate_up_k: int
+    gate_up_splits: int
+    down_n: int
+    down_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Largest batch whose blocks are found in the kernel from `ids`: each of the programs scans all
+# T*top_k ids, which stops paying off against a few small XLA kernels as T grows.
+IDS_SOURCE_MAX_TOKENS = 16
+# About this many programs keep the H200's 132 SMs streaming weights at decode sizes.
+_TARGET_PROGRAMS = 1024
+
+
+def choose_blocks(tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, fmt: Format) -> MoEBlocks:
+    """Block sizes by shape. Decode batches split the hidden axis of the gate/up GEMM until about
+    `_TARGET_PROGRAMS` programs share the weight reads; large batches use sorted blocks of 64 rows
+    and fused SwiGLU."""
+    if tokens <= 64:
+        source = "ids" if tokens <= IDS_SOURCE_MAX_TOKENS else "sorted"
+        block_m = max(16, _next_pow2(tokens)) if source == "ids" else 16
+        block_n, block_k = 32, 64
+        used = min(num_experts, tokens * top_k)
+        k_chunks = pl.cdiv(hidden, block_k)
+        splits = max(1, min(k_chunks // 4, _TARGET_PROGRAMS // max(1, used * pl.cdiv(intermediate, block_n))))
+        return MoEBlocks(source, block_m, block_n, block_k, splits, 64, 64)
+    return MoEBlocks("sorted", 64, 64, 64, 1, 64, 64, num_warps=4, num_stages=3)
+
+
+def moe_gemm_kernel(
+    x: Float[Array, "tokens hidden"],
+    weights: Float[Array, "tokens k"],
+    ids: Int[Array, "tokens k"],
+    gate: ExpertWeights,
+    up: ExpertWeights,
+    down: ExpertWeights,
+    *,
+    blocks: MoEBlocks | None = None,
+    interpret: bool = False,
+) -> Float[Array, "tokens hidden"]:
+    """The two Pallas kernels (see the module docstring)."""
+    from jax.experimental.pallas import triton as plgpu
+
+    tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    num_experts = gate.values.shape[0]
+    intermediate = gate.num_rows
+    pairs = tokens * top_k
+    if up.num_rows != intermediate or down.in_features != intermediate or down.num_rows != hidden:
+        raise ValueError("gate/up must be [E, I, H] and down [E, H, I]")
+    if gate.in_features != hidden:
+        raise ValueError(f"expert weights take {gate.in_features} inputs, activations have {hidden}")
+    fmt = gate.format
+    if blocks is None:
+        blocks = choose_blocks(tokens, top_k, num_experts, hidden, intermediate, fmt)
+    if blocks.source == "ids" and tokens > blocks.block_m:
+        raise ValueError(f"source 'ids' needs tokens ({tokens}) <= block_m ({blocks.block_m})")
+    if fmt == "nvfp4" and (blocks.gate_up_k % 32 or blocks.down_k % 32):
+        raise ValueError("NVFP4 needs K blocks that are multiples of 32")
+    flat_ids = ids.reshape(-1).astype(jnp.int32)
+    if blocks.source == "ids":
+        meta = (flat_ids,)
+        grid0 = min(num_experts, pairs)
+    else:
+        meta = (*sorted_blocks(flat_ids, num_experts, blocks.block_m), flat_ids)
+        grid0 = meta[0].shape[0]
+    params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    common = dict(source=blocks.source, num_meta=len(meta), num_experts=num_experts, block_m=blocks.block_m)
+
+    k_chunks = pl.cdiv(hidden, blocks.gate_up_k)
+    chunks_per_split = pl.cdiv(k_chunks, blocks.gate_up_splits)
+    splits = pl.cdiv(k_chunks, chunks_per_split)
+    fused = splits == 1
+    gate_up_out = (
+        jax.ShapeDtypeStruct((pairs, intermediate), x.dtype) if fused
+        else jax.ShapeDtypeStruct((splits, pairs, 2 * intermediate), jnp.float32)
+    )
+    gate_up = pl.pallas_call(
+        functools.partial(
+            _gate_up_kernel, gate=_Operand.of(gate), up=_Operand.of(up), top_k=top_k, block_n=blocks.gate_up_n,
+            block_k=blocks.gate_up_k, chunks_per_split=chunks_per_split, fused=fused, **common,
+        ),
+        grid=(grid0, pl.cdiv(intermediate, blocks.gate_up_n), splits),
+        out_shape=gate_up_out,
+        compiler_params=params,
+        interpret=interpret,
+        name="moe_gate_up",
+    )(*meta, x, *gate.arrays(), *up.arrays())
+    if fused:
+        act = gate_up
+    else:
+        summed = gate_up.sum(0)
+        act = _swiglu(summed[:, :intermediate].astype(x.dtype), summed[:, intermediate:].astype(x.dtype))
+        act = act.astype(x.dtype)
+
+    out = pl.pallas_call(
+        functools.partial(_down_kernel, down=_Operand.of(down), block_n=blocks.down_n, block_k=blocks.down_k, **common),
+        grid=(grid0, pl.cdiv(hidden, blocks.down_n)),
+        out_shape=jax.ShapeDtypeStruct((pairs, hidden), x.dtype),
+        compiler_params=params,
+        interpret=interpret,
+        name="moe_down",
+    )(*meta, act, weights.reshape(-1).astype(jnp.float32), *down.arrays())
+    return out.astype(jnp.float32).reshape(tokens, top_k, hidden).sum(1).astype(x.dtype)
+
+
+def moe_gemm(
+    x: Float[Array, "tokens hidden"],
+    weights: Float[Array, "tokens k"],
+    ids: Int[Array, "tokens k"],
+    gate: ExpertWeights,
+    up: ExpertWeights,
+    down: ExpertWeights,
+    *,
+    use_kernel: bool | None = None,
+    blocks: MoEBlocks | None = None,
+    interpret: bool = False,
+) -> Float[Array, "tokens hidden"]:
+    """Routed experts: the Pallas kernels on GPU (or `interpret=True`), the reference elsewhere."""
+    if use_kernel is None:
+        use_kernel = jax.default_backend() == "gpu" or interpret
+    if use_kernel:
+        return moe_gemm_kernel(x, weights, ids, gate, up, down, blocks=blocks, interpret=interpret)
+    return moe_gemm_reference(x, weights, ids, gate, up, down)
