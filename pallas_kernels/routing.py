@@ -113,31 +113,12 @@ def _select(logits, bias, *, experts: int, num_groups: int, groups_kept: int, to
     return weights, ids
 
 
-def _routing_kernel(
-    x_ref,  # [tokens, hidden] (whole array)
-    w_ref,  # [experts, hidden] fp32
-    bias_ref,  # [padded experts] fp32
-    counter_in_ref,  # [token blocks] int32 zeros, aliased to counter_ref
-    partial_ref,  # out: [splits, padded tokens, padded experts] fp32 partial logits
-    weights_ref,  # out: [padded tokens, padded k] fp32
-    ids_ref,  # out: [padded tokens, padded k] int32
-    counter_ref,  # out: [token blocks] int32
-    *,
-    block_t: int,
-    block_e: int,
-    block_k: int,
-    k_chunks_per_split: int,
-    interpret: bool,
-    select,
-):
-    del counter_in_ref
+def _partial_logits(x_ref, w_ref, t_block, e_block, split, *, block_t, block_e, block_k, k_chunks_per_split):
+    """fp32 logits of one [block_t tokens, block_e experts] tile over one split of the hidden axis."""
     from jax.experimental.pallas import triton as plgpu
 
     tokens, hidden = x_ref.shape
     experts = w_ref.shape[0]
-    t_block, e_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    programs_per_token_block = pl.num_programs(1) * pl.num_programs(2)
-
     rows = t_block * block_t + lax.iota(jnp.int32, block_t)
     row_ok = rows < tokens
     expert_rows = e_block * block_e + lax.iota(jnp.int32, block_e)
@@ -146,39 +127,68 @@ def _routing_kernel(
     k_chunks = pl.cdiv(hidden, block_k)
     first_chunk = split * k_chunks_per_split
     last_chunk = jnp.minimum(first_chunk + k_chunks_per_split, k_chunks)
+    k_tail = hidden % block_k != 0
 
     def body(chunk, acc):
         cols = chunk * block_k + k_iota
-        col_ok = cols < hidden
-        x = plgpu.load(
-            x_ref.at[jnp.where(row_ok, rows, 0)[:, None], jnp.minimum(cols, hidden - 1)[None, :]],
-            mask=row_ok[:, None] & col_ok[None, :], other=0,
-        ).astype(jnp.float32)
-        w = plgpu.load(
-            w_ref.at[jnp.where(expert_ok, expert_rows, 0)[:, None], jnp.minimum(cols, hidden - 1)[None, :]],
-            mask=expert_ok[:, None] & col_ok[None, :], other=0.0,
-        )
+        x_mask, w_mask = row_ok[:, None], expert_ok[:, None]
+        if k_tail:
+            x_mask, w_mask = x_mask & (cols < hidden)[None, :], w_mask & (cols < hidden)[None, :]
+        x = plgpu.load(x_ref.at[rows[:, None], cols[None, :]], mask=x_mask, other=0).astype(jnp.float32)
+        w = plgpu.load(w_ref.at[expert_rows[:, None], cols[None, :]], mask=w_mask, other=0.0)
         return acc + lax.dot_general(
             x, w, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
         )
 
-    acc = lax.fori_loop(first_chunk, last_chunk, body, jnp.zeros((block_t, block_e), jnp.float32))
-    partial_ref[split, pl.ds(t_block * block_t, block_t), pl.ds(e_block * block_e, block_e)] = acc
+    return lax.fori_loop(first_chunk, last_chunk, body, jnp.zeros((block_t, block_e), jnp.float32))
 
+
+def _summed_logits(partial_ref, t_block, block_t, *, volatile: bool):
+    from jax.experimental.pallas import triton as plgpu
+
+    splits, _, padded_experts = partial_ref.shape
+    tile = pl.ds(t_block * block_t, block_t)
+    logits = jnp.zeros((block_t, padded_experts), jnp.float32)
+    for s in range(splits):  # fixed order: the same sum whichever program finishes last
+        logits = logits + plgpu.load(partial_ref.at[jnp.int32(s), tile, :], volatile=volatile)
+    return logits
+
+
+def _fused_routing_kernel(x_ref, w_ref, bias_ref, counter_in_ref, partial_ref, weights_ref, ids_ref, counter_ref,
+                          *, block_t, interpret, select, **tile):
+    """Partial logits, then the last program of the token block (atomic counter) selects."""
+    del counter_in_ref  # aliased to counter_ref
+    from jax.experimental.pallas import triton as plgpu
+
+    t_block, e_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    acc = _partial_logits(x_ref, w_ref, t_block, e_block, split, block_t=block_t, **tile)
+    block_e = tile["block_e"]
+    partial_ref[split, pl.ds(t_block * block_t, block_t), pl.ds(e_block * block_e, block_e)] = acc
     if not interpret:
         plgpu.debug_barrier()  # every thread's partial store is ordered before the release below
     finished_before = plgpu.atomic_add(counter_ref, (pl.ds(t_block, 1),), jnp.ones((1,), jnp.int32))[0]
 
-    @pl.when(finished_before == programs_per_token_block - 1)
+    @pl.when(finished_before == pl.num_programs(1) * pl.num_programs(2) - 1)
     def _select_last():
-        splits, _, padded_experts = partial_ref.shape
-        tile = pl.ds(t_block * block_t, block_t)
-        logits = jnp.zeros((block_t, padded_experts), jnp.float32)
-        for s in range(splits):  # fixed order: same sum whoever finishes last
-            logits = logits + plgpu.load(partial_ref.at[jnp.int32(s), tile, :], volatile=True)
-        weights, ids = select(logits, bias_ref[...])
-        weights_ref[tile, :] = weights
-        ids_ref[tile, :] = ids
+        weights, ids = select(_summed_logits(partial_ref, t_block, block_t, volatile=True), bias_ref[...])
+        tile_rows = pl.ds(t_block * block_t, block_t)
+        weights_ref[tile_rows, :] = weights
+        ids_ref[tile_rows, :] = ids
+
+
+def _logits_kernel(x_ref, w_ref, partial_ref, *, block_t, **tile):
+    t_block, e_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    acc = _partial_logits(x_ref, w_ref, t_block, e_block, split, block_t=block_t, **tile)
+    block_e = tile["block_e"]
+    partial_ref[split, pl.ds(t_block * block_t, block_t), pl.ds(e_block * block_e, block_e)] = acc
+
+
+def _select_kernel(partial_ref, bias_ref, weights_ref, ids_ref, *, block_t, select):
+    t_block = pl.program_id(0)
+    weights, ids = select(_summed_logits(partial_ref, t_block, block_t, volatile=False), bias_ref[...])
+    tile_rows = pl.ds(t_block * block_t, block_t)
+    weights_ref[tile_rows, :] = weights
+    ids_ref[tile_rows, :] = ids
 
 
 def routing_kernel(
@@ -196,10 +206,14 @@ def routing_kernel(
     block_k: int = 64,
     splits: int | None = None,
     num_warps: int = 4,
+    fused: bool = True,
+    logits_only: bool = False,
     interpret: bool = False,
-) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
-    """The fused routing kernel (see the module docstring). `splits` divides the hidden axis; by
-    default it is chosen so that a grid has about 128 programs (enough to stream the router)."""
+):
+    """The routing kernel (see the module docstring). `splits` divides the hidden axis; by default
+    it is chosen so that a grid has about 128 programs (enough to stream the router). `fused=False`
+    runs the selection as a second kernel instead of in the last program; `logits_only` returns
+    the kernel's fp32 logits [tokens, experts] (for tests)."""
     from jax.experimental.pallas import triton as plgpu
 
     tokens, hidden = x.shape
@@ -218,31 +232,43 @@ def routing_kernel(
     k_chunks_per_split = pl.cdiv(k_chunks, splits)
     splits = pl.cdiv(k_chunks, k_chunks_per_split)
     padded_k = _next_pow2(top_k)
+    padded_tokens = token_blocks * block_t
     bias = jnp.zeros((padded_experts,), jnp.float32).at[:experts].set(correction_bias.astype(jnp.float32))
+    router_weight = router_weight.astype(jnp.float32)
 
     select = functools.partial(
         _select, experts=experts, num_groups=num_groups, groups_kept=groups_kept,
         top_k=top_k, normalize=normalize, scaling=scaling,
     )
-    kernel = functools.partial(
-        _routing_kernel, block_t=block_t, block_e=block_e, block_k=block_k,
-        k_chunks_per_split=k_chunks_per_split, interpret=interpret, select=select,
-    )
-    padded_tokens = token_blocks * block_t
-    _, weights, ids, _ = pl.pallas_call(
-        kernel,
-        grid=(token_blocks, expert_blocks, splits),
-        out_shape=[
-            jax.ShapeDtypeStruct((splits, padded_tokens, padded_experts), jnp.float32),
-            jax.ShapeDtypeStruct((padded_tokens, padded_k), jnp.float32),
-            jax.ShapeDtypeStruct((padded_tokens, padded_k), jnp.int32),
-            jax.ShapeDtypeStruct((token_blocks,), jnp.int32),
-        ],
-        input_output_aliases={3: 3},
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
-        interpret=interpret,
-        name="beam_routing",
-    )(x, router_weight.astype(jnp.float32), bias, jnp.zeros((token_blocks,), jnp.int32))
+    tile = dict(block_t=block_t, block_e=block_e, block_k=block_k, k_chunks_per_split=k_chunks_per_split)
+    grid = (token_blocks, expert_blocks, splits)
+    partial_shape = jax.ShapeDtypeStruct((splits, padded_tokens, padded_experts), jnp.float32)
+    selection_shapes = [
+        jax.ShapeDtypeStruct((padded_tokens, padded_k), jnp.float32),
+        jax.ShapeDtypeStruct((padded_tokens, padded_k), jnp.int32),
+    ]
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
+    if fused and not logits_only:
+        _, weights, ids, _ = pl.pallas_call(
+            functools.partial(_fused_routing_kernel, interpret=interpret, select=select, **tile),
+            grid=grid,
+            out_shape=[partial_shape, *selection_shapes, jax.ShapeDtypeStruct((token_blocks,), jnp.int32)],
+            input_output_aliases={3: 3},
+            compiler_params=params,
+            interpret=interpret,
+            name="beam_routing",
+        )(x, router_weight, bias, jnp.zeros((token_blocks,), jnp.int32))
+    else:
+        partial = pl.pallas_call(
+            functools.partial(_logits_kernel, **tile), grid=grid, out_shape=partial_shape,
+            compiler_params=params, interpret=interpret, name="beam_router_logits",
+        )(x, router_weight)
+        if logits_only:
+            return partial.sum(0)[:tokens, :experts]
+        weights, ids = pl.pallas_call(
+            functools.partial(_select_kernel, block_t=block_t, select=select), grid=(token_blocks,),
+            out_shape=selection_shapes, compiler_params=params, interpret=interpret, name="beam_router_select",
+        )(partial, bias)
     return weights[:tokens, :top_k], ids[:tokens, :top_k]
 
 

@@ -49,6 +49,13 @@ from pallas_kernels import moe_gemm as mg  # noqa: E402
 from pallas_kernels import routing as rt  # noqa: E402
 
 HBM_BPS = 4.2e12
+START = time.time()
+DEADLINE_S = [float("inf")]
+
+
+def past_deadline() -> bool:
+    return time.time() - START > DEADLINE_S[0]
+
 BF16_FLOPS = 676e12
 E, H, I, TOP_K, GROUPS, GROUPS_KEPT, SCALING = 256, 5120, 320, 8, 8, 4, 2.5
 
@@ -167,7 +174,7 @@ def time_chain(fn, stacked, *rest, repeats: int, wall: bool = True):
 
 
 def check_moe(fmt, weights, key, rows):
-    for t in (1, 5, 64, 300):
+    for t in (1, 5, 16, 64, 300):
         x, w, ids = make_tokens(t, 1, jax.random.fold_in(key, t))
         got = jax.jit(mg.moe_gemm_kernel)(x[0], w[0], ids[0], *weights)
         want = jax.jit(mg.moe_gemm_reference)(x[0], w[0], ids[0], *weights)
@@ -196,12 +203,18 @@ def check_routing(rows, tokens=100_000):
         ),
     }
     for name, (x, w, b) in cases.items():
-        got_w, got_i = jax.jit(functools.partial(rt.routing_kernel, **kw_args))(x, w, b)
+        logits = jax.jit(functools.partial(rt.routing_kernel, logits_only=True, **kw_args))(x, w, b)
+        want = jnp.einsum("th,eh->te", x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST)
+        logit_err = float(jnp.abs(logits - want).max())
         ref_w, ref_i = jax.jit(functools.partial(rt.routing_reference, **kw_args))(x, w, b)
-        differ = int(jnp.any(got_i != ref_i, axis=1).sum())
-        werr = float(jnp.abs(got_w - ref_w).max())
-        rows.append(dict(kind="check_routing", inputs=name, tokens=tokens, tokens_differing=differ, max_weight_err=werr))
-        print(f"check routing {name}: {differ} of {tokens} tokens select differently; max|w err|={werr:.3g}", flush=True)
+        for fused in (True, False):
+            got_w, got_i = jax.jit(functools.partial(rt.routing_kernel, fused=fused, **kw_args))(x, w, b)
+            differ = int(jnp.any(got_i != ref_i, axis=1).sum())
+            werr = float(jnp.abs(got_w - ref_w).max())
+            rows.append(dict(kind="check_routing", inputs=name, fused=fused, tokens=tokens, tokens_differing=differ,
+                             max_weight_err=werr, max_logit_err=logit_err))
+            print(f"check routing {name} fused={fused}: {differ} of {tokens} tokens select differently; "
+                  f"max|w err|={werr:.3g}; max|logit err|={logit_err:.3g}", flush=True)
 
 
 def bench_routing(token_counts, rows, *, sweep: bool, repeats=16):
@@ -209,13 +222,14 @@ def bench_routing(token_counts, rows, *, sweep: bool, repeats=16):
     key = jax.random.key(3)
     weights = jax.random.normal(key, (repeats, E, H), jnp.float32) * 0.02  # 16 x 5 MB: not in L2
     bias = jax.random.normal(key, (E,), jnp.float32) * 0.1
-    variants = {"pallas": rt.routing_kernel, "xla": rt.routing_reference}
+    variants = {"pallas": rt.routing_kernel, "pallas_two_kernels": functools.partial(rt.routing_kernel, fused=False),
+                "xla": rt.routing_reference}
     if sweep:
         for block_e, block_k, splits in itertools.product((16, 32, 64), (64, 128), (None, 32)):
             variants[f"pallas[e{block_e},k{block_k},s{splits}]"] = functools.partial(
                 rt.routing_kernel, block_e=block_e, block_k=block_k, splits=splits)
     for t in token_counts:
-        if sweep and t not in (1, 64, 512, 8192):
+        if past_deadline() or (sweep and t not in (1, 64, 512, 8192)):
             continue
         x = jax.random.normal(jax.random.fold_in(key, t), (repeats, t, H), jnp.float32).astype(jnp.bfloat16)
         res = {}
@@ -264,7 +278,10 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
     gate, up, down = weights
     per_expert = expert_bytes(gate, up, down)
     for t in token_counts:
-        repeats = 2 if t >= 4096 else (4 if sweep else 8)
+        if past_deadline():
+            print(f"moe {fmt} T={t}: skipped (deadline)", flush=True)
+            continue
+        repeats = 2 if t >= 512 else 4
         x, w, ids = make_tokens(t, repeats, jax.random.key(t))
         touched = float(np.mean([len(np.unique(np.asarray(ids[r]))) for r in range(repeats)]))
         floor = touched * per_expert / HBM_BPS * 1e6
@@ -322,11 +339,16 @@ def main():
     parser.add_argument("--no-routing", action="store_true")
     parser.add_argument("--no-timing", default="", help="formats to check but not time")
     parser.add_argument("--out", default="moe.json")
+    parser.add_argument("--deadline-s", type=float, default=float("inf"), help="skip what would start later")
     args = parser.parse_args()
+    DEADLINE_S[0] = args.deadline_s
     token_counts = [int(t) for t in args.tokens.split(",")]
     rows = [dict(kind="meta", device=str(jax.devices()[0]), jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
                  argv=sys.argv[1:])]
     def stage(fn, *a, **k):
+        if past_deadline():
+            print(f"{fn.__name__}: skipped (deadline)", flush=True)
+            return
         try:
             fn(*a, **k)
         except Exception:  # noqa: BLE001 - keep what was measured, go on with the next stage
