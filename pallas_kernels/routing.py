@@ -1,4 +1,4 @@
-"""Beam's fp32 MoE routing as one fused Pallas (Triton) kernel, with its plain-jnp reference.
+"""Beam's fp32 MoE routing as Pallas (Triton) kernels, with its plain-jnp reference.
 
 Routing (BEAM_SPEC): `logits = x @ W_router^T` (bf16 activations, fp32 weights, fp32 accumulation),
 `scores = sigmoid(logits)`, `choice = scores + correction_bias`; each group of experts is scored by
@@ -7,11 +7,18 @@ them are chosen (ties: lower index), and their weights are the unbiased scores, 
 1 (`normalize`) and multiplied by `scaling`.
 
 The kernel: grid (token block, expert block, K split). Every program writes the partial logits of
-its [tokens x experts] tile over its slice of the hidden axis; the program that finishes last for a
-token block (an atomic counter per token block says which) sums the partials in split order,
-applies the sigmoid and the bias, and selects. So the whole routing is one launch, the GEMV is
-spread over enough programs to stream the 5 MB router at HBM speed, and the sum order is fixed
-(the result does not depend on which program finishes last).
+its [tokens x experts] tile over its slice of the hidden axis. The fp32 logits are summed in split
+order, so the result never depends on scheduling; on the H200 they equal XLA's HIGHEST-precision
+einsum bit for bit, and the selections equal the reference's on 100k random tokens.
+Two ways to select:
+- `fused=False` (default): a second kernel, one token per program.
+- `fused=True`: the program that finishes last for a token block (an atomic counter per token
+  block says which) selects, so routing is one launch. Passes in interpret mode; its first GPU
+  version (a one-element vector atomic) selected garbage on the H200, and the scalar-atomic
+  version here has not run on a GPU yet.
+
+Speed (benchmarks/moe/RESULTS.md): not yet faster than XLA, so `routing()` runs the reference unless
+asked for the kernel.
 """
 
 from __future__ import annotations
@@ -166,7 +173,10 @@ def _fused_routing_kernel(x_ref, w_ref, bias_ref, counter_in_ref, partial_ref, w
     partial_ref[split, pl.ds(t_block * block_t, block_t), pl.ds(e_block * block_e, block_e)] = acc
     if not interpret:
         plgpu.debug_barrier()  # every thread's partial store is ordered before the release below
-    finished_before = plgpu.atomic_add(counter_ref, (pl.ds(t_block, 1),), jnp.ones((1,), jnp.int32))[0]
+    # A scalar atomic: Triton runs it once per program. (A one-element vector atomic, the first
+    # version, may run once per thread holding a replica of the element; that version selected
+    # garbage on the H200.)
+    finished_before = plgpu.atomic_add(counter_ref, (jnp.asarray(t_block, jnp.int32),), jnp.ones((), jnp.int32))
 
     @pl.when(finished_before == pl.num_programs(1) * pl.num_programs(2) - 1)
     def _select_last():
@@ -206,14 +216,14 @@ def routing_kernel(
     block_k: int = 64,
     splits: int | None = None,
     num_warps: int = 4,
-    fused: bool = True,
+    fused: bool = False,
     logits_only: bool = False,
     interpret: bool = False,
 ):
     """The routing kernel (see the module docstring). `splits` divides the hidden axis; by default
-    it is chosen so that a grid has about 128 programs (enough to stream the router). `fused=False`
-    runs the selection as a second kernel instead of in the last program; `logits_only` returns
-    the kernel's fp32 logits [tokens, experts] (for tests)."""
+    it is chosen so that a grid has about 128 programs (enough to stream the router). `fused`
+    selects in the last program instead of a second kernel; `logits_only` returns the kernel's
+    fp32 logits [tokens, experts] (for tests)."""
     from jax.experimental.pallas import triton as plgpu
 
     tokens, hidden = x.shape
@@ -265,9 +275,12 @@ def routing_kernel(
         )(x, router_weight)
         if logits_only:
             return partial.sum(0)[:tokens, :experts]
+        # One token per program and one warp: the selection is ~70 dependent reductions over the
+        # experts, which stay inside a warp (shuffles, no shared-memory round trips) this way.
         weights, ids = pl.pallas_call(
-            functools.partial(_select_kernel, block_t=block_t, select=select), grid=(token_blocks,),
-            out_shape=selection_shapes, compiler_params=params, interpret=interpret, name="beam_router_select",
+            functools.partial(_select_kernel, block_t=1, select=select), grid=(padded_tokens,),
+            out_shape=selection_shapes, compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+            interpret=interpret, name="beam_router_select",
         )(partial, bias)
     return weights[:tokens, :top_k], ids[:tokens, :top_k]
 
@@ -282,13 +295,11 @@ def routing(
     top_k: int,
     normalize: bool = True,
     scaling: float = 1.0,
-    use_kernel: bool | None = None,
+    use_kernel: bool = False,
     interpret: bool = False,
 ) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
-    """Beam's routing: the fused kernel on GPU (or `interpret=True`), the plain-jnp reference
-    elsewhere. `use_kernel=None` picks by backend."""
-    if use_kernel is None:
-        use_kernel = jax.default_backend() == "gpu" or interpret
+    """Beam's routing. The plain-jnp reference unless `use_kernel` (the kernel is correct but was
+    slower than XLA's fusion of the reference when last measured on the H200)."""
     kwargs = dict(
         num_groups=num_groups, groups_kept=groups_kept, top_k=top_k, normalize=normalize, scaling=scaling
     )

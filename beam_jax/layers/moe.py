@@ -12,38 +12,8 @@ from beam_jax.config import BeamConfig
 from beam_jax.layers.linear import matmul_precision
 from beam_jax.layers.mlp import swiglu
 from beam_jax.layers.quantized import QuantizedExpertLinear
-
-
-def route(
-    x: Float[Array, "tokens hidden"],
-    router_weight: Float[Array, "experts hidden"],
-    correction_bias: Float[Array, " experts"],
-    *,
-    num_groups: int,
-    groups_kept: int,
-    top_k: int,
-    normalize: bool,
-) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
-    """Expert weights and indices, fp32 end to end (small rounding flips selections)."""
-    logits = jnp.einsum(
-        "th,eh->te", x.astype(jnp.float32), router_weight.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
-    )
-    scores = jax.nn.sigmoid(logits)
-    choice = scores + correction_bias.astype(jnp.float32)
-    tokens, experts = choice.shape
-    grouped = choice.reshape(tokens, num_groups, experts // num_groups)
-    group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
-    _, kept_groups = jax.lax.top_k(group_scores, groups_kept)
-    group_mask = jnp.zeros((tokens, num_groups), bool).at[jnp.arange(tokens)[:, None], kept_groups].set(True)
-    choice = jnp.where(jnp.repeat(group_mask, experts // num_groups, axis=1), choice, -jnp.inf)
-    _, indices = jax.lax.top_k(choice, top_k)
-    weights = jnp.take_along_axis(scores, indices, axis=1)
-    if normalize:
-        # Divide as the reference does: XLA rewrites `x / broadcast(d)` into `x * (1 / d)`, an ulp
-        # off for ~20% of the weights, unless the broadcast divisor is hidden behind a barrier.
-        total = jnp.broadcast_to(weights.sum(-1, keepdims=True) + 1e-20, weights.shape)
-        weights = weights / jax.lax.optimization_barrier(total)
-    return weights, indices
+from pallas_kernels.moe_gemm import ExpertWeights, moe_gemm
+from pallas_kernels.routing import routing as route  # fp32 routing (reference unless asked for the kernel)
 
 
 def experts_reference(
@@ -122,7 +92,20 @@ class Experts(nnx.Module):
             self.up_proj = QuantizedExpertLinear(e, i, h, self.expert_format)
             self.down_proj = QuantizedExpertLinear(e, h, i, self.expert_format)
 
+    def expert_weights(self) -> tuple[ExpertWeights, ExpertWeights, ExpertWeights]:
+        """gate, up, down as the grouped-GEMM kernel takes them (packed weights stay packed)."""
+        if self.expert_format == "bf16":
+            gate_up, intermediate = self.gate_up_proj[...], self.down_proj.shape[2]
+            return (
+                ExpertWeights(gate_up, rows=intermediate),
+                ExpertWeights(gate_up, row_offset=intermediate, rows=intermediate),
+                ExpertWeights(self.down_proj[...]),
+            )
+        return self.gate_proj.expert_weights(), self.up_proj.expert_weights(), self.down_proj.expert_weights()
+
     def __call__(self, x, weights, indices):
+        if jax.default_backend() == "gpu":  # the Pallas kernels; CPU keeps the reference below
+            return moe_gemm(x, weights, indices, *self.expert_weights(), use_kernel=True)
         if self.expert_format == "bf16":
             gate_up, down = self.gate_up_proj[...], self.down_proj[...]
         else:

@@ -17,6 +17,7 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from beam_jax.quant import FP8Weight, NVFP4Weight, dequantize_fp8, dequantize_nvfp4
+from pallas_kernels.moe_gemm import ExpertWeights
 
 NVFP4_GROUP = 16
 
@@ -49,3 +50,12 @@ class QuantizedExpertLinear(nnx.Module):
             packed = NVFP4Weight(self.weight[...], self.weight_scale[...], self.weight_scale_2[...])
             return dequantize_nvfp4(packed, dtype)
         return dequantize_fp8(FP8Weight(self.weight[...], self.weight_scale[...]), dtype)
+
+    def expert_weights(self) -> ExpertWeights:
+        """The packed parameters as the grouped-GEMM kernel takes them (no dequantization)."""
+        if self.expert_format == "nvfp4":
+            return ExpertWeights(self.weight[...], self.weight_scale[...], self.weight_scale_2[...], format="nvfp4")
+        if self.expert_format == "fp8_channel":
+            scale = self.weight_scale[...]
+            return ExpertWeights(self.weight[...], scale.reshape(scale.shape[:2]), format="fp8_channel")
+        return ExpertWeights(self.weight[...], self.weight_scale[...], format="fp8_tensor")
