@@ -12,6 +12,14 @@ at `q` iff `0 <= q - k < window`, so once the next query is at `p`, a page whose
 `< p - window + 1` is never read again. Released entries read -1. Release is a prefix of the table
 (positions only grow), so each group keeps a `first_live` page index instead of scanning.
 
+Pages are reference counted so that sequences can start from a cached prefix
+(`serving.prefix_cache`): a page's holders are the sequences whose tables map it plus external
+references (the prefix cache's own, via `add_refs` / `drop_refs`), and it returns to the free list
+only when the last holder lets go. A shared page is full and read-only: prefixes are shared in
+whole pages (`share_prefix`) and a sequence writes only from its own length on, so its writes
+always land in pages it alone holds (`allocate` asserts this). When free pages run short,
+`allocate` asks the pool's `evictor` (the prefix cache) to give some back.
+
 Everything here is numpy and O(pages touched) per call; nothing loops over tokens. This module
 only does bookkeeping: the device-side pages and the kernel that reads them are elsewhere.
 """
@@ -19,7 +27,7 @@ only does bookkeeping: the device-side pages and the kernel that reads them are 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -70,6 +78,15 @@ def sliding_groups(groups: Iterable[CacheGroup]) -> list[int]:
     return [g for g, group in enumerate(groups) if group.window is not None]
 
 
+def first_visible_page(window: int | None, position, page_tokens: int):
+    """The first logical page a query at `position` (an int or an array of them) can see: a key at
+    `k` is visible iff `0 <= position - k < window`, so pages below `(position - window + 1) // P`
+    hold only invisible keys. 0 for a full-history group."""
+    if window is None:
+        return np.zeros_like(position)
+    return np.maximum(0, np.asarray(position) - window + 1) // page_tokens
+
+
 @dataclasses.dataclass
 class _SequenceState:
     """One sequence's pages: per group a growable table (capacity doubles, so appends are
@@ -87,8 +104,13 @@ class KVPool:
     """A pool of `num_pages` pages (ids 0..num_pages-1) shared by `groups`.
 
     `allocate(seq, total)` grows a sequence (creating it on first use) and releases its
-    out-of-window pages; `free(seq)` returns all of them; `page_tables(seqs, group)` gives the
-    runner a padded int32 table per group. `check_invariants()` verifies the exact accounting."""
+    out-of-window pages; `share_prefix(seq, pages, tokens)` creates one on cached pages;
+    `free(seq)` lets go of all of them; `page_tables(seqs, group)` gives the runner a padded int32
+    table per group. `check_invariants()` verifies the exact accounting.
+
+    `evictor`, if set, is called as `evictor(num_pages)` when an allocation is short of
+    `num_pages` free pages; it returns how many it freed, and must free at least that many or
+    none, so that a failed allocation changes nothing."""
 
     def __init__(self, groups: Sequence[CacheGroup], num_pages: int, *, page_tokens: int = PAGE_TOKENS):
         if not groups:
@@ -106,15 +128,20 @@ class KVPool:
         # Free list as a stack: `_free[:_num_free]`; reversed so that a fresh pool hands out 0, 1, ...
         self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int32)
         self._num_free = num_pages
-        # Owner of each page (group -1: free). Redundant with the tables on purpose: the invariant
-        # check cross-checks the two, and it answers "who holds page x" in O(1) when debugging.
-        self._owner_seq = np.full(num_pages, -1, dtype=np.int64)
+        # Holders of each page (0: free): sequences mapping it plus external references, which
+        # are also counted apart so that the invariant check can account for every reference.
+        self._refcount = np.zeros(num_pages, dtype=np.int32)
+        self._external_refs = np.zeros(num_pages, dtype=np.int32)
+        # Group and logical page of each page (-1: free). Every holder maps a page at the same
+        # place (a prefix is shared position for position), so these are per page; redundant with
+        # the tables on purpose: the invariant check cross-checks the two.
         self._owner_group = np.full(num_pages, -1, dtype=np.int32)
         self._owner_logical = np.full(num_pages, -1, dtype=np.int64)
         self._used = np.zeros(len(self.groups), dtype=np.int64)
         self._peak = np.zeros(len(self.groups), dtype=np.int64)
         self._peak_total = 0
         self._seqs: dict[int, _SequenceState] = {}
+        self.evictor: Callable[[int], int] | None = None
 
     # ---- constructors ----------------------------------------------------------------------------
     @classmethod
@@ -188,6 +215,10 @@ class KVPool:
     def num_tokens(self, seq_id: int) -> int:
         return self._seqs[seq_id].num_tokens
 
+    def refcount(self, pages: np.ndarray) -> np.ndarray:
+        """How many holders (sequences and external references) each of `pages` has."""
+        return self._refcount[np.asarray(pages, dtype=np.int64)]
+
     def page_table(self, seq_id: int, group: int) -> np.ndarray:
         """A copy of one sequence's table for one group: logical page -> page id, -1 released."""
         state = self._seqs[seq_id]
@@ -228,10 +259,19 @@ class KVPool:
     def _dead_pages(self, group: CacheGroup, position: int, num_pages: int) -> int:
         """How many leading logical pages no query at `>= position` can see: a page is dead iff its
         last token `(j + 1) * P - 1 < position - window + 1`, i.e. `j < (position - window + 1) // P`."""
-        if group.window is None:
+        return min(num_pages, int(first_visible_page(group.window, position, self.page_tokens)))
+
+    def _releasable(self, state: _SequenceState | None, position: int) -> int:
+        """How many pages a sliding release at `position` would return to the free list: the dead
+        pages this sequence alone holds (a shared one stays with its other holders)."""
+        if state is None:
             return 0
-        first_visible = position - group.window + 1
-        return min(num_pages, max(0, first_visible) // self.page_tokens)
+        num_pages = state.num_pages(self.page_tokens)
+        releasable = 0
+        for g, group in enumerate(self.groups):
+            dead = state.tables[g][state.first_live[g] : self._dead_pages(group, position, num_pages)]
+            releasable += int(np.count_nonzero(self._refcount[dead] == 1))
+        return releasable
 
     # ---- mutations -------------------------------------------------------------------------------
     def allocate(self, seq_id: int, new_total_tokens: int) -> int:
@@ -246,15 +286,19 @@ class KVPool:
         old_pages = ceil_div(old_tokens, self.page_tokens)
         new_pages = ceil_div(new_total_tokens, self.page_tokens)
         grow = new_pages - old_pages
-        releasable = 0
-        if state is not None:
-            releasable = sum(
-                max(0, self._dead_pages(group, old_tokens, old_pages) - state.first_live[g])
-                for g, group in enumerate(self.groups)
-            )
+        if state is not None and new_total_tokens > old_tokens and old_tokens % self.page_tokens:
+            # The step writes into the partly filled last page: it must be this sequence's alone.
+            # It is, because shared pages are full (prefixes and cache entries are whole pages).
+            last = [state.tables[g][old_pages - 1] for g in range(len(self.groups))]
+            assert np.all(self._refcount[last] == 1), f"sequence {seq_id} would write into a shared page"
         needed = grow * len(self.groups)
         # Pages released below were dead already, so counting them as free cannot hurt anyone; but
         # check before touching anything so that a failure leaves the pool exactly as it was.
+        releasable = self._releasable(state, old_tokens)
+        shortfall = needed - self._num_free - releasable
+        if shortfall > 0 and self.evictor is not None:
+            self.evictor(shortfall)  # frees at least `shortfall` pages or none (see the class)
+            releasable = self._releasable(state, old_tokens)
         if needed > self._num_free + releasable:
             raise PoolExhausted(seq_id, needed, self._num_free, releasable)
         if state is None:
@@ -266,28 +310,76 @@ class KVPool:
                 self._ensure_capacity(state, g, new_pages)
                 pages = self._pop(grow)
                 state.tables[g][old_pages:new_pages] = pages
-                self._claim(pages, seq_id, g, np.arange(old_pages, new_pages))
+                self._claim(pages, g, np.arange(old_pages, new_pages))
         state.num_tokens = new_total_tokens
         self._peak = np.maximum(self._peak, self._used)
         self._peak_total = max(self._peak_total, self.num_used)
         return needed
 
+    def share_prefix(self, seq_id: int, pages_per_group: Sequence[np.ndarray], num_tokens: int) -> None:
+        """Create `seq_id` holding `num_tokens` tokens whose KV is already in `pages_per_group`
+        (one table of `num_tokens // page_tokens` pages per group, e.g. a `PrefixMatch`'s): each
+        page is mapped at its logical page and gains a reference. In a sliding group the entries
+        before the window of the next query (at `num_tokens`) must be `NO_PAGE`. `num_tokens` is
+        whole pages, so `allocate` then puts the sequence's own tokens into fresh pages."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} exists already")
+        if num_tokens < 0 or num_tokens % self.page_tokens:
+            raise ValueError(f"a shared prefix is whole pages of {self.page_tokens} tokens, got {num_tokens}")
+        if len(pages_per_group) != len(self.groups):
+            raise ValueError(f"expected {len(self.groups)} page tables, got {len(pages_per_group)}")
+        num_pages = num_tokens // self.page_tokens
+        tables, first_live, live_pages = [], [], []
+        for g, group in enumerate(self.groups):
+            table = np.asarray(pages_per_group[g], dtype=np.int32)
+            if table.shape != (num_pages,):
+                raise ValueError(f"group {g}: expected {num_pages} pages, got shape {table.shape}")
+            first = self._dead_pages(group, num_tokens, num_pages)
+            live = table[first:]
+            if np.any(table[:first] != NO_PAGE):
+                raise ValueError(f"group {g}: pages before the window must be NO_PAGE")
+            # Only held pages at their own place can be shared: anything else is stale or misplaced.
+            if np.any((live < 0) | (live >= self.num_pages)) or np.any(self._refcount[live] == 0):
+                raise ValueError(f"group {g}: a page the next query sees is missing or free")
+            if np.any(self._owner_group[live] != g) or np.any(self._owner_logical[live] != np.arange(first, num_pages)):
+                raise ValueError(f"group {g}: a shared page belongs to another group or position")
+            tables.append(table.copy())
+            first_live.append(first)
+            live_pages.append(live)
+        self._seqs[seq_id] = _SequenceState(num_tokens, tables, first_live)
+        self._refcount[np.concatenate(live_pages)] += 1
+
     def release_out_of_window(self, seq_id: int, current_position: int) -> int:
-        """Free the sliding-group pages of `seq_id` that no query at `>= current_position` can
-        see. Returns how many pages were freed. `allocate` calls this itself."""
+        """Drop the sliding-group pages of `seq_id` that no query at `>= current_position` can
+        see. Returns how many pages returned to the free list (shared ones stay with their other
+        holders). `allocate` calls this itself."""
         state = self._seqs[seq_id]
         return self._release(seq_id, state, current_position)
 
     def free(self, seq_id: int) -> int:
-        """Return every page of `seq_id` to the pool and forget it. Returns how many."""
+        """Drop every page of `seq_id` and forget it. Returns how many pages returned to the free
+        list (a page still held by another sequence or the prefix cache stays)."""
         state = self._seqs.pop(seq_id)
         num_pages = state.num_pages(self.page_tokens)
-        freed = 0
-        for g in range(len(self.groups)):
-            live = state.tables[g][state.first_live[g] : num_pages]
-            self._push(live, g)
-            freed += len(live)
-        return freed
+        live = [state.tables[g][state.first_live[g] : num_pages] for g in range(len(self.groups))]
+        return self._unref(np.concatenate(live))
+
+    def add_refs(self, pages: np.ndarray) -> None:
+        """Take an external reference (one not in any page table: the prefix cache's) on each of
+        `pages`, distinct pages that some sequence holds now."""
+        pages = self._distinct_pages(pages)
+        if np.any(self._refcount[pages] == 0):
+            raise ValueError("an external reference needs a page that is held, not a free one")
+        self._refcount[pages] += 1
+        self._external_refs[pages] += 1
+
+    def drop_refs(self, pages: np.ndarray) -> int:
+        """Drop one external reference on each of `pages`. Returns how many pages that freed."""
+        pages = self._distinct_pages(pages)
+        if np.any(self._external_refs[pages] == 0):
+            raise ValueError("dropping an external reference that was never taken")
+        self._external_refs[pages] -= 1
+        return self._unref(pages)
 
     # ---- internals -------------------------------------------------------------------------------
     def _release(self, seq_id: int, state: _SequenceState, position: int) -> int:
@@ -298,9 +390,8 @@ class KVPool:
             if dead <= state.first_live[g]:
                 continue
             table = state.tables[g]
-            self._push(table[state.first_live[g] : dead].copy(), g)
+            freed += self._unref(table[state.first_live[g] : dead].copy())
             table[state.first_live[g] : dead] = NO_PAGE
-            freed += dead - state.first_live[g]
             state.first_live[g] = dead
         return freed
 
@@ -319,35 +410,45 @@ class KVPool:
         self._num_free = start
         return pages
 
-    def _claim(self, pages: np.ndarray, seq_id: int, group: int, logical: np.ndarray) -> None:
-        self._owner_seq[pages] = seq_id
+    def _claim(self, pages: np.ndarray, group: int, logical: np.ndarray) -> None:
+        self._refcount[pages] = 1
         self._owner_group[pages] = group
         self._owner_logical[pages] = logical
         self._used[group] += len(pages)
 
-    def _push(self, pages: np.ndarray, group: int) -> None:
-        self._free[self._num_free : self._num_free + len(pages)] = pages
-        self._num_free += len(pages)
-        self._owner_seq[pages] = -1
-        self._owner_group[pages] = -1
-        self._owner_logical[pages] = -1
-        self._used[group] -= len(pages)
+    def _unref(self, pages: np.ndarray) -> int:
+        """Drop one reference on each of `pages` (distinct); those left with none go back on the
+        free list. Returns how many did."""
+        self._refcount[pages] -= 1
+        unheld = pages[self._refcount[pages] == 0]
+        self._free[self._num_free : self._num_free + len(unheld)] = unheld
+        self._num_free += len(unheld)
+        self._used -= np.bincount(self._owner_group[unheld], minlength=len(self.groups))
+        self._owner_group[unheld] = -1
+        self._owner_logical[unheld] = -1
+        return len(unheld)
+
+    def _distinct_pages(self, pages: np.ndarray) -> np.ndarray:
+        pages = np.asarray(pages, dtype=np.int32).reshape(-1)
+        if np.any((pages < 0) | (pages >= self.num_pages)) or len(np.unique(pages)) != len(pages):
+            raise ValueError("expected distinct valid page ids")
+        return pages
 
     # ---- debugging -------------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Assert exact accounting: every page is either free or held by exactly one
-        (sequence, group, logical page), the tables and the owner arrays agree, and the counts
-        match. O(pages); meant for tests and debugging."""
+        """Assert exact accounting: each page's reference count is the number of sequences whose
+        tables map it plus its external references; a page is free iff it has none, and then it is
+        on the free list exactly once; every holder maps a page at the page's group and logical
+        page; and the counts match. O(pages); meant for tests and debugging."""
         free = self._free[: self._num_free]
         assert 0 <= self._num_free <= self.num_pages, self._num_free
         assert np.all((free >= 0) & (free < self.num_pages)), "free list holds an invalid page id"
         assert len(np.unique(free)) == len(free), "a page is on the free list twice"
-        assert np.all(self._owner_group[free] == -1), "a free page has an owner"
 
-        held_pages: list[np.ndarray] = []
-        used = np.zeros(len(self.groups), dtype=np.int64)
+        refs = self._external_refs.astype(np.int64)
         for seq_id, state in self._seqs.items():
             num_pages = state.num_pages(self.page_tokens)
+            live_pages = []
             for g, group in enumerate(self.groups):
                 table = state.tables[g]
                 first_live = state.first_live[g]
@@ -357,16 +458,21 @@ class KVPool:
                 assert np.all(table[:first_live] == NO_PAGE), f"released entries of {seq_id}/{g} still hold pages"
                 live = table[first_live:num_pages]
                 assert np.all((live >= 0) & (live < self.num_pages)), f"{seq_id}/{g} holds an invalid page id"
-                assert np.all(self._owner_seq[live] == seq_id), f"{seq_id}/{g}: owner sequence mismatch"
                 assert np.all(self._owner_group[live] == g), f"{seq_id}/{g}: owner group mismatch"
                 assert np.all(self._owner_logical[live] == np.arange(first_live, num_pages)), \
                     f"{seq_id}/{g}: owner logical page mismatch"
-                held_pages.append(live)
-                used[g] += len(live)
-        held = np.concatenate(held_pages) if held_pages else np.empty(0, dtype=np.int32)
-        assert len(np.unique(held)) == len(held), "a page is held twice"
-        assert len(held) + len(free) == self.num_pages, (len(held), len(free), self.num_pages)
-        assert len(np.intersect1d(held, free)) == 0, "a page is both held and free"
-        assert (self._owner_group >= 0).sum() == len(held), "owner arrays count stray pages"
+                live_pages.append(live)
+            held_by_seq = np.concatenate(live_pages)
+            assert len(np.unique(held_by_seq)) == len(held_by_seq), f"{seq_id} maps a page twice"
+            refs[held_by_seq] += 1
+        assert np.all(self._external_refs >= 0)
+        assert np.array_equal(refs, self._refcount), "reference counts differ from the holders"
+        held = self._refcount > 0
+        assert not np.any(held[free]), "a page is both held and free"
+        assert held.sum() + len(free) == self.num_pages, (held.sum(), len(free), self.num_pages)
+        assert np.all(self._owner_group[held] >= 0), "a held page has no group"
+        assert np.all(self._owner_group[~held] == -1) and np.all(self._owner_logical[~held] == -1), \
+            "a free page has an owner"
+        used = np.bincount(self._owner_group[held], minlength=len(self.groups))
         assert np.array_equal(used, self._used), (used, self._used)
         assert np.all(self._peak >= self._used) and self._peak_total >= self.num_used

@@ -54,7 +54,8 @@ def state_of(pool: KVPool) -> tuple:
     }
     return (
         pool._free[: pool._num_free].tobytes(),
-        pool._owner_seq.tobytes(),
+        pool._refcount.tobytes(),
+        pool._external_refs.tobytes(),
         pool._owner_group.tobytes(),
         pool._owner_logical.tobytes(),
         pool._used.tobytes(),
