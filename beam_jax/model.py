@@ -47,6 +47,7 @@ class BeamForCausalLM(nnx.Module):
         *,
         hidden_layers: tuple[int, ...] = (),
         return_routing: bool = False,
+        logits_at: Int[Array, " n"] | None = None,
     ) -> ForwardOutput:
         config = self.config
         x = self.model.embed_tokens(tokens)
@@ -57,6 +58,8 @@ class BeamForCausalLM(nnx.Module):
                 hidden[i] = x
             if expert_indices is not None and return_routing:
                 routing.append(expert_indices.reshape(*tokens.shape, -1))
+        if logits_at is not None:  # only these token positions need logits (a serving step's last tokens)
+            x = x[:, logits_at]
         x = self.model.norm(x)
         head = self.model.embed_tokens.weight if config.tie_word_embeddings else self.lm_head.weight
         # Logits leave the head in the model dtype (as in the reference); the soft-cap runs in fp32.
@@ -148,13 +151,17 @@ def forward(
     config: BeamConfig,
     hidden_layers: tuple[int, ...] = (),
     return_routing: bool = False,
+    logits_at: Int[Array, " n"] | None = None,
 ) -> ForwardOutput:
     """The pure forward pass. Jit it with `config`, `hidden_layers`, `return_routing` static
     (`jit_forward` does). With a cache, the new keys/values are written at `positions` first.
     With a `beam_jax.paged_cache.PagedKVCache` (its `PagedBatch` set by `with_batch`), `tokens` and
-    `positions` are one flat ragged step `[1, total_tokens]` that the batch metadata describes."""
+    `positions` are one flat ragged step `[1, total_tokens]` that the batch metadata describes.
+    `logits_at` (token indices along `t`) limits the head to those tokens: logits `[batch, n, vocab]`."""
     model = nnx.merge(graphdef(config), params)
-    return model(tokens, positions, cache, hidden_layers=hidden_layers, return_routing=return_routing)
+    return model(
+        tokens, positions, cache, hidden_layers=hidden_layers, return_routing=return_routing, logits_at=logits_at
+    )
 
 
 jit_forward = jax.jit(forward, static_argnames=("config", "hidden_layers", "return_routing"), donate_argnames=("cache",))

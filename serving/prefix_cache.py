@@ -86,10 +86,11 @@ class PrefixCache:
         self._queries = self._query_tokens = self._hit_tokens = self._evicted_pages = 0
 
     # ---- lookups ---------------------------------------------------------------------------------
-    def match(self, token_ids: Sequence[int] | np.ndarray) -> PrefixMatch:
+    def match(self, token_ids: Sequence[int] | np.ndarray, *, touch: bool = True) -> PrefixMatch:
         """The longest cached prefix of `token_ids` a new sequence can start from: whole pages, at
         least one token short of the whole prompt (its last token's logits must be computed), and
-        only as long as every group has the pages the next query can see. Touches what it returns."""
+        only as long as every group has the pages the next query can see. Touches what it returns
+        and counts the query in the stats, unless `touch=False` (a look that admits nothing)."""
         tokens = self._tokens(token_ids)
         page_tokens = self.pool.page_tokens
         path = self._walk(tokens, max(0, len(tokens) - 1) // page_tokens)
@@ -100,6 +101,8 @@ class PrefixCache:
             table = pages[:length, g].copy()
             table[: first_visible_page(group.window, length * page_tokens, page_tokens)] = NO_PAGE
             tables.append(table)
+        if not touch:
+            return PrefixMatch(length * page_tokens, tuple(tables))
         tick = next(self._clock)
         for node in path[:length]:
             node.last_access = tick

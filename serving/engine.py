@@ -1,0 +1,322 @@
+"""The engine: requests in, tokens and text out, many at once.
+
+    from serving.engine import LLM
+    from serving.sampling import SamplingParams
+    llm = LLM("beam-tiny")
+    [out] = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=16))
+    print(out.outputs[0].text)
+
+`LLMEngine` is the synchronous core (`add_request`, `abort_request`, `step`); each step asks the
+scheduler what to run, runs it as one compiled program (`ModelRunner`), then turns sampled tokens
+into text deltas and finished requests. `AsyncEngine` (serving/async_engine.py) drives it from a
+background thread for the server; `LLM` is the offline batch API for notebooks and scripts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import beam_jax
+from beam_jax.api import Beam
+from beam_jax.model import flat_params
+from serving.kv_cache import KVPool
+from serving.prefix_cache import PrefixCache
+from serving.runner import ModelRunner
+from serving.sampling import SamplingBatch, SamplingParams, StopChecker, TokenHistory
+from serving.scheduler import Request, Scheduler, SchedulerOutput
+
+DEFAULT_PAGE_TOKENS = 16
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Engine settings, named as vLLM's flags."""
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    max_prefill_chunk: int | None = None  # default: the token budget
+    max_model_len: int | None = None  # default: min(config.max_position_embeddings, 4096)
+    page_tokens: int = DEFAULT_PAGE_TOKENS
+    num_pages: int | None = None  # default: every sequence can reach max_model_len
+    enable_prefix_caching: bool = True
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # of each chosen token
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """A request's state after a step: everything so far plus this step's delta."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    new_text: str = ""
+    new_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+
+
+class _Detokenizer:
+    """Incremental detokenization: decodes a short window of recent tokens and emits the new text
+    once it no longer ends in an incomplete UTF-8 character (byte-level BPE splits characters)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)
+        before = decode(self.ids[self.prefix_offset : self.read_offset])
+        after = decode(self.ids[self.prefix_offset :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+
+@dataclasses.dataclass
+class _Tracked:
+    request: Request
+    stop: StopChecker
+    detokenizer: _Detokenizer
+    history: TokenHistory | None
+    completion: CompletionOutput
+    arrival_time: float
+    first_token_time: float | None = None
+    # Host-side sequence number for unseeded sampling keys (stable across preemptions).
+    key_id: int = 0
+
+
+@dataclasses.dataclass
+class EngineMetrics:
+    steps: int = 0
+    prompt_tokens: int = 0  # computed (not served by the cache)
+    generated_tokens: int = 0
+    busy_seconds: float = 0.0
+
+    def snapshot(self, engine: LLMEngine) -> dict:
+        pool = engine.pool
+        cache = engine.prefix_cache
+        return {
+            "running": len(engine.scheduler.running),
+            "waiting": len(engine.scheduler.waiting),
+            "pool_pages_used": pool.num_used,
+            "pool_pages_total": pool.num_pages,
+            "pool_usage": pool.num_used / max(pool.num_pages, 1),
+            "prefix_hit_rate": cache.stats.hit_rate if cache is not None else 0.0,
+            "preemptions": engine.scheduler.num_preemptions,
+            "steps": self.steps,
+            "generated_tokens": self.generated_tokens,
+            "tokens_per_second": (self.generated_tokens + self.prompt_tokens) / self.busy_seconds if self.busy_seconds else 0.0,
+            "compilations": engine.runner.compilations,
+        }
+
+
+class LLMEngine:
+    def __init__(self, model: str | Beam = "beam-tiny", *, config: EngineConfig | None = None, dtype=None, seed: int = 0):
+        self.beam = model if isinstance(model, Beam) else beam_jax.load(model, dtype=dtype, seed=seed)
+        self.config = config = config or EngineConfig()
+        model_config = self.beam.config
+        self.max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 4096)
+        if self.max_model_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's {model_config.max_position_embeddings} positions"
+            )
+        pages_per_seq = -(-self.max_model_len // config.page_tokens)
+        num_pages = config.num_pages or config.max_num_seqs * pages_per_seq * len(
+            KVPool.from_config(model_config, 0, page_tokens=config.page_tokens).groups
+        )
+        self.pool = KVPool.from_config(model_config, num_pages, page_tokens=config.page_tokens)
+        self.prefix_cache = PrefixCache(self.pool) if config.enable_prefix_caching else None
+        self.scheduler = Scheduler(
+            self.pool,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_prefill_chunk=config.max_prefill_chunk,
+            prefix_cache=self.prefix_cache,
+        )
+        self.runner = ModelRunner(
+            model_config, self.beam.params, self.pool,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            dtype=flat_params(self.beam.params)["model.embed_tokens.weight"].dtype,  # the compute dtype
+        )
+        self.tokenizer = self.beam.tokenizer
+        self.eos_token_ids = tuple(self.beam.stop_token_ids)
+        self.vocab_size = model_config.vocab_size
+        self._tracked: dict[str, _Tracked] = {}
+        self._key_ids = 0
+        self.metrics = EngineMetrics()
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if bad := [t for t in prompt_ids if not 0 <= t < self.vocab_size]:
+            raise ValueError(f"prompt token ids outside the vocabulary of {self.vocab_size}: {bad[:5]}")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len} "
+                "(prompt plus at least one new token must fit)"
+            )
+        for t in params.stop_token_ids:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"stop token id {t} is outside the vocabulary of {self.vocab_size}")
+        request = self.scheduler.add(request_id, prompt_ids, params)
+        history = TokenHistory(prompt_ids) if params.has_penalties else None
+        self._key_ids += 1
+        self._tracked[request_id] = _Tracked(
+            request, StopChecker(params, self.eos_token_ids), _Detokenizer(self.tokenizer), history,
+            CompletionOutput(), time.monotonic(), key_id=self._key_ids,
+        )
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stops a request wherever it is (waiting, mid-prefill, mid-decode) and frees its pages."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return None
+        self.scheduler.abort(tracked.request)
+        tracked.completion.finish_reason = "abort"
+        return self._output(tracked, "", [])
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._tracked)
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        started = time.monotonic()
+        plan = self.scheduler.schedule()
+        outputs = [self._finish(self._tracked.pop(r.request_id), "length") for r in plan.finished]
+        if plan.scheduled:
+            sampled = self.runner.execute(plan.scheduled, self._sampling_batch(plan))
+            self.scheduler.update(plan)
+            outputs += self._consume(plan, sampled)
+            self.metrics.steps += 1
+            self.metrics.prompt_tokens += sum(s.num_tokens for s in plan.scheduled if not s.samples or s.num_tokens > 1)
+        self.metrics.busy_seconds += time.monotonic() - started
+        return outputs
+
+    def _sampling_batch(self, plan: SchedulerOutput) -> SamplingBatch:
+        rows = self.runner.rows_for(self.runner.bucket(plan.num_tokens))
+        tracked = [self._tracked[s.request.request_id] for s in plan.scheduled]
+        return SamplingBatch.build(
+            [t.request.params for t in tracked],
+            request_ids=[t.key_id for t in tracked],
+            num_output_tokens=[len(t.request.output_ids) for t in tracked],
+            histories=[t.history for t in tracked],
+            vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            pad_to=rows,
+            **self._pinned_widths(tracked),
+        )
+
+    def _pinned_widths(self, tracked) -> dict:
+        """Fixed widths unless a row needs more (then the builder's bucket: a new compile)."""
+        widths = self.runner.sampling_widths()
+        needed = max((len(t.history) for t in tracked if t.history is not None), default=0)
+        if needed > widths["penalty_width"]:
+            widths.pop("penalty_width")
+        suppressed = max((len(self.eos_token_ids) + len(t.request.params.stop_token_ids) for t in tracked), default=0)
+        if suppressed > widths["suppress_width"]:
+            widths.pop("suppress_width")
+        return widths
+
+    def _consume(self, plan: SchedulerOutput, sampled) -> list[RequestOutput]:
+        outputs = []
+        now = time.monotonic()
+        for row, item in enumerate(plan.scheduled):
+            tracked = self._tracked.get(item.request.request_id)
+            if tracked is None or not item.samples:
+                continue
+            request = tracked.request
+            token = int(sampled.tokens[row])
+            request.output_ids.append(token)
+            self.metrics.generated_tokens += 1
+            if tracked.first_token_time is None:
+                tracked.first_token_time = now
+            if tracked.history is not None:
+                tracked.history.append(token)
+            completion = tracked.completion
+            completion.token_ids.append(token)
+            completion.logprobs.append(float(sampled.logprobs[row]))
+            if (k := request.params.logprobs) is not None:
+                completion.top_logprobs.append(
+                    [(int(i), float(v)) for i, v in zip(sampled.top_token_ids[row][:k], sampled.top_logprobs[row][:k])]
+                )
+            delta = tracked.stop.append(token, tracked.detokenizer.add(token))
+            if not tracked.stop.finished and request.num_tokens >= self.max_model_len:
+                delta += tracked.stop.finish("length")
+            if tracked.stop.finished:
+                self._tracked.pop(request.request_id)
+                self.scheduler.finish(request, tracked.stop.finish_reason)
+                completion.finish_reason, completion.stop_reason = tracked.stop.finish_reason, tracked.stop.stop_reason
+            completion.text += delta
+            outputs.append(self._output(tracked, delta, [token]))
+        return outputs
+
+    def _finish(self, tracked: _Tracked, reason: str) -> RequestOutput:
+        delta = tracked.stop.finish(reason)
+        tracked.completion.text += delta
+        tracked.completion.finish_reason = reason
+        return self._output(tracked, delta, [])
+
+    def _output(self, tracked: _Tracked, delta: str, new_ids: list[int]) -> RequestOutput:
+        request = tracked.request
+        return RequestOutput(
+            request.request_id, request.prompt_ids, [tracked.completion], tracked.completion.finish_reason is not None,
+            delta, new_ids, request.num_cached_prompt_tokens,
+        )
+
+    def stats(self) -> dict:
+        return self.metrics.snapshot(self)
+
+    def warmup(self) -> None:
+        """Compiles the step for every token bucket now, so that no request waits for a compile."""
+        self.runner.warmup()
+
+
+class LLM:
+    """Offline generation (vLLM's `LLM`): all prompts go in at once and run as one continuous batch."""
+
+    def __init__(self, model: str | Beam = "beam-tiny", **kwargs):
+        config_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        config = EngineConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in config_fields})
+        self.engine = LLMEngine(model, config=config, **kwargs)
+
+    def generate(
+        self, prompts: str | Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        ids = [f"offline-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, params_list):
+            self.engine.add_request(request_id, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]

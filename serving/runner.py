@@ -1,0 +1,140 @@
+"""Runs one scheduled step on the device: packs the step's sequences into one flat ragged batch,
+calls ONE compiled program (model forward on the paged cache + sampling) and returns the tokens.
+
+Shapes are bucketed so that steady state never recompiles: the flat token count is padded to a
+power of two (at least 16, at most the token budget rounded up), the number of rows to
+min(token bucket, max_num_seqs) (a step never has more sequences than tokens), page tables to a
+fixed width (`max_model_len` / page size), and the sampling widths are pinned. So one program per
+token bucket; `compilations` counts traces (a test asserts it stops growing after warm-up).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from beam_jax.config import BeamConfig
+from beam_jax.model import Params, forward
+from beam_jax.paged_cache import PagedBatch, PagedKVCache
+from serving.kv_cache import KVPool
+from serving.sampling import MAX_LOGPROBS, PENALTY_WIDTH_MIN, SUPPRESS_WIDTH_MIN, SamplerOutput, SamplingBatch, sample
+from serving.scheduler import ScheduledRequest
+
+MIN_TOKEN_BUCKET = 16
+
+
+def layer_groups(pool: KVPool, num_layers: int) -> tuple[int, ...]:
+    """Cache group of each target layer, from the planner's layer labels `L{i}`."""
+    by_label = {label: g for g, group in enumerate(pool.groups) for label in group.labels}
+    return tuple(by_label[f"L{i}"] for i in range(num_layers))
+
+
+def token_buckets(max_num_batched_tokens: int) -> list[int]:
+    buckets = [MIN_TOKEN_BUCKET]
+    while buckets[-1] < max_num_batched_tokens:
+        buckets.append(buckets[-1] * 2)
+    return buckets
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: BeamConfig,
+        params: Params,
+        pool: KVPool,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        dtype=jnp.float32,
+    ):
+        self.config = config
+        self.params = params
+        self.pool = pool
+        self.page_tokens = pool.page_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_pages = -(-max_model_len // pool.page_tokens)
+        self.buckets = token_buckets(max_num_batched_tokens)
+        self.layer_group = layer_groups(pool, config.num_hidden_layers)
+        self.cache = PagedKVCache.create(config, pool.num_pages, pool.page_tokens, dtype)
+        self.compilations = 0
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+
+    def _step_impl(self, params, cache, tokens, positions, batch, logits_at, sampling):
+        self.compilations += 1  # runs only when jit traces: one per new shape bucket
+        out = forward(params, tokens, positions, cache.with_batch(batch), config=self.config, logits_at=logits_at)
+        return out.cache.with_batch(None), sample(out.logits[0], sampling)
+
+    def bucket(self, num_tokens: int) -> int:
+        for size in self.buckets:
+            if size >= num_tokens:
+                return size
+        raise ValueError(f"a step of {num_tokens} tokens exceeds the largest bucket {self.buckets[-1]}")
+
+    def rows_for(self, token_bucket: int) -> int:
+        return min(token_bucket, self.max_num_seqs)
+
+    def execute(
+        self, scheduled: Sequence[ScheduledRequest], sampling: SamplingBatch, *, num_tokens: int | None = None
+    ) -> SamplerOutput:
+        """Runs the step; row i of the result belongs to `scheduled[i]` (rows past it are padding).
+        `sampling` must have `rows_for(bucket(tokens))` rows and pinned widths (`sampling_widths`).
+        `num_tokens` pads the step to at least that many tokens (warm-up)."""
+        total = max(sum(s.num_tokens for s in scheduled), num_tokens or 0)
+        size = self.bucket(total)
+        rows = self.rows_for(size)
+        if len(scheduled) > rows:
+            raise ValueError(f"{len(scheduled)} sequences in a step of at most {rows}")
+        groups = len(self.pool.groups)
+        tokens = np.zeros(size, np.int32)
+        positions = np.zeros(size, np.int32)
+        slots = np.full((groups, size), -1, np.int32)
+        query_start = np.zeros(rows + 1, np.int32)
+        seq_lens = np.zeros(rows, np.int32)
+        logits_at = np.zeros(rows, np.int32)
+        tables = [np.full((rows, self.max_pages), -1, np.int32) for _ in range(groups)]
+        at = 0
+        for row, item in enumerate(scheduled):
+            request, start, count = item.request, item.start, item.num_tokens
+            span = slice(at, at + count)
+            tokens[span] = request.token_ids[start : start + count]
+            positions[span] = np.arange(start, start + count)
+            for g in range(groups):
+                table = self.pool.page_table(request.seq_id, g)
+                tables[g][row, : len(table)] = table
+                slots[g, span] = table[positions[span] // self.page_tokens] * self.page_tokens + (
+                    positions[span] % self.page_tokens
+                )
+            at += count
+            query_start[row + 1 :] = at
+            seq_lens[row] = start + count
+            logits_at[row] = at - 1
+        batch = PagedBatch(
+            query_start=jnp.asarray(query_start),
+            seq_lens=jnp.asarray(seq_lens),
+            page_tables=tuple(jnp.asarray(t) for t in tables),
+            slot_mappings=tuple(jnp.asarray(s) for s in slots),
+            layer_group=self.layer_group,
+        )
+        self.cache, out = self._step(
+            self.params, self.cache, jnp.asarray(tokens)[None], jnp.asarray(positions)[None], batch,
+            jnp.asarray(logits_at), sampling,
+        )
+        return SamplerOutput(*(np.asarray(a) for a in out))
+
+    def warmup(self) -> None:
+        """Compiles every token bucket with an all-padding step (nothing is written to the cache)."""
+        for size in self.buckets:
+            empty = SamplingBatch.build(
+                [], request_ids=[], num_output_tokens=[], vocab_size=self.config.vocab_size,
+                pad_to=self.rows_for(size), **self.sampling_widths(),
+            )
+            self.execute([], empty, num_tokens=size)
+
+    @staticmethod
+    def sampling_widths() -> dict:
+        """Widths that keep the sampling arrays' shapes fixed (`SamplingBatch.build` kwargs)."""
+        return dict(penalty_width=PENALTY_WIDTH_MIN, suppress_width=SUPPRESS_WIDTH_MIN, num_top_logprobs=MAX_LOGPROBS)

@@ -1,0 +1,176 @@
+"""The engine on fp32 beam-tiny (random weights): concurrent requests give the same greedy tokens as
+the same requests run one at a time, through chunked prefill, prefix hits and preemption; pages all
+come back; steady state never recompiles; decodes keep going while a long prompt is prefilled."""
+
+from __future__ import annotations
+
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import beam_jax
+from serving.engine import LLM, EngineConfig, LLMEngine
+from serving.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def beam():
+    return beam_jax.load("beam-tiny", dtype=jnp.float32, seed=4)
+
+
+def random_prompts(seed):
+    """Lengths from 3 to 150 tokens (chunks of 16), and two pairs sharing long prefixes."""
+    rng = np.random.default_rng(seed)
+    ids = lambda n: rng.integers(16, 8192, n).tolist()  # no special tokens
+    shared, shared2 = ids(70), ids(40)
+    return [ids(3), shared + ids(9), ids(150), shared + ids(33), ids(41), shared2 + ids(5), shared2 + ids(20), ids(17)]
+
+
+def run(engine: LLMEngine, prompts, params=GREEDY, ids=None) -> dict[str, list[int]]:
+    ids = ids or [f"r{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return done
+
+
+def test_concurrent_equals_one_at_a_time(beam):
+    prompts = random_prompts(0)
+    alone = LLMEngine(beam, config=EngineConfig(max_num_batched_tokens=256, enable_prefix_caching=False,
+                                                max_model_len=256))
+    expected = {}
+    for i, prompt in enumerate(prompts):
+        expected.update(run(alone, [prompt], ids=[f"r{i}"]))
+
+    # A small pool (54 pages of 16 tokens, 3 cache groups) and a 64-token budget with 16-token chunks.
+    busy = LLMEngine(beam, config=EngineConfig(max_num_seqs=6, max_num_batched_tokens=64, max_prefill_chunk=16,
+                                               num_pages=54, max_model_len=256))
+    got = run(busy, prompts)
+    assert got == expected
+    stats = busy.stats()
+    assert stats["preemptions"] > 0, "the workload should force preemption"
+    assert busy.prefix_cache.stats.hit_tokens > 0, "shared prefixes should hit the cache"
+    assert len({tuple(v) for v in expected.values()}) == len(prompts)  # outputs are not trivially equal
+
+
+def test_every_page_returns_after_aborts(beam):
+    engine = LLMEngine(beam, config=EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=16,
+                                                 num_pages=60, max_model_len=256))
+    prompts = random_prompts(1)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.8, seed=i, max_tokens=20))
+    engine.step()
+    engine.abort_request("r2")  # 150-token prompt: mid-prefill
+    for _ in range(8):
+        engine.step()
+    decoding = [r.request_id for r in engine.scheduler.running if r.output_ids]
+    assert decoding, "some request should be decoding by now"
+    engine.abort_request(decoding[0])  # mid-decode
+    engine.abort_request("r7")  # possibly still waiting
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.pool.check_invariants()
+    engine.prefix_cache.reset()
+    assert engine.pool.num_free == engine.pool.num_pages
+    engine.pool.check_invariants()
+
+
+def test_no_recompilation_after_warmup(beam):
+    engine = LLMEngine(beam, config=EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_chunk=32,
+                                                 max_model_len=256))
+    rng = np.random.default_rng(3)
+
+    def workload(seed):
+        prompts = random_prompts(seed)
+        params = [SamplingParams(temperature=float(rng.choice([0, 0.7])), top_p=float(rng.choice([1, 0.9])),
+                                 top_k=int(rng.choice([0, 20])), seed=int(rng.integers(100)), logprobs=2,
+                                 max_tokens=int(rng.integers(1, 30)), stop=["zz"]) for _ in prompts]
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            engine.add_request(f"{seed}-{i}", prompt, p)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    engine.warmup()
+    warm = engine.runner.compilations
+    assert warm == len(engine.runner.buckets) == 3  # token buckets 16, 32, 64
+    workload(10)
+    workload(11)
+    assert engine.runner.compilations == warm
+
+
+def test_decodes_continue_while_a_long_prompt_prefills(beam):
+    chunk = 16
+    engine = LLMEngine(beam, config=EngineConfig(max_num_seqs=8, max_num_batched_tokens=chunk + 4,
+                                                 max_prefill_chunk=chunk, max_model_len=2048))
+    rng = np.random.default_rng(5)
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"d{i}", rng.integers(16, 8192, 8).tolist(), params)
+    for _ in range(3):  # all four are decoding
+        engine.step()
+    engine.add_request("long", rng.integers(16, 8192, 100 * chunk).tolist(), SamplingParams(max_tokens=1))
+    last_token, gaps, step_times = {}, [], []
+    while "long" in engine._tracked:
+        started = time.monotonic()
+        outputs = engine.step()
+        now = time.monotonic()
+        step_times.append(now - started)
+        for out in outputs:
+            if out.request_id.startswith("d"):
+                if out.request_id in last_token:
+                    gaps.append(now - last_token[out.request_id])
+                last_token[out.request_id] = now
+    assert len(step_times) >= 100  # the prompt really ran in chunks beside the decodes
+    assert len(gaps) >= 4 * (len(step_times) - 1)  # every decoder got a token every step
+    assert max(gaps) <= 2 * np.median(step_times)
+
+
+def test_same_seed_same_output_in_any_batch(beam):
+    llm = LLM(beam, max_num_batched_tokens=64, max_model_len=256)
+    prompt = random_prompts(6)[2]
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=10, ignore_eos=True)
+    [alone] = llm.generate([prompt], seeded)
+    others = [SamplingParams(temperature=1.0, max_tokens=7)] * 3
+    outs = llm.generate(random_prompts(7)[:3] + [prompt], others + [seeded])
+    assert outs[3].outputs[0].token_ids == alone.outputs[0].token_ids
+    [other_seed] = llm.generate([prompt], SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=10,
+                                                          ignore_eos=True))
+    assert other_seed.outputs[0].token_ids != alone.outputs[0].token_ids
+
+
+def test_text_stop_strings_and_logprobs(beam):
+    llm = LLM(beam, max_model_len=256)
+    [full] = llm.generate("def fib(n):", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3))
+    out = full.outputs[0]
+    assert out.text == beam.decode(out.token_ids)
+    assert len(out.logprobs) == len(out.top_logprobs) == 12 and all(len(t) == 3 for t in out.top_logprobs)
+    assert all(lp <= 0 for lp in out.logprobs)
+    # Greedy: the chosen token is the most likely one.
+    assert [top[0][0] for top in out.top_logprobs] == out.token_ids
+    stop = out.text[len(out.text) // 2 : len(out.text) // 2 + 3]
+    [cut] = llm.generate("def fib(n):", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]))
+    assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == stop
+    assert out.text.startswith(cut.outputs[0].text) and stop not in cut.outputs[0].text
+
+
+def test_bad_requests_are_refused(beam):
+    engine = LLMEngine(beam, config=EngineConfig(max_model_len=64))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("a", [])
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request("b", [1, 99999])
+    with pytest.raises(ValueError, match="context"):
+        engine.add_request("c", list(range(16, 80)))
+    engine.add_request("d", [20, 21])
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("d", [20, 21])
+    assert engine.abort_request("nope") is None
+    assert engine.abort_request("d").finished
