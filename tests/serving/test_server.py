@@ -1,0 +1,198 @@
+"""The server, started for real (uvicorn on 127.0.0.1) on fp32 beam-tiny, driven by the official
+`openai` and `anthropic` SDKs and by raw HTTP for bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import anthropic
+import httpx
+import jax.numpy as jnp
+import openai
+import pytest
+import uvicorn
+
+import beam_jax
+from serving.api.app import build_app
+from serving.async_engine import AsyncEngine
+from serving.engine import EngineConfig, LLMEngine
+
+KEY = "test-key"
+MODEL = "beam-tiny"
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = LLMEngine(beam_jax.load("beam-tiny", dtype=jnp.float32, seed=2),
+                       config=EngineConfig(max_num_seqs=16, max_num_batched_tokens=128, max_model_len=512))
+    engine.warmup()
+    async_engine = AsyncEngine(engine)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(build_app(async_engine, served_model_name=MODEL, api_key=KEY),
+                                       host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    for _ in range(100):
+        if uv.started:
+            break
+        time.sleep(0.1)
+    yield f"http://127.0.0.1:{port}", async_engine
+    uv.should_exit = True
+    thread.join(timeout=10)
+    async_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY)
+
+
+def pool_is_free(async_engine: AsyncEngine) -> bool:
+    with async_engine._lock:
+        engine = async_engine.engine
+        idle = not engine.has_unfinished_requests()
+        engine.prefix_cache.reset()
+        engine.pool.check_invariants()
+        return idle and engine.pool.num_free == engine.pool.num_pages
+
+
+MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def fib(n):"}]
+
+
+def test_chat_stream_equals_non_stream(client):
+    full = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24)
+    choice = full.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert full.usage.completion_tokens > 0 and full.usage.prompt_tokens > 0
+    content, reasoning, finish, usage = "", "", None, None
+    for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24,
+                                                stream=True, stream_options={"include_usage": True}):
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            reasoning += getattr(c.delta, "reasoning_content", None) or ""
+            finish = c.finish_reason or finish
+    assert content == (choice.message.content or "")
+    assert reasoning == (getattr(choice.message, "reasoning_content", None) or "")
+    assert finish == choice.finish_reason
+    assert usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_chat_n_seed_logprobs(client):
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=1.0, seed=7, n=2, max_tokens=8,
+                                         logprobs=True, top_logprobs=2)
+    again = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=1.0, seed=7, n=2, max_tokens=8,
+                                           logprobs=True, top_logprobs=2)
+    assert len(out.choices) == 2
+    assert [c.logprobs.content[0].logprob for c in out.choices] == [c.logprobs.content[0].logprob for c in again.choices]
+    assert all(len(entry.top_logprobs) == 2 for c in out.choices for entry in c.logprobs.content)
+
+
+def test_completions_stream_equals_non_stream(client):
+    full = client.completions.create(model=MODEL, prompt="import os\n", temperature=0, max_tokens=20)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="import os\n", temperature=0, max_tokens=20, stream=True))
+    assert streamed == full.choices[0].text and full.usage.completion_tokens == 20 or full.choices[0].finish_reason == "stop"
+    assert client.models.list().data[0].id == MODEL
+
+
+def test_anthropic_messages_and_stream(server):
+    client = anthropic.Anthropic(base_url=server[0], api_key=KEY)
+    # (this SDK version has no `temperature` argument; the API field goes in the body)
+    message = client.messages.create(model=MODEL, max_tokens=24, extra_body={"temperature": 0},
+                                     messages=[{"role": "user", "content": "def fib(n):"}], system="You write Python.")
+    assert message.role == "assistant" and message.stop_reason in ("end_turn", "max_tokens", "tool_use", "stop_sequence")
+    text = "".join(b.text for b in message.content if b.type == "text")
+    with client.messages.stream(model=MODEL, max_tokens=24, extra_body={"temperature": 0}, system="You write Python.",
+                                messages=[{"role": "user", "content": "def fib(n):"}]) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == text
+    assert final.usage.output_tokens == message.usage.output_tokens
+
+
+BAD = [
+    ("POST", "/v1/chat/completions", b"{not json", 400),
+    ("POST", "/v1/chat/completions", {"model": "gpt-4", "messages": MESSAGES}, 404),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": "many"}, 400),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": -3}, 400),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 10**9}, 400),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x " * 2000}]}, 400),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES,
+                                      "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, 400),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": [1, 10**7]}, 400),
+    ("POST", "/v1/messages", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, 400),  # no max_tokens
+    ("GET", "/v1/nothing-here", None, 404),
+]
+
+
+def test_bad_input_gets_4xx_and_server_keeps_serving(server, client):
+    base, _ = server
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    with httpx.Client(base_url=base, timeout=30) as http:
+        for method, path, body, status in BAD:
+            content = body if isinstance(body, bytes) else (json.dumps(body) if body is not None else None)
+            response = http.request(method, path, content=content, headers=headers)
+            assert response.status_code == status, (path, body, response.text)
+            error = response.json()
+            if path == "/v1/messages":
+                assert error["type"] == "error" and error["error"]["message"]
+            else:
+                assert error["error"]["message"] and error["error"]["type"]
+        wrong_key = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES},
+                              headers={"Authorization": "Bearer nope"})
+        assert wrong_key.status_code == 401 and wrong_key.json()["error"]["type"] == "authentication_error"
+        assert http.get("/health").status_code == 200  # no key needed
+        metrics = http.get("/metrics", headers=headers).text
+        assert "beam_time_to_first_token_seconds_count" in metrics and "beam_kv_pool_usage" in metrics
+    ok = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+    assert ok.choices[0].message is not None
+
+
+def test_many_concurrent_streams_and_disconnects_free_the_pool(server):
+    base, async_engine = server
+
+    async def stream(http, i):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"question {i}"}], "max_tokens": 12,
+                "stream": True, "temperature": 0.5, "seed": i}
+        events = 0
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    events += 1
+                    assert not line.startswith('data: {"error"')
+        return events
+
+    async def disconnect(http, i):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"long {i}"}], "max_tokens": 400,
+                "stream": True, "ignore_eos": True}
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and '"content"' in line:
+                    break  # leave mid-stream: the connection closes
+
+    async def main():
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with httpx.AsyncClient(base_url=base, timeout=300, headers=headers,
+                                     limits=httpx.Limits(max_connections=100)) as http:
+            results = await asyncio.gather(*(stream(http, i) for i in range(64)),
+                                           *(disconnect(http, i) for i in range(16)))
+        return results[:64]
+
+    counts = asyncio.run(main())
+    assert all(n >= 3 for n in counts)  # role chunk, at least one more, [DONE]
+    for _ in range(100):  # the server notices the disconnects and aborts
+        if pool_is_free(async_engine):
+            break
+        time.sleep(0.2)
+    assert pool_is_free(async_engine)
