@@ -1,11 +1,15 @@
-"""A paged KV cache for the model: per layer `[num_pages, page_size, kv_heads, head_dim]` pages,
-plus the metadata of one ragged step (`PagedBatch`), bundled together so that the paged cache goes
-through `forward` / the decoder layers exactly where the contiguous `KVCache` goes.
+"""A paged KV cache for the model, plus the metadata of one ragged step (`PagedBatch`), bundled
+together so that the paged cache goes through `forward` / the decoder layers exactly where the
+contiguous `KVCache` goes.
 
-Layout. Page ids are the pool's global ids (`serving.kv_cache.KVPool`): every layer owns one page
-array over all `num_pages` ids and reads/writes only the ids its cache group's tables hold. Layers
-of one group share that group's page tables and slot mapping (`PagedBatch.layer_group` maps a layer
-to its group; it is static).
+Layout. Page ids are the pool's global ids (`serving.kv_cache.KVPool`). A pool page holds
+`page_size` tokens of one sequence for one cache group, with one slot per layer of that group
+(layers of a group share its page tables). So the cache is ONE key and ONE value array,
+`[num_pages * slots, page_size, kv_heads, head_dim]` with `slots` = the largest group's layer count:
+row `page * slots + slot` is layer `slot`-of-its-group's part of pool page `page`. That is exactly
+the memory the planner budgets (pages sized for the largest group). Each layer's attention sees its
+group's page tables and slot mapping moved to its rows (`page * slots + slot`), elementwise, so
+the kernels take the whole array and nothing is copied.
 
 Tokens are flat and ragged: the model runs with batch dim 1 over `[1, total_tokens]` token ids and
 positions; sequence b owns flat tokens `query_start[b] .. query_start[b+1]-1`, which are the LAST
@@ -32,7 +36,7 @@ from pallas_kernels.paged_attention import ragged_paged_attention, write_kv
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=("query_start", "seq_lens", "page_tables", "slot_mappings"),
-    meta_fields=("layer_group",),
+    meta_fields=(),
 )
 @dataclasses.dataclass(frozen=True)
 class PagedBatch:
@@ -40,32 +44,40 @@ class PagedBatch:
 
     query_start: Int[Array, " batch_plus_1"]
     seq_lens: Int[Array, " batch"]  # context length including this step's tokens
-    page_tables: tuple[Int[Array, "batch max_pages"], ...]  # one per cache group; -1 = released/absent
-    slot_mappings: tuple[Int[Array, " total_tokens"], ...]  # one per cache group; -1 = padding
-    layer_group: tuple[int, ...]  # static: cache group of each layer
+    page_tables: tuple[Int[Array, "batch max_pages"], ...]  # one per cache group; pool page ids, -1 = none
+    slot_mappings: tuple[Int[Array, " total_tokens"], ...]  # one per cache group; page * page_size + offset, -1 = padding
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass, data_fields=("k_pages", "v_pages", "batch"), meta_fields=()
+    jax.tree_util.register_dataclass, data_fields=("k_pages", "v_pages", "batch"), meta_fields=("layer_group", "layer_slot")
 )
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
-    k_pages: tuple[Float[Array, "pages page_size kv_heads head_dim"], ...]
-    v_pages: tuple[Float[Array, "pages page_size kv_heads head_dim"], ...]
+    k_pages: Float[Array, "rows page_size kv_heads head_dim"]  # rows = num_pages * slots
+    v_pages: Float[Array, "rows page_size kv_heads head_dim"]
+    layer_group: tuple[int, ...]  # static: cache group of each layer
+    layer_slot: tuple[int, ...]  # static: each layer's slot within its group's pages
     # The current step's metadata; set it with `with_batch` before each forward.
     batch: PagedBatch | None = None
 
     @classmethod
     def create(
-        cls, config: BeamConfig, num_pages: int, page_size: int, dtype=jnp.bfloat16
+        cls, config: BeamConfig, num_pages: int, page_size: int, layer_group: tuple[int, ...], dtype=jnp.bfloat16
     ) -> PagedKVCache:
-        shape = (num_pages, page_size, config.num_key_value_heads, config.head_dim)
-        layers = range(config.num_hidden_layers)
-        return cls(tuple(jnp.zeros(shape, dtype) for _ in layers), tuple(jnp.zeros(shape, dtype) for _ in layers))
+        if len(layer_group) != config.num_hidden_layers:
+            raise ValueError(f"layer_group has {len(layer_group)} entries for {config.num_hidden_layers} layers")
+        layer_slot = tuple(layer_group[:i].count(g) for i, g in enumerate(layer_group))
+        slots = max(layer_slot) + 1
+        shape = (num_pages * slots, page_size, config.num_key_value_heads, config.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), tuple(layer_group), layer_slot)
 
     @property
     def page_size(self) -> int:
-        return self.k_pages[0].shape[1]
+        return self.k_pages.shape[1]
+
+    @property
+    def slots(self) -> int:
+        return max(self.layer_slot) + 1
 
     def with_batch(self, batch: PagedBatch | None) -> PagedKVCache:
         return dataclasses.replace(self, batch=batch)
@@ -78,22 +90,15 @@ class PagedKVCache:
         v: Float[Array, "tokens kv_heads d"],
         window: int | None,
     ) -> tuple[Float[Array, "tokens heads d"], PagedKVCache]:
-        """Write this step's K/V of `layer` into its pages, then ragged paged attention over them."""
+        """Write this step's K/V of `layer` into its rows of the pages, then ragged paged attention."""
         batch = self.batch
         if batch is None:
             raise ValueError("PagedKVCache.attend needs the step's PagedBatch (cache.with_batch(batch))")
-        group = batch.layer_group[layer]
-        k_pages, v_pages = write_kv(self.k_pages[layer], self.v_pages[layer], k, v, batch.slot_mappings[group])
-        out = ragged_paged_attention(
-            q, k_pages, v_pages, batch.query_start, batch.seq_lens, batch.page_tables[group], window=window
-        )
-        cache = dataclasses.replace(
-            self,
-            k_pages=_replace_at(self.k_pages, layer, k_pages),
-            v_pages=_replace_at(self.v_pages, layer, v_pages),
-        )
-        return out, cache
-
-
-def _replace_at(items: tuple, index: int, item) -> tuple:
-    return items[:index] + (item,) + items[index + 1 :]
+        group, slot, slots, size = self.layer_group[layer], self.layer_slot[layer], self.slots, self.page_size
+        table = batch.page_tables[group]
+        table = jnp.where(table >= 0, table * slots + slot, -1)
+        mapping = batch.slot_mappings[group]
+        mapping = jnp.where(mapping >= 0, (mapping // size * slots + slot) * size + mapping % size, -1)
+        k_pages, v_pages = write_kv(self.k_pages, self.v_pages, k, v, mapping)
+        out = ragged_paged_attention(q, k_pages, v_pages, batch.query_start, batch.seq_lens, table, window=window)
+        return out, dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)

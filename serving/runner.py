@@ -59,7 +59,7 @@ class ModelRunner:
         self.max_pages = -(-max_model_len // pool.page_tokens)
         self.buckets = token_buckets(max_num_batched_tokens)
         self.layer_group = layer_groups(pool, config.num_hidden_layers)
-        self.cache = PagedKVCache.create(config, pool.num_pages, pool.page_tokens, dtype)
+        self.cache = PagedKVCache.create(config, pool.num_pages, pool.page_tokens, self.layer_group, dtype)
         self.compilations = 0
         self._step = jax.jit(self._step_impl, donate_argnums=(1,))
 
@@ -117,7 +117,6 @@ class ModelRunner:
             seq_lens=jnp.asarray(seq_lens),
             page_tables=tuple(jnp.asarray(t) for t in tables),
             slot_mappings=tuple(jnp.asarray(s) for s in slots),
-            layer_group=self.layer_group,
         )
         self.cache, out = self._step(
             self.params, self.cache, jnp.asarray(tokens)[None], jnp.asarray(positions)[None], batch,

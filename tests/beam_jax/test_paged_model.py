@@ -12,6 +12,8 @@ the step should not see shows. Ground truth: `forward` with the contiguous `KVCa
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +24,7 @@ from beam_jax.kv_cache import KVCache
 from beam_jax.model import forward
 from beam_jax.paged_cache import PagedBatch, PagedKVCache
 from serving.kv_cache import KVPool
+from serving.runner import layer_groups
 from tests.beam_jax.random_params import randomized_fp32_params
 
 CONFIG = BeamConfig(
@@ -76,20 +79,11 @@ def truth(params, prompts):
     return out
 
 
-def layer_groups(pool: KVPool) -> tuple[int, ...]:
-    """Cache group of each target layer, from the planner's labels `L{i}`."""
-    by_label = {label: g for g, group in enumerate(pool.groups) for label in group.labels}
-    return tuple(by_label[f"L{i}"] for i in range(CONFIG.num_hidden_layers))
-
-
-def garbage_cache() -> PagedKVCache:
-    cache = PagedKVCache.create(CONFIG, NUM_PAGES, PAGE, jnp.float32)
+def garbage_cache(groups: tuple[int, ...]) -> PagedKVCache:
+    cache = PagedKVCache.create(CONFIG, NUM_PAGES, PAGE, groups, jnp.float32)
     rng = np.random.default_rng(2)
-
-    def noise(pages):
-        return tuple(jnp.asarray(10 * rng.standard_normal(p.shape), jnp.float32) for p in pages)
-
-    return PagedKVCache(noise(cache.k_pages), noise(cache.v_pages))
+    noise = lambda pages: jnp.asarray(10 * rng.standard_normal(pages.shape), jnp.float32)
+    return dataclasses.replace(cache, k_pages=noise(cache.k_pages), v_pages=noise(cache.v_pages))
 
 
 def run_paged(params, prompts, chunk: int, step_tokens: int):
@@ -97,9 +91,9 @@ def run_paged(params, prompts, chunk: int, step_tokens: int):
     `step_tokens` flat tokens. Returns each prompt's logits `[length, vocab]` and the number of
     released (-1) page-table entries seen before a live entry."""
     pool = KVPool.from_config(CONFIG, NUM_PAGES, page_tokens=PAGE)
-    groups = layer_groups(pool)
+    groups = layer_groups(pool, CONFIG.num_hidden_layers)
     seq_ids = list(range(len(prompts)))
-    cache = garbage_cache()
+    cache = garbage_cache(groups)
     done = [0] * len(prompts)
     logits = [[] for _ in prompts]
     holes = 0
@@ -134,7 +128,6 @@ def run_paged(params, prompts, chunk: int, step_tokens: int):
             seq_lens=jnp.asarray([d + q for d, q in zip(done, q_lens)], jnp.int32),
             page_tables=tuple(jnp.asarray(t) for t in tables),
             slot_mappings=tuple(jnp.asarray(s) for s in slots),
-            layer_group=groups,
         )
         tokens, positions = jnp.asarray(tokens)[None], jnp.asarray(positions)[None]
         out = FORWARD(params, tokens, positions, cache.with_batch(batch), config=CONFIG)
@@ -157,7 +150,7 @@ def assert_logits_match(actual, expected, what: str):
 def test_layers_live_in_three_groups():
     pool = KVPool.from_config(CONFIG, NUM_PAGES, page_tokens=PAGE)
     assert len(pool.groups) == 3
-    assert sorted(layer_groups(pool)) == [0, 1, 2]
+    assert sorted(layer_groups(pool, CONFIG.num_hidden_layers)) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("chunk", [50, 7, 1], ids=["one_chunk", "chunks_of_7", "decode"])
@@ -183,3 +176,15 @@ def test_truth_is_not_trivial(truth):
     assert np.isfinite(truth[0]).all()
     assert np.abs(truth[0]).max() > 1.0
     assert len({int(a) for a in truth[0].argmax(-1)}) > 5
+
+
+def test_cache_holds_what_the_pool_budgets():
+    """One slot per layer of the largest group per page: the device cache is the planner's pool."""
+    from beam_jax.config import preset
+
+    config = preset("beam-tiny")
+    pool = KVPool.from_config(config, 10, page_tokens=16)
+    groups = layer_groups(pool, config.num_hidden_layers)
+    cache = PagedKVCache.create(config, 10, 16, groups, jnp.bfloat16)
+    assert cache.k_pages.nbytes + cache.v_pages.nbytes == pool.page_bytes * 10
+    assert len(set(groups)) > 1 and cache.slots < config.num_hidden_layers
