@@ -1,7 +1,8 @@
 """The DFlash drafter: proposes a block of tokens in one forward pass from the target's hidden states.
 
 Architecture (DFlash2 for Beam, as vLLM's `vllm/models/beam/nvidia/dflash2.py` serves
-`DFlash2BeamDraftModel`; DFlash, the blog's drafter, is the same without convolutions and selector):
+`DFlash2BeamDraftModel`; DFlash, the blog's drafter, is taken to be the same without convolutions and
+selector, which is all BEAM_SPEC.md says of it):
 
   context (tokens the target has processed, one row per token):
     c = hidden_norm(fc(concat(target residual stream after each of `target_layer_ids`)))
@@ -275,7 +276,7 @@ def grouped_conv(
 ) -> Float[Array, "batch t hidden"]:
     """`y[t] = sum_tap (base[tap] + delta[t, tap, channel group]) * x[t - tap]`, causal within the
     block (`t` indexes the block; taps before its start read zeros). fp32, rounded once."""
-    batch, t, hidden = x.shape
+    _, t, hidden = x.shape
     taps, groups = delta.shape[2], delta.shape[3]
     coefficient = base.astype(jnp.float32)[None, None] + jnp.repeat(delta.astype(jnp.float32), hidden // groups, axis=-1)
     x32 = x.astype(jnp.float32)
@@ -434,15 +435,6 @@ class Proposal(NamedTuple):
     logits: Float[Array, "batch n vocab"]
 
 
-def combine_hidden_states(
-    params: Params, target_hidden: Float[Array, "batch c hidden_times_layers"], *, config: DrafterConfig
-) -> Float[Array, "batch c hidden"]:
-    """`fc` over the target's residual stream after `target_layer_ids`, concatenated in that order
-    (`jnp.concatenate(beam_jax.model.forward(..., hidden_layers=config.target_layer_ids).hidden_states, -1)`)."""
-    model = nnx.merge(graphdef(config), params)
-    return model.fc(target_hidden)
-
-
 def context_kv(
     params: Params,
     target_hidden: Float[Array, "batch c hidden_times_layers"],
@@ -450,16 +442,24 @@ def context_kv(
     *,
     config: DrafterConfig,
 ) -> DraftContext:
-    """The drafter's K/V for context tokens: `hidden_norm(fc(.))`, then each layer's k/v projection,
-    k-norm and RoPE at the tokens' own positions."""
+    """The drafter's K/V for context tokens: `hidden_norm(fc(target_hidden))`, then each layer's k/v
+    projection, k-norm and RoPE at the tokens' own positions. `target_hidden` is the target's residual
+    stream after `config.target_layer_ids`, concatenated in that order:
+    `jnp.concatenate(beam_jax.model.forward(..., hidden_layers=config.target_layer_ids).hidden_states, -1)`."""
     model = nnx.merge(graphdef(config), params)
     combined = model.hidden_norm(model.fc(target_hidden))
     pairs = [layer.self_attn.keys_values(combined, positions) for layer in model.layers]
     return DraftContext(jnp.stack([k for k, _ in pairs]), jnp.stack([v for _, v in pairs]), positions)
 
 
-def _softcap(logits, cap):
-    return logits if cap is None else cap * jnp.tanh(logits / cap)
+def _run_block(model: Drafter, tokens, positions, context: DraftContext, embed_weight, lm_head_weight) -> DraftOutput:
+    x = jnp.take(embed_weight, tokens, axis=0)
+    for i, layer in enumerate(model.layers):
+        x = layer(x, positions, context.keys[i], context.values[i], context.positions)
+    hidden = model.norm(x)[:, 1:]
+    logits = linear(hidden, lm_head_weight).astype(jnp.float32)
+    cap = model.config.final_logit_softcapping
+    return DraftOutput(logits if cap is None else cap * jnp.tanh(logits / cap), hidden)
 
 
 def draft_forward(
@@ -476,12 +476,7 @@ def draft_forward(
     docstring). `embed_weight` and `lm_head_weight` are the target's (pass the embedding twice for a
     tied target). Returns the logits and hidden states of the mask positions `1..t-1`."""
     model = nnx.merge(graphdef(config), params)
-    x = jnp.take(embed_weight, tokens, axis=0)
-    for i, layer in enumerate(model.layers):
-        x = layer(x, positions, context.keys[i], context.values[i], context.positions)
-    hidden = model.norm(x)[:, 1:]
-    logits = linear(hidden, lm_head_weight).astype(jnp.float32)
-    return DraftOutput(_softcap(logits, config.final_logit_softcapping), hidden)
+    return _run_block(model, tokens, positions, context, embed_weight, lm_head_weight)
 
 
 def _choose(scores: Float[Array, "batch k"], temperature, key_data) -> Int[Array, " batch"]:
@@ -516,17 +511,15 @@ def propose(
     batch = anchor_tokens.shape[0]
     tokens = jnp.concatenate([anchor_tokens[:, None], jnp.full((batch, n), config.mask_token_id, anchor_tokens.dtype)], 1)
     positions = anchor_positions[:, None] + jnp.arange(n + 1)[None, :]
-    out = draft_forward(
-        params, tokens, positions, context, embed_weight=embed_weight, lm_head_weight=lm_head_weight, config=config
-    )
+    model = nnx.merge(graphdef(config), params)
+    out = _run_block(model, tokens, positions, context, embed_weight, lm_head_weight)
     if temperature is None or rng_key_data is None:
         temperature, rng_key_data = jnp.zeros((batch,), jnp.float32), None
-    key_at = (lambda j: None) if rng_key_data is None else (lambda j: rng_key_data[:, j])  # noqa: E731
+    key_at = (lambda j: None) if rng_key_data is None else (lambda j: rng_key_data[:, j])
     if not config.has_selector:
         drafts = jnp.stack([_choose(out.logits[:, j], temperature, key_at(j)) for j in range(n)], axis=1)
         return Proposal(drafts.astype(jnp.int32), out.logits)
 
-    model = nnx.merge(graphdef(config), params)
     candidate_logits, candidate_ids = jax.lax.top_k(out.logits, model.candidate_selector.top_k)
     edges = model.candidate_selector.edges(candidate_ids, candidate_logits, out.hidden, anchor_tokens)
     rows = jnp.arange(batch)

@@ -108,7 +108,7 @@ def target_probs(
     filters = ((rows.top_k > 0) & (rows.top_k < vocab)) | (rows.top_p < 1) | (rows.min_p > 0)
 
     def filtered():
-        per_position = lambda x: jnp.repeat(x, k1)  # noqa: E731 (row parameters for each position)
+        per_position = lambda x: jnp.repeat(x, k1)
         keep = filter_mask(
             scaled.reshape(batch * k1, vocab), per_position(rows.top_k), per_position(rows.top_p),
             per_position(rows.min_p),
@@ -159,7 +159,7 @@ def _verify_greedy(logits, draft_tokens, valid):
 
 
 def _verify_sampled(logits, draft_tokens, valid, rows, draft_probs):
-    batch, k1, vocab = logits.shape
+    _, k1, vocab = logits.shape
     p, kept = target_probs(logits, rows)
     q = jax.nn.one_hot(draft_tokens, vocab, dtype=jnp.float32) if draft_probs is None else draft_probs
     q = q.astype(jnp.float32)

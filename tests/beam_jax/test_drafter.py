@@ -118,7 +118,7 @@ def test_block_is_bidirectional_and_context_causal_within_the_window():
     )
     assert out.logits.shape == (BATCH, 3, CONFIG.vocab_size) and out.hidden.shape == (BATCH, 3, CONFIG.hidden_size)
     logits = np.asarray(out.logits)
-    moved = lambda row: np.abs(logits[row] - logits[0]).max(axis=-1)  # noqa: E731 (per draft position)
+    moved = lambda row: np.abs(logits[row] - logits[0]).max(axis=-1)
     assert np.all(moved(1)[:2] > 1e-3)  # not causal: the last block token moves the earlier drafts
     for row in (2, 3, 4):
         np.testing.assert_array_equal(logits[row], logits[0])
@@ -136,7 +136,7 @@ def test_grouped_conv_matches_numpy_and_stays_inside_the_block():
         for i in range(t):
             for tap in range(min(taps, i + 1)):
                 expected[b, i] += (base[tap] + np.repeat(delta[b, i, tap], hidden // groups)) * x[b, i - tap]
-    as_f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    as_f32 = lambda a: jnp.asarray(a, jnp.float32)
     got = D.grouped_conv(as_f32(x), as_f32(delta), as_f32(base))
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
     # A block shorter than the kernel reads nothing before its start.
@@ -151,7 +151,7 @@ def test_proposals_greedy_sampled_and_jitted():
     hidden = rng.standard_normal((BATCH, CONTEXT, 3 * CONFIG.hidden_size)).astype(np.float32)
     context = context_jit(params, jnp.asarray(hidden), jnp.asarray(positions), config=CONFIG)
     anchors, anchor_positions = jnp.asarray(rng.integers(16, 8000, BATCH)), jnp.full(BATCH, CONTEXT)
-    weights = dict(embed_weight=embed, lm_head_weight=head, config=CONFIG)
+    weights = {"embed_weight": embed, "lm_head_weight": head, "config": CONFIG}
     n, k = CONFIG.num_drafts, CONFIG.selector_top_k
 
     greedy = D.jit_propose(params, anchors, anchor_positions, context, **weights)

@@ -71,7 +71,7 @@ def test_greedy_speculative_decoding_equals_greedy_decoding():
     rng = np.random.default_rng(1)
     vocab, k, length = VOCAB_A, K, 40
     table = rng.standard_normal((vocab, vocab, vocab)).astype(np.float32)
-    logits_after = lambda seq: table[seq[-2], seq[-1]]  # noqa: E731
+    logits_after = lambda seq: table[seq[-2], seq[-1]]
     prompt = [3, 7]
 
     plain = list(prompt)
