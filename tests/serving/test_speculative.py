@@ -156,10 +156,19 @@ def case(name: str):
         q = uniform.copy()
         q[:, np.argmax(logits[:DRAFTS], axis=1)] = 0
         q /= q.sum(1, keepdims=True)
+    elif name == "q one-hot (a drafter that proposes its argmax)":
+        params = SamplingParams(temperature=1.0, top_k=4)
+        q = np.eye(VOCAB)[np.argsort(logits[:DRAFTS], axis=1)[:, -2]]  # p's second-best token
     return logits, q, params
 
 
-CASES = ["q equals p", "q far from p", "q has mass where top-k p has none", "top-p and a q that misses p's best token"]
+CASES = [
+    "q equals p",
+    "q far from p",
+    "q has mass where top-k p has none",
+    "top-p and a q that misses p's best token",
+    "q one-hot (a drafter that proposes its argmax)",
+]
 
 
 @pytest.mark.parametrize("name", CASES)
