@@ -21,6 +21,7 @@ from beam_jax.config import PRESETS, BeamConfig, preset
 from beam_jax.generate import greedy_generate
 from beam_jax.kv_cache import KVCache
 from beam_jax.model import ForwardOutput, Params, abstract_flat, init_params, jit_forward
+from beam_jax.sharding import shard_params
 from beam_jax.tokenizer import STOP_TOKENS, load_tokenizer
 
 
@@ -82,9 +83,11 @@ class Beam:
         return self.decode(out) if isinstance(prompt, str) else out
 
 
-def load(model: str | Path = "beam-tiny", *, dtype=None, seed: int = 0) -> Beam:
+def load(model: str | Path = "beam-tiny", *, dtype=None, seed: int = 0, mesh: jax.sharding.Mesh | None = None) -> Beam:
     """A preset name (random weights from `seed`) or a checkpoint directory (HF safetensors or
-    orbax). The tokenizer is the directory's `tokenizer.json` if it has one, else the shipped one."""
+    orbax). The tokenizer is the directory's `tokenizer.json` if it has one, else the shipped one.
+    With a `mesh` (`beam_jax.sharding.make_mesh`) the parameters are split over it; safetensors
+    are read slice by slice, each process reading only what its devices hold."""
     dtype = default_dtype() if dtype is None else jnp.dtype(dtype)
     if str(model) in PRESETS:
         config = preset(str(model))
@@ -94,12 +97,16 @@ def load(model: str | Path = "beam-tiny", *, dtype=None, seed: int = 0) -> Beam:
                 f"preset {model!r} would need {size / 2**30:.0f} GiB of random weights; "
                 "load a checkpoint directory instead (beam-jax init-checkpoint writes one for small presets)"
             )
-        return Beam(config, init_params(config, seed, dtype), load_tokenizer())
+        params = init_params(config, seed, dtype)
+        return Beam(config, params if mesh is None else shard_params(params, mesh, config), load_tokenizer())
     path = Path(model)
     if not path.is_dir():
         raise FileNotFoundError(f"{model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a directory")
-    from beam_jax.checkpoint import load_any
+    from beam_jax.checkpoint import is_orbax_checkpoint, load_any
 
-    config, params = load_any(path, dtype=dtype)
+    sliced_read = mesh is not None and not is_orbax_checkpoint(path)  # orbax restores whole arrays
+    config, params = load_any(path, dtype=dtype, **({"mesh": mesh} if sliced_read else {}))
+    if mesh is not None:
+        params = shard_params(params, mesh, config)  # keeps what the reader placed already
     tokenizer = load_tokenizer(path if (path / "tokenizer.json").exists() else None)
     return Beam(config, params, tokenizer)

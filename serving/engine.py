@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import beam_jax
 from beam_jax.api import Beam
 from beam_jax.model import flat_params
+from beam_jax.sharding import make_mesh
 from serving.kv_cache import KVPool
 from serving.prefix_cache import PrefixCache
 from serving.runner import ModelRunner
@@ -41,6 +42,9 @@ class EngineConfig:
     page_tokens: int = DEFAULT_PAGE_TOKENS
     num_pages: int | None = None  # default: every sequence can reach max_model_len
     enable_prefix_caching: bool = True
+    # Tensor / expert parallelism over the first tp*ep devices (beam_jax.sharding): 1, 1 is one device.
+    tp: int = 1
+    ep: int = 1
 
 
 @dataclasses.dataclass
@@ -127,8 +131,10 @@ class EngineMetrics:
 
 class LLMEngine:
     def __init__(self, model: str | Beam = "beam-tiny", *, config: EngineConfig | None = None, dtype=None, seed: int = 0):
-        self.beam = model if isinstance(model, Beam) else beam_jax.load(model, dtype=dtype, seed=seed)
-        self.config = config = config or EngineConfig()
+        config = config or EngineConfig()
+        mesh = make_mesh(tp=config.tp, ep=config.ep) if config.tp * config.ep > 1 else None
+        self.beam = model if isinstance(model, Beam) else beam_jax.load(model, dtype=dtype, seed=seed, mesh=mesh)
+        self.config = config
         model_config = self.beam.config
         self.max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 4096)
         if self.max_model_len > model_config.max_position_embeddings:
@@ -154,6 +160,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             dtype=flat_params(self.beam.params)["model.embed_tokens.weight"].dtype,  # the compute dtype
+            mesh=mesh,
         )
         self.tokenizer = self.beam.tokenizer
         self.eos_token_ids = tuple(self.beam.stop_token_ids)

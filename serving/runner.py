@@ -10,6 +10,7 @@ token bucket; `compilations` counts traces (a test asserts it stops growing afte
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import jax
@@ -19,6 +20,7 @@ import numpy as np
 from beam_jax.config import BeamConfig
 from beam_jax.model import Params, forward
 from beam_jax.paged_cache import PagedBatch, PagedKVCache
+from beam_jax.sharding import constrain_cache, replicate, shard_params, sharded_cache
 from serving.kv_cache import KVPool
 from serving.sampling import MAX_LOGPROBS, PENALTY_WIDTH_MIN, SUPPRESS_WIDTH_MIN, SamplerOutput, SamplingBatch, sample
 from serving.scheduler import ScheduledRequest
@@ -50,23 +52,34 @@ class ModelRunner:
         max_num_batched_tokens: int,
         max_model_len: int,
         dtype=jnp.float32,
+        mesh: jax.sharding.Mesh | None = None,
     ):
+        """With a `mesh` (beam_jax.sharding.make_mesh), the parameters and the KV pages are split
+        over it and the step runs as one SPMD program on all its devices (of every process)."""
         self.config = config
-        self.params = params
+        self.mesh = mesh
+        self.params = params if mesh is None else shard_params(params, mesh, config)
         self.pool = pool
         self.page_tokens = pool.page_tokens
         self.max_num_seqs = max_num_seqs
         self.max_pages = -(-max_model_len // pool.page_tokens)
         self.buckets = token_buckets(max_num_batched_tokens)
         self.layer_group = layer_groups(pool, config.num_hidden_layers)
-        self.cache = PagedKVCache.create(config, pool.num_pages, pool.page_tokens, self.layer_group, dtype)
+
+        def create_cache():
+            return PagedKVCache.create(config, pool.num_pages, pool.page_tokens, self.layer_group, dtype)
+
+        self.cache = create_cache() if mesh is None else sharded_cache(create_cache, mesh, config)
         self.compilations = 0
         self._step = jax.jit(self._step_impl, donate_argnums=(1,))
 
     def _step_impl(self, params, cache, tokens, positions, batch, logits_at, sampling):
         self.compilations += 1  # runs only when jit traces: one per new shape bucket
         out = forward(params, tokens, positions, cache.with_batch(batch), config=self.config, logits_at=logits_at)
-        return out.cache.with_batch(None), sample(out.logits[0], sampling)
+        cache, sampled = out.cache.with_batch(None), sample(out.logits[0], sampling)
+        if self.mesh is not None:  # the cache stays split by KV head; every process reads the samples
+            cache, sampled = constrain_cache(cache, self.config), replicate(sampled)
+        return cache, sampled
 
     def bucket(self, num_tokens: int) -> int:
         for size in self.buckets:
@@ -118,10 +131,11 @@ class ModelRunner:
             page_tables=tuple(jnp.asarray(t) for t in tables),
             slot_mappings=tuple(jnp.asarray(s) for s in slots),
         )
-        self.cache, out = self._step(
-            self.params, self.cache, jnp.asarray(tokens)[None], jnp.asarray(positions)[None], batch,
-            jnp.asarray(logits_at), sampling,
-        )
+        with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+            self.cache, out = self._step(
+                self.params, self.cache, jnp.asarray(tokens)[None], jnp.asarray(positions)[None], batch,
+                jnp.asarray(logits_at), sampling,
+            )
         return SamplerOutput(*(np.asarray(a) for a in out))
 
     def warmup(self) -> None:

@@ -21,8 +21,8 @@ from beam_jax.model import Params
 
 def load_any(path: str | Path, dtype=None, *, progress: bool = True, **kwargs) -> tuple[BeamConfig, Params]:
     """Restore an orbax checkpoint (`save_orbax`) or load a safetensors one (`load_checkpoint`).
-    Other keyword arguments go to the one chosen (`sharding=` for orbax, `put=`/`config=` for
-    safetensors); `progress` applies to safetensors only (orbax restores in one call)."""
+    Other keyword arguments go to the one chosen (`sharding=` for orbax, `put=`/`config=`/`mesh=`
+    for safetensors); `progress` applies to safetensors only (orbax restores in one call)."""
     if is_orbax_checkpoint(path):
         return restore_orbax(path, dtype=dtype, **kwargs)
     return load_checkpoint(path, dtype=dtype, progress=progress, **kwargs)

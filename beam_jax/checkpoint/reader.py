@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from beam_jax.checkpoint.errors import CheckpointError
@@ -35,14 +36,13 @@ from beam_jax.checkpoint.quant_layout import (
     stored_codes,
 )
 from beam_jax.checkpoint.safetensors_io import DTYPES, SafetensorsCheckpoint, TensorInfo
+from beam_jax.checkpoint.sharded import Source, load_sharded_param
 from beam_jax.config import BeamConfig
 from beam_jax.model import Params, abstract_params, param_name, params_from_flat
+from beam_jax.sharding import check_mesh
 
 Put = Callable[[str, np.ndarray], jax.Array]
 
-# One destination slice of a parameter: (checkpoint tensor name, index into the parameter).
-# A parameter stored under its own name has one source with the empty index (the whole array).
-Source = tuple[str, tuple]
 # Per-expert tensors of one layer: {(expert, projection, suffix): name}.
 LayerExperts = dict[tuple[int, str, str], str]
 
@@ -314,6 +314,7 @@ def load_checkpoint(
     dtype=None,
     config: BeamConfig | None = None,
     put: Put | None = None,
+    mesh: Mesh | None = None,
     progress: bool = True,
 ) -> tuple[BeamConfig, Params]:
     """Read a safetensors checkpoint (directory, `model.safetensors`, or index file).
@@ -321,13 +322,17 @@ def load_checkpoint(
     `dtype=None` keeps the checkpoint's floating dtype; the router stays float32 and quantized
     experts keep their packed dtypes regardless. The config (with its `quantization_config`) is
     `read_config(directory)` unless given. `put(name, host_array) -> jax.Array` places each
-    finished parameter (default `jax.device_put`; the sharding layer passes one that places
-    shards). Raises `CheckpointError` listing every mismatch before anything is read or placed.
+    finished parameter (default `jax.device_put`). With a `mesh`, parameters are placed as
+    `beam_jax.sharding.shard_params` places them instead, each process reading only the blocks its
+    devices own (`checkpoint.sharded`: no host holds a whole split tensor). Raises
+    `CheckpointError` listing every mismatch before anything is read or placed.
     """
     path = Path(path)
     directory = path if path.is_dir() else path.parent
     config = config if config is not None else read_config(directory)
     put = put if put is not None else (lambda name, array: jax.device_put(array))
+    if mesh is not None:
+        check_mesh(config, mesh)
     with SafetensorsCheckpoint(path) as checkpoint:
         target = float_dtype(dtype) if dtype is not None else checkpoint_dtype(directory, checkpoint.tensors)
         expected = expected_params(config, target)
@@ -339,7 +344,10 @@ def load_checkpoint(
         arrays: dict[str, jax.Array] = {}
         with tqdm(total=len(checkpoint.tensors), desc="loading", unit="tensor", disable=not progress) as bar:
             for name, sources in plan.items():
-                arrays[name] = put(name, _assemble(checkpoint, expected[name], sources))
+                if mesh is None:
+                    arrays[name] = put(name, _assemble(checkpoint, expected[name], sources))
+                else:
+                    arrays[name] = load_sharded_param(checkpoint, name, sources, expected[name], mesh, config)
                 bar.update(len(sources))
     return config, params_from_flat(config, arrays)
 

@@ -3,6 +3,8 @@ experts with fp32 SwiGLU, and the routed scaling factor applied after aggregatio
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -11,9 +13,12 @@ from jaxtyping import Array, Float, Int
 from beam_jax.config import BeamConfig
 from beam_jax.layers.linear import matmul_precision
 from beam_jax.layers.mlp import swiglu
-from beam_jax.layers.quantized import QuantizedExpertLinear
+from beam_jax.layers.quantized import QuantizedExpertLinear, dequantize_experts, packed_expert_weights
+from beam_jax.sharding import experts_on_mesh, mesh_shards_experts
 from pallas_kernels.moe_gemm import ExpertWeights, moe_gemm
 from pallas_kernels.routing import routing as route  # fp32 routing (reference unless asked for the kernel)
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def experts_reference(
@@ -22,17 +27,24 @@ def experts_reference(
     indices: Int[Array, "tokens k"],
     gate_up_proj: Float[Array, "experts two_i hidden"],
     down_proj: Float[Array, "experts hidden i"],
+    expert_offset: int | Int[Array, ""] = 0,
 ) -> Float[Array, "tokens hidden"]:
     """Weighted sum of each token's experts, in plain jnp: the (token, expert) pairs are sorted by
     expert and run as two ragged matmuls. As in the reference, each weighted expert output is
     rounded to the input dtype and a token's outputs are added in increasing expert order, each
-    addition rounded (in bf16 the order changes the result)."""
+    addition rounded (in bf16 the order changes the result).
+
+    The weights may be one device's share under expert parallelism: experts
+    `expert_offset .. expert_offset + len(gate_up_proj)`; pairs routed to other experts count zero."""
     tokens, top_k = indices.shape
     num_experts = gate_up_proj.shape[0]
-    flat_experts = indices.reshape(-1)
+    local_experts = indices.reshape(-1) - expert_offset
+    is_local = (local_experts >= 0) & (local_experts < num_experts)
+    # Pairs of other devices' experts sort last, past every group (ragged_dot leaves their rows alone).
+    flat_experts = jnp.where(is_local, local_experts, num_experts)
     order = jnp.argsort(flat_experts, stable=True)
     token_of_pair = order // top_k
-    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat_experts, length=num_experts + 1)[:num_experts].astype(jnp.int32)
     precision = matmul_precision(gate_up_proj.dtype)
     # Weights are [out, in] (HF layout): contract the lhs feature dim with the rhs dim 2.
     dims = jax.lax.RaggedDotDimensionNumbers(
@@ -42,7 +54,7 @@ def experts_reference(
     gate, up = jnp.split(gate_up, 2, axis=-1)
     out = jax.lax.ragged_dot_general(swiglu(gate, up), down_proj, group_sizes, dims, precision=precision)
     pair_weights = weights.reshape(-1)[order][:, None]
-    weighted = (out.astype(jnp.float32) * pair_weights).astype(x.dtype)
+    weighted = jnp.where(is_local[order][:, None], (out.astype(jnp.float32) * pair_weights).astype(x.dtype), 0)
     # Back to [tokens, k] with each token's experts in increasing expert order: the sort was
     # stable by expert, so pair j of a token in sorted order lands in slot rank(j).
     slot_in_token = jnp.argsort(jnp.argsort(indices, axis=1, stable=True), axis=1).reshape(-1)[order]
@@ -92,27 +104,64 @@ class Experts(nnx.Module):
             self.up_proj = QuantizedExpertLinear(e, i, h, self.expert_format)
             self.down_proj = QuantizedExpertLinear(e, h, i, self.expert_format)
 
+    def arrays(self) -> dict[str, Array]:
+        """The parameters by their names under `mlp.experts` (`gate_up_proj`, `gate_proj.weight_scale`, ...)."""
+        state = nnx.to_flat_state(nnx.state(self, nnx.Param))
+        return {".".join(map(str, path)): leaf.get_value() for path, leaf in state}
+
     def expert_weights(self) -> tuple[ExpertWeights, ExpertWeights, ExpertWeights]:
         """gate, up, down as the grouped-GEMM kernel takes them (packed weights stay packed)."""
-        if self.expert_format == "bf16":
-            gate_up, intermediate = self.gate_up_proj[...], self.down_proj.shape[2]
-            return (
-                ExpertWeights(gate_up, rows=intermediate),
-                ExpertWeights(gate_up, row_offset=intermediate, rows=intermediate),
-                ExpertWeights(self.down_proj[...]),
-            )
-        return self.gate_proj.expert_weights(), self.up_proj.expert_weights(), self.down_proj.expert_weights()
+        return expert_weights(self.arrays(), self.expert_format)
 
     def __call__(self, x, weights, indices):
-        if jax.default_backend() == "gpu":  # the Pallas kernels; CPU keeps the reference below
-            return moe_gemm(x, weights, indices, *self.expert_weights(), use_kernel=True)
-        if self.expert_format == "bf16":
-            gate_up, down = self.gate_up_proj[...], self.down_proj[...]
-        else:
-            gate = self.gate_proj.dequantize(x.dtype)
-            gate_up = jnp.concatenate([gate, self.up_proj.dequantize(x.dtype)], axis=1)
-            down = self.down_proj.dequantize(x.dtype)
-        return experts_reference(x, weights, indices, gate_up, down)
+        compute = functools.partial(compute_experts, expert_format=self.expert_format)
+        if mesh_shards_experts():  # on a tensor/expert-parallel mesh: each device its own slices
+            return experts_on_mesh(compute, self.arrays(), x, weights, indices, expert_format=self.expert_format)
+        return compute(self.arrays(), x, weights, indices)
+
+
+def _fused_gate_up(gate_up: Array) -> Float[Array, "experts two_i hidden"]:
+    """`[E, 2I, H]`, also from the mesh layout `[E, 2, I, H]` (`beam_jax.sharding.mesh_layout`)."""
+    return gate_up.reshape(gate_up.shape[0], -1, gate_up.shape[-1])
+
+
+def _projection(arrays: dict[str, Array], proj: str) -> dict[str, Array]:
+    return {name.split(".", 1)[1]: a for name, a in arrays.items() if name.startswith(proj + ".")}
+
+
+def expert_weights(arrays: dict[str, Array], expert_format: str) -> tuple[ExpertWeights, ExpertWeights, ExpertWeights]:
+    if expert_format == "bf16":
+        gate_up = _fused_gate_up(arrays["gate_up_proj"])
+        intermediate = gate_up.shape[1] // 2
+        return (
+            ExpertWeights(gate_up, rows=intermediate),
+            ExpertWeights(gate_up, row_offset=intermediate, rows=intermediate),
+            ExpertWeights(arrays["down_proj"]),
+        )
+    gate, up, down = (packed_expert_weights(_projection(arrays, p), expert_format) for p in PROJECTIONS)
+    return gate, up, down
+
+
+def compute_experts(
+    arrays: dict[str, Array],
+    x: Float[Array, "tokens hidden"],
+    weights: Float[Array, "tokens k"],
+    indices: Int[Array, "tokens k"],
+    *,
+    expert_format: str,
+    expert_offset: int | Int[Array, ""] | None = None,
+) -> Float[Array, "tokens hidden"]:
+    """The experts' output from their parameter arrays (`Experts.arrays()`, or one device's slices
+    of them, holding experts from `expert_offset` on). The GPU runs the Pallas kernels when every
+    expert is local; otherwise (and on CPU) the plain-jnp reference, dequantizing packed weights."""
+    if expert_offset is None and jax.default_backend() == "gpu":
+        return moe_gemm(x, weights, indices, *expert_weights(arrays, expert_format), use_kernel=True)
+    if expert_format == "bf16":
+        gate_up, down = _fused_gate_up(arrays["gate_up_proj"]), arrays["down_proj"]
+    else:
+        gate, up, down = (dequantize_experts(_projection(arrays, p), expert_format, x.dtype) for p in PROJECTIONS)
+        gate_up = jnp.concatenate([gate, up], axis=1)
+    return experts_reference(x, weights, indices, gate_up, down, 0 if expert_offset is None else expert_offset)
 
 
 class MoE(nnx.Module):

@@ -5,9 +5,9 @@ axis: ModelOpt NVFP4 `gate_proj.{weight (uint8 nibbles), weight_scale (e4m3 per 
 weight_scale_2 (fp32), input_scale (fp32)}`, compressed-tensors FP8 `{weight (e4m3),
 weight_scale ([out, 1] fp32)}`, ModelOpt FP8 `{weight, weight_scale (fp32), input_scale}`.
 
-`dequantize` is the reference path: it expands one layer's experts to the compute dtype inside
-the jitted step (a temporary that lives for that layer only); the grouped-GEMM kernels replace
-it by decoding in registers.
+`dequantize_experts` is the reference path: it expands one layer's experts to the compute dtype
+inside the jitted step (a temporary that lives for that layer only); the grouped-GEMM kernels
+(`packed_expert_weights`) replace it by decoding in registers.
 """
 
 from __future__ import annotations
@@ -45,17 +45,22 @@ class QuantizedExpertLinear(nnx.Module):
         else:
             raise ValueError(f"unknown quantized expert format {expert_format!r}")
 
-    def dequantize(self, dtype) -> Float[Array, "experts out in"]:
-        if self.expert_format == "nvfp4":
-            packed = NVFP4Weight(self.weight[...], self.weight_scale[...], self.weight_scale_2[...])
-            return dequantize_nvfp4(packed, dtype)
-        return dequantize_fp8(FP8Weight(self.weight[...], self.weight_scale[...]), dtype)
 
-    def expert_weights(self) -> ExpertWeights:
-        """The packed parameters as the grouped-GEMM kernel takes them (no dequantization)."""
-        if self.expert_format == "nvfp4":
-            return ExpertWeights(self.weight[...], self.weight_scale[...], self.weight_scale_2[...], format="nvfp4")
-        if self.expert_format == "fp8_channel":
-            scale = self.weight_scale[...]
-            return ExpertWeights(self.weight[...], scale.reshape(scale.shape[:2]), format="fp8_channel")
-        return ExpertWeights(self.weight[...], self.weight_scale[...], format="fp8_tensor")
+# Functions of one projection's arrays by suffix (`{"weight": ..., "weight_scale": ...}`) rather
+# than methods, so that the sharded path runs them on the slices each device holds
+# (`beam_jax.sharding.experts_on_mesh`).
+def dequantize_experts(arrays: dict[str, Array], expert_format: str, dtype) -> Float[Array, "experts out in"]:
+    """The reference path: one layer's experts expanded to `dtype` inside the jitted step."""
+    if expert_format == "nvfp4":
+        return dequantize_nvfp4(NVFP4Weight(arrays["weight"], arrays["weight_scale"], arrays["weight_scale_2"]), dtype)
+    return dequantize_fp8(FP8Weight(arrays["weight"], arrays["weight_scale"]), dtype)
+
+
+def packed_expert_weights(arrays: dict[str, Array], expert_format: str) -> ExpertWeights:
+    """The packed parameters as the grouped-GEMM kernel takes them (no dequantization)."""
+    if expert_format == "nvfp4":
+        return ExpertWeights(arrays["weight"], arrays["weight_scale"], arrays["weight_scale_2"], format="nvfp4")
+    if expert_format == "fp8_channel":
+        scale = arrays["weight_scale"]
+        return ExpertWeights(arrays["weight"], scale.reshape(scale.shape[:2]), format="fp8_channel")
+    return ExpertWeights(arrays["weight"], arrays["weight_scale"], format="fp8_tensor")

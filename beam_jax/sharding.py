@@ -1,0 +1,299 @@
+"""Tensor and expert parallelism over a `jax.sharding.Mesh`: the mesh, a partition spec for every
+parameter and cache, placement, and the expert computation under `shard_map`.
+
+    mesh = make_mesh(tp=2, ep=4)                          # 8 devices: ep x tp, tp innermost
+    params = shard_params(params, mesh, config)           # each device holds its slices only
+    cache = sharded_cache(lambda: KVCache.create(config, batch, max_len), mesh, config)
+    out = sharded_forward(mesh, config)(params, tokens, positions, cache)
+
+Layout (the blog's TP8, with EP as the alternative for the experts). The mesh has two axes, "ep"
+and "tp" (tp innermost, so a TP group is neighbouring devices). Everything that is not an expert
+is split over the whole mesh ("ep" and "tp" together): under EP8 attention still runs TP8.
+- attention: q/gate projections, `gate_bias` and o_proj's input dim split by query head; k/v by KV
+  head when the KV heads divide evenly, else replicated (each device then holds every KV head,
+  which GQA needs for its query heads); q/k norms replicated.
+- dense MLP: the intermediate dim (gate/up rows, down columns).
+- experts: the expert dim over "ep" (whole experts per device) and each expert's intermediate dim
+  over "tp" (a 1/tp slice of every expert). Packed NVFP4 weights are packed along the input dim, so
+  gate/up split along their output rows and down along its packed input columns, whose 16-value
+  scale groups must stay whole (checked); per-channel and per-expert scales follow their weights.
+- the router and its correction bias (fp32), the norms and the embedding are replicated (the
+  lookup stays local); the lm head is split on vocab, so each device computes its slice of the
+  logits.
+- KV pages (and the contiguous cache) split by KV head as k/v_proj are.
+
+The bf16 experts' fused `gate_up_proj [E, 2I, H]` (gate rows first) cannot be split on dim 1: a
+contiguous block would give one device gate rows only. On the mesh it is held as the view
+`[E, 2, I, H]` (`mesh_layout`, a reshape that moves no data), split on I; the experts reshape it
+back. Parameters from `shard_params` therefore have that one shape changed; everything else keeps
+the HF shapes.
+
+XLA's SPMD partitioner partitions attention, the dense MLP and the head from these placements and
+inserts the all-reduces (after o_proj and down_proj: the sandwich norm after each block then runs on
+the reduced activations). For the experts it would all-gather whole expert weights, so they run
+under `jax.shard_map` (`experts_on_mesh`): each device computes its experts' slices for every token
+and one psum combines them. Efficiency notes there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from beam_jax.config import BeamConfig
+
+EP = "ep"
+TP = "tp"
+AXES = (EP, TP)  # mesh axis order: tp innermost
+NVFP4_GROUP = 16
+GATE_UP = "gate_up_proj"
+
+
+# ---- the mesh ------------------------------------------------------------------------------------
+def make_mesh(tp: int = 1, ep: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A `(ep, tp)` mesh over `devices` (default: the first tp*ep of `jax.devices()`, every
+    process's devices in a multi-process run). Axes are Auto: XLA partitions what the specs don't
+    pin down."""
+    if tp < 1 or ep < 1:
+        raise ValueError(f"tp and ep must be >= 1, got tp={tp}, ep={ep}")
+    size = tp * ep
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) < size:
+        raise ValueError(f"tp={tp} x ep={ep} needs {size} devices, {len(devices)} available")
+    grid = np.array(devices[:size], dtype=object).reshape(ep, tp)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def _sizes(mesh) -> tuple[int, int]:
+    shape = dict(mesh.shape)
+    return shape[EP], shape[TP]
+
+
+def mesh_shards_experts() -> bool:
+    """Whether a mesh with this module's axes is set (`jax.set_mesh`) for the code being traced."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and set(AXES) <= set(mesh.axis_names)
+
+
+def _split(size: int, mesh) -> tuple[str, ...] | None:
+    """The axes a dim of `size` is split over: the whole mesh if it divides evenly, else "tp" alone,
+    else none (replicated)."""
+    ep, tp = _sizes(mesh)
+    if size % (ep * tp) == 0:
+        return AXES
+    if tp > 1 and size % tp == 0:
+        return (TP,)
+    return None
+
+
+def check_mesh(config: BeamConfig, mesh) -> None:
+    """The expert layout has no fallback: experts must divide over "ep", intermediates over "tp"."""
+    ep, tp = _sizes(mesh)
+    if not any(config.is_sparse(i) for i in range(config.num_hidden_layers)):
+        return
+    problems = []
+    if config.num_experts % ep:
+        problems.append(f"num_experts ({config.num_experts}) is not divisible by ep={ep}")
+    inter = config.moe_intermediate_size
+    if inter % tp:
+        problems.append(f"moe_intermediate_size ({inter}) is not divisible by tp={tp}")
+    elif config.expert_format == "nvfp4" and (inter // tp) % NVFP4_GROUP:
+        problems.append(
+            f"NVFP4 down_proj is packed along the intermediate dim in groups of {NVFP4_GROUP}: "
+            f"moe_intermediate_size/tp = {inter // tp} must be a multiple of {NVFP4_GROUP}"
+        )
+    if problems:
+        raise ValueError("this mesh cannot hold the experts: " + "; ".join(problems))
+
+
+# ---- partition specs -----------------------------------------------------------------------------
+def expert_spec(name: str, expert_format: str) -> P:
+    """The spec of an expert parameter, by its name under `mlp.experts` (`gate_up_proj` in its
+    mesh layout `[E, 2, I, H]`, `down_proj.weight_scale`, ...)."""
+    if expert_format == "bf16":
+        specs = {GATE_UP: P(EP, None, TP, None), "down_proj": P(EP, None, TP)}
+        if name in specs:
+            return specs[name]
+    else:
+        proj, _, suffix = name.partition(".")
+        if proj in ("gate_proj", "up_proj", "down_proj"):
+            down = proj == "down_proj"
+            # [E, out, in] weights: gate/up split their output rows, down its (packed) input columns.
+            matrix = P(EP, None, TP) if down else P(EP, TP, None)
+            per_expert = P(EP)  # scalars [E]
+            if suffix == "weight":
+                return matrix
+            if suffix in ("weight_scale_2", "input_scale"):
+                return per_expert
+            if suffix == "weight_scale":
+                # NVFP4 block scales [E, out, in/16] split as their weights; FP8 per-channel scales
+                # [E, out, 1] follow the output rows (down's rows are the hidden dim: not split).
+                channel = P(EP, None, None) if down else matrix
+                return {"nvfp4": matrix, "fp8_channel": channel, "fp8_tensor": per_expert}[expert_format]
+    raise ValueError(f"no partition spec for expert parameter {name!r} ({expert_format} experts)")
+
+
+_LAYER = r"model\.layers\.\d+\."
+# (pattern, spec builder(config, mesh)); names are the HF checkpoint names.
+_RULES: list[tuple[re.Pattern, Callable[[BeamConfig, Mesh], P]]] = [
+    (r"model\.embed_tokens\.weight", lambda c, m: P()),
+    (r"lm_head\.weight", lambda c, m: P(_split(c.vocab_size, m), None)),
+    (r"model\.norm\.weight", lambda c, m: P()),
+    (_LAYER + r"(input|post_attention|pre_feedforward|post_feedforward)_layernorm\.weight", lambda c, m: P()),
+    (_LAYER + r"self_attn\.(q|k)_norm\.weight", lambda c, m: P()),
+    (_LAYER + r"self_attn\.(q|gate)_proj\.weight", lambda c, m: P(_split(c.num_attention_heads, m), None)),
+    (_LAYER + r"self_attn\.(q_proj\.bias|gate_bias)", lambda c, m: P(_split(c.num_attention_heads, m))),
+    (_LAYER + r"self_attn\.(k|v)_proj\.weight", lambda c, m: P(_split(c.num_key_value_heads, m), None)),
+    (_LAYER + r"self_attn\.(k|v)_proj\.bias", lambda c, m: P(_split(c.num_key_value_heads, m))),
+    (_LAYER + r"self_attn\.o_proj\.weight", lambda c, m: P(None, _split(c.num_attention_heads, m))),
+    (_LAYER + r"self_attn\.o_proj\.bias", lambda c, m: P()),
+    (_LAYER + r"mlp\.(gate|up)_proj\.weight", lambda c, m: P(_split(c.intermediate_size, m), None)),
+    (_LAYER + r"mlp\.down_proj\.weight", lambda c, m: P(None, _split(c.intermediate_size, m))),
+    (_LAYER + r"mlp\.gate\.(weight|e_score_correction_bias)", lambda c, m: P()),  # the router, fp32
+]
+_RULES = [(re.compile(pattern), build) for pattern, build in _RULES]
+_EXPERT = re.compile(_LAYER + r"mlp\.experts\.(.+)")
+
+
+def param_spec(name: str, config: BeamConfig, mesh) -> P:
+    """The partition spec of the parameter with HF name `name` (experts in their mesh layout)."""
+    if m := _EXPERT.fullmatch(name):
+        return expert_spec(m[1], config.expert_format)
+    for pattern, build in _RULES:
+        if pattern.fullmatch(name):
+            return build(config, mesh)
+    raise ValueError(f"no partition spec for parameter {name!r}: add a rule to beam_jax.sharding")
+
+
+def kv_cache_spec(config: BeamConfig, mesh) -> P:
+    """KV pages `[pages, page_size, kv_heads, d]` and the contiguous cache `[batch, len, kv_heads, d]`:
+    split by KV head as k/v_proj are."""
+    return P(None, None, _split(config.num_key_value_heads, mesh), None)
+
+
+def mesh_layout(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape a parameter has on the mesh: the fused bf16 `gate_up_proj [E, 2I, H]` becomes
+    `[E, 2, I, H]` (gate rows, then up rows: a reshape, no data moves); every other is unchanged."""
+    if name.endswith("mlp.experts." + GATE_UP) and len(shape) == 3:
+        experts, rows, hidden = shape
+        return (experts, 2, rows // 2, hidden)
+    return tuple(shape)
+
+
+# ---- placement -----------------------------------------------------------------------------------
+def _place(value, sharding: NamedSharding) -> jax.Array:
+    """A global array from a value every process holds whole (each process fills its own devices)."""
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def shard_params(params: nnx.State, mesh: Mesh, config: BeamConfig) -> nnx.State:
+    """The parameters placed on the mesh by `param_spec` (gate_up in its mesh layout). Every
+    process passes the same values (e.g. the same seed); parameters already placed so (a
+    checkpoint loaded with `load_checkpoint(..., mesh=mesh)`, which reads only the local slices)
+    are kept as they are."""
+    check_mesh(config, mesh)
+    flat = []
+    for path, leaf in nnx.to_flat_state(params):
+        name = ".".join(str(p) for p in path)
+        value = leaf.get_value()
+        shape = mesh_layout(name, value.shape)
+        sharding = NamedSharding(mesh, param_spec(name, config, mesh))
+        if not (isinstance(value, jax.Array) and value.shape == shape and value.sharding == sharding):
+            value = _place(np.asarray(value).reshape(shape), sharding)
+        flat.append((path, leaf.replace(value)))
+    return nnx.from_flat_state(flat)
+
+
+def sharded_cache(create: Callable[[], object], mesh: Mesh, config: BeamConfig):
+    """The cache `create()` makes (a `KVCache` or `PagedKVCache` of zeros), built directly in its
+    shards: every page array split by KV head (`kv_cache_spec`), no device ever holding it whole."""
+    sharding = NamedSharding(mesh, kv_cache_spec(config, mesh))
+    return jax.jit(create, out_shardings=jax.tree.map(lambda _: sharding, jax.eval_shape(create)))()
+
+
+def constrain_cache(cache, config: BeamConfig):
+    """Inside a jitted step on the mesh: keep the cache returned where `sharded_cache` put it (so a
+    donated cache round-trips without resharding)."""
+    spec = kv_cache_spec(config, jax.sharding.get_abstract_mesh())
+    return jax.tree.map(lambda pages: jax.lax.with_sharding_constraint(pages, spec), cache)
+
+
+def replicate(tree):
+    """Inside a jitted step on the mesh: outputs every process reads whole (sampled tokens)."""
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, P()), tree)
+
+
+def sharded_forward(mesh: Mesh, config: BeamConfig, **forward_kwargs) -> Callable:
+    """`beam_jax.model.forward` jitted for the mesh: `f(params, tokens, positions, cache=None)`
+    with params from `shard_params` and a cache from `sharded_cache` (donated, returned with the same
+    sharding). Tokens and positions are replicated. `forward_kwargs` are its static options."""
+    from beam_jax.model import forward  # here, not at the top: the model's layers import this module
+
+    def step(params, tokens, positions, cache):
+        out = forward(params, tokens, positions, cache, config=config, **forward_kwargs)
+        if out.cache is not None:
+            out = dataclasses.replace(out, cache=constrain_cache(out.cache, config))
+        return out
+
+    jitted = jax.jit(step, donate_argnums=(3,))
+
+    def run(params, tokens, positions, cache=None):
+        with jax.set_mesh(mesh):
+            return jitted(params, tokens, positions, cache)
+
+    def lower(params, tokens, positions, cache=None):
+        with jax.set_mesh(mesh):
+            return jitted.lower(params, tokens, positions, cache)
+
+    run.lower = lower  # to read the compiled program (tests count its collectives)
+    return run
+
+
+# ---- the experts under shard_map -----------------------------------------------------------------
+def experts_on_mesh(
+    compute: Callable,
+    arrays: dict[str, jax.Array],
+    x: jax.Array,
+    weights: jax.Array,
+    indices: jax.Array,
+    *,
+    expert_format: str,
+) -> jax.Array:
+    """Run `compute(local_arrays, x, weights, indices, expert_offset=...)` on every device of the
+    current mesh over the expert slices it holds, and psum the partial outputs.
+
+    Each device gets every token (activations and routing are replicated after the attention
+    all-reduce) and its own experts' slices of the weights: under EP the experts
+    `offset .. offset + E/ep` (pairs routed elsewhere count zero), under TP a 1/tp slice of every
+    expert's intermediate dim (SwiGLU is elementwise over it, and down_proj's contraction over it
+    is completed by the psum). `expert_offset=None` when ep == 1 (every expert is local), which
+    lets the GPU use the grouped-GEMM kernel on the local slices.
+
+    Efficiency: the psum is one all-reduce of `[tokens, hidden]` per MoE layer (the blog's combine
+    within one NVLink domain), summed in fp32 (twice the bytes of bf16, one rounding); every device
+    sorts all the step's pairs, and under EP the pairs of other devices' experts still pass through
+    the local sort. Dispatching tokens to their experts' devices (all-to-all) would avoid both at
+    large batch; the GPU kernel's "ids" path also assumes all of a token's pairs are local, so
+    under EP the experts run the plain-jnp reference (dequantized per layer) for now."""
+    mesh = jax.sharding.get_abstract_mesh()
+    ep, _ = _sizes(mesh)
+    arrays = {name: a.reshape(mesh_layout("mlp.experts." + name, a.shape)) for name, a in arrays.items()}
+    specs = {name: expert_spec(name, expert_format) for name in arrays}
+    num_local = next(iter(arrays.values())).shape[0] // ep
+
+    def local(arrays, x, weights, indices):
+        offset = None if ep == 1 else jax.lax.axis_index(EP) * num_local
+        partial = compute(arrays, x, weights, indices, expert_offset=offset)
+        return jax.lax.psum(partial.astype(jnp.float32), AXES).astype(x.dtype)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(specs, P(), P(), P()), out_specs=P())(arrays, x, weights, indices)
+
