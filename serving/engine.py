@@ -15,6 +15,7 @@ background thread for the server; `LLM` is the offline batch API for notebooks a
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 
@@ -22,13 +23,15 @@ import beam_jax
 from beam_jax.api import Beam
 from beam_jax.model import flat_params
 from beam_jax.sharding import make_mesh
+from serving.grammar import GrammarBackend, Matcher
 from serving.kv_cache import KVPool
 from serving.prefix_cache import PrefixCache
 from serving.runner import ModelRunner
-from serving.sampling import SamplingBatch, SamplingParams, StopChecker, TokenHistory
+from serving.sampling import SamplingBatch, SamplingParams, StopChecker, TokenHistory, full_bitmask
 from serving.scheduler import Request, Scheduler, SchedulerOutput
 
 DEFAULT_PAGE_TOKENS = 16
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -102,6 +105,7 @@ class _Tracked:
     first_token_time: float | None = None
     # Host-side sequence number for unseeded sampling keys (stable across preemptions).
     key_id: int = 0
+    matcher: Matcher | None = None  # the request's grammar (SamplingParams.grammar)
 
 
 @dataclasses.dataclass
@@ -168,6 +172,14 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._key_ids = 0
         self.metrics = EngineMetrics()
+        self._grammars: GrammarBackend | None = None
+
+    @property
+    def grammars(self) -> GrammarBackend:
+        """Compiles request grammars; made on first use (xgrammar imports torch: seconds)."""
+        if self._grammars is None:
+            self._grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -189,11 +201,12 @@ class LLMEngine:
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"stop token id {t} is outside the vocabulary of {self.vocab_size}")
         request = self.scheduler.add(request_id, prompt_ids, params)
+        matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None  # ValueError
         history = TokenHistory(prompt_ids) if params.has_penalties else None
         self._key_ids += 1
         self._tracked[request_id] = _Tracked(
             request, StopChecker(params, self.eos_token_ids), _Detokenizer(self.tokenizer), history,
-            CompletionOutput(), time.monotonic(), key_id=self._key_ids,
+            CompletionOutput(), time.monotonic(), key_id=self._key_ids, matcher=matcher,
         )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -235,7 +248,18 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             pad_to=rows,
             **self._pinned_widths(tracked),
+            token_bitmask=self._token_bitmask(plan, tracked, rows),
         )
+
+    def _token_bitmask(self, plan: SchedulerOutput, tracked: list[_Tracked], rows: int):
+        """The rows' allowed tokens from their grammars (None: no row has one). O(constrained rows)."""
+        if all(t.matcher is None for t in tracked):
+            return None
+        bitmask = full_bitmask(rows, self.vocab_size)
+        for row, (item, t) in enumerate(zip(plan.scheduled, tracked)):
+            if t.matcher is not None and item.samples:
+                t.matcher.fill(bitmask, row)
+        return bitmask
 
     def _pinned_widths(self, tracked) -> dict:
         """Fixed widths unless a row needs more (then the builder's bucket: a new compile)."""
@@ -271,6 +295,8 @@ class LLMEngine:
                     [(int(i), float(v)) for i, v in zip(sampled.top_token_ids[row][:k], sampled.top_logprobs[row][:k])]
                 )
             delta = tracked.stop.append(token, tracked.detokenizer.add(token))
+            if tracked.matcher is not None and not tracked.stop.finished and self._grammar_done(tracked, token):
+                delta += tracked.stop.finish("stop")
             if not tracked.stop.finished and request.num_tokens >= self.max_model_len:
                 delta += tracked.stop.finish("length")
             if tracked.stop.finished:
@@ -280,6 +306,17 @@ class LLMEngine:
             completion.text += delta
             outputs.append(self._output(tracked, delta, [token]))
         return outputs
+
+    @staticmethod
+    def _grammar_done(tracked: _Tracked, token: int) -> bool:
+        """Feeds the token to the request's grammar: True once the grammar has ended (it accepted a
+        stop token; the stop checker normally ended the request on it already)."""
+        if not tracked.matcher.accept(token):
+            # The mask allowed the token but the matcher refuses it (a grammar engine bug): the output
+            # cannot be kept on the grammar, so end it here rather than continue unconstrained.
+            log.warning("request %s: grammar rejected sampled token %d; ending it", tracked.request.request_id, token)
+            return True
+        return tracked.matcher.terminated
 
     def _finish(self, tracked: _Tracked, reason: str) -> RequestOutput:
         delta = tracked.stop.finish(reason)

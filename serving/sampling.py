@@ -6,11 +6,16 @@ Per step, on the device (`sample`), for logits `[B, vocab]`:
      vLLM applies them: repetition first (divide a positive logit, multiply a negative one), then
      `logit -= frequency * count + presence * (count > 0)`;
   2. suppression: rows that have not yet produced `min_tokens` tokens get -inf on eos and their
-     stop token ids;
-  3. logprobs: `log_softmax` of these logits (the model's distribution after penalties, before
+     stop token ids (not grammar rows: their grammar decides when they may end);
+  3. grammar: -inf on the tokens the row's packed bitmask disallows (`token_bitmask`, int32
+     `[B, ceil(vocab / 32)]`, bit t % 32 of word t // 32 for token t; all ones for unconstrained rows,
+     so the shape never changes); the host fills it from the request's grammar matcher
+     (serving/grammar.py);
+  4. logprobs: `log_softmax` of these logits (the model's distribution after penalties, before
      temperature / top-k / top-p / min-p, as vLLM reports by default): what the model thinks, not
-     what the sampler's truncated distribution happened to be;
-  4. greedy rows (temperature 0): `argmax`, ties to the lowest id;
+     what the sampler's truncated distribution happened to be (a grammar is part of the model's
+     distribution here, as in vLLM, so a logprob is never -inf for a token the grammar allowed);
+  5. greedy rows (temperature 0): `argmax`, ties to the lowest id;
      random rows: logits / temperature, then top-k, min-p (both relative to the best token, so
      they commute), then top-p over the distribution renormalized to what top-k and min-p kept
      (vLLM's order), then a Gumbel-max draw, which samples exactly from the kept distribution.
@@ -46,6 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
+from serving.grammar import Grammar
+
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's limit)
 GREEDY_EPSILON = 1e-5  # temperatures below this are greedy (as vLLM): dividing by them only overflows
 PENALTY_WIDTH_MIN = 16  # smallest bucket of the [B, S] penalty arrays
@@ -74,6 +81,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the chosen token's and the top k (k <= 20)
+    grammar: Grammar | None = None  # constrained decoding (serving/grammar.py); ends when it completes
 
     def __post_init__(self):
         # Normalize sequences to tuples (the dataclass is frozen, hence object.__setattr__).
@@ -119,6 +127,8 @@ class SamplingParams:
             fail("ignore_eos", "must be a bool")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             fail("logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            fail("grammar", "must be a serving.grammar.Grammar or None")
 
     @property
     def greedy(self) -> bool:
@@ -173,6 +183,31 @@ def bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
+# ---- packed token masks (xgrammar's layout) -------------------------------------------------------
+def bitmask_words(vocab_size: int) -> int:
+    return -(-vocab_size // 32)
+
+
+def full_bitmask(batch: int, vocab_size: int) -> np.ndarray:
+    """int32 [batch, words], every token allowed."""
+    return np.full((batch, bitmask_words(vocab_size)), -1, np.int32)
+
+
+def pack_bitmask(allowed: np.ndarray) -> np.ndarray:
+    """bool [batch, vocab] -> int32 [batch, ceil(vocab / 32)]: bit t % 32 of word t // 32 is token t."""
+    batch, vocab = allowed.shape
+    padded = np.zeros((batch, bitmask_words(vocab) * 32), bool)
+    padded[:, :vocab] = allowed
+    return np.packbits(padded, axis=1, bitorder="little").view(np.int32)
+
+
+def unpack_bitmask(bitmask: Int[Array, "batch words"], vocab_size: int) -> Bool[Array, "batch vocab"]:
+    """The inverse of `pack_bitmask`, in jnp (inside the compiled step)."""
+    words = jax.lax.bitcast_convert_type(bitmask, jnp.uint32)
+    bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].astype(bool)
+
+
 # ---- the device batch -----------------------------------------------------------------------------
 @functools.partial(
     jax.tree_util.register_dataclass,
@@ -180,7 +215,7 @@ def bucket(n: int, minimum: int) -> int:
         "temperature", "top_k", "top_p", "min_p",
         "repetition_penalty", "presence_penalty", "frequency_penalty",
         "rng_key_data", "steps",
-        "penalty_token_ids", "penalty_output_counts", "suppressed_token_ids",
+        "penalty_token_ids", "penalty_output_counts", "suppressed_token_ids", "token_bitmask",
     ),
     meta_fields=("num_top_logprobs",),
 )
@@ -200,6 +235,7 @@ class SamplingBatch:
     penalty_token_ids: Int[Array, "batch penalty_width"]  # distinct seen tokens; -1 pads
     penalty_output_counts: Int[Array, "batch penalty_width"]  # their counts in the output
     suppressed_token_ids: Int[Array, "batch suppress_width"]  # ids masked to -inf this step; -1 pads
+    token_bitmask: Int[Array, "batch words"]  # packed allowed tokens (`pack_bitmask`); -1 words: all
     num_top_logprobs: int = MAX_LOGPROBS  # static: width of the top-logprobs output
 
     @property
@@ -220,11 +256,14 @@ class SamplingBatch:
         penalty_width: int | None = None,
         suppress_width: int | None = None,
         num_top_logprobs: int = MAX_LOGPROBS,
+        token_bitmask: np.ndarray | None = None,
     ) -> SamplingBatch:
         """The batch for rows `params[i]` (request `request_ids[i]`, which has produced
         `num_output_tokens[i]` tokens; `histories[i]` is required where the row has penalties),
         padded to `pad_to` rows. Widths default to power-of-two buckets of what the rows need; pass
-        fixed ones to pin the compiled shape. Arrays are numpy; jit moves them to the device."""
+        fixed ones to pin the compiled shape. `token_bitmask` (int32 [pad_to, ceil(vocab / 32)],
+        filled by the grammar matchers; default: all allowed). Arrays are numpy; jit moves them to
+        the device."""
         rows = len(params)
         batch = rows if pad_to is None else pad_to
         if not len(request_ids) == len(num_output_tokens) == rows:
@@ -272,9 +311,10 @@ class SamplingBatch:
             penalty_token_ids[i, : len(ids)] = ids
             penalty_output_counts[i, : len(ids)] = counts
 
-        # min_tokens: the token about to be sampled may not end the request (vLLM's rule).
+        # min_tokens: the token about to be sampled may not end the request (vLLM's rule). Not for
+        # grammar rows: a complete grammar allows only stop tokens, and suppressing them leaves nothing.
         suppressed = [
-            (() if p.ignore_eos else eos) + p.stop_token_ids if n < p.min_tokens else ()
+            (() if p.ignore_eos else eos) + p.stop_token_ids if n < p.min_tokens and p.grammar is None else ()
             for p, n in zip(params, num_output_tokens)
         ]
         needed = max(map(len, suppressed), default=0)
@@ -284,6 +324,12 @@ class SamplingBatch:
         suppressed_token_ids = np.full((batch, suppress_width), NO_TOKEN, np.int32)
         for i, ids in enumerate(suppressed):
             suppressed_token_ids[i, : len(ids)] = ids
+
+        if token_bitmask is None:
+            token_bitmask = full_bitmask(batch, vocab_size)
+        elif token_bitmask.shape != (batch, bitmask_words(vocab_size)) or token_bitmask.dtype != np.int32:
+            raise ValueError(f"token_bitmask must be int32 [{batch}, {bitmask_words(vocab_size)}], got "
+                             f"{token_bitmask.dtype} {token_bitmask.shape}")
 
         rng_key_data = np.zeros((batch, 2), np.uint32)
         for i, (p, request_id) in enumerate(zip(params, request_ids)):
@@ -302,6 +348,7 @@ class SamplingBatch:
             penalty_token_ids=penalty_token_ids,
             penalty_output_counts=penalty_output_counts,
             suppressed_token_ids=suppressed_token_ids,
+            token_bitmask=token_bitmask,
             num_top_logprobs=num_top_logprobs,
         )
 
@@ -395,6 +442,7 @@ def sample(logits: Float[Array, "batch vocab"], batch: SamplingBatch) -> Sampler
     logits = logits.astype(jnp.float32)
     logits = apply_penalties(logits, batch)
     logits = suppress_tokens(logits, batch.suppressed_token_ids)
+    logits = jnp.where(unpack_bitmask(batch.token_bitmask, logits.shape[-1]), logits, -jnp.inf)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     greedy = batch.temperature == 0
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # first maximum: ties to the lowest id

@@ -72,9 +72,6 @@ def add_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest):
         server.check_model(body.model)
-        if body.tool_choice and body.tool_choice.get("type") in ("any", "tool"):
-            raise ApiError(400, "tool_choice any/tool needs grammar-constrained decoding, which this server does not "
-                           "have yet", "unsupported_parameter", param="tool_choice")
         tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                    "parameters": t.input_schema}} for t in body.tools or []] or None
         if body.tool_choice and body.tool_choice.get("type") == "none":
@@ -82,9 +79,14 @@ def add_routes(app: FastAPI, server: Server) -> None:
         effort = "high" if body.thinking and body.thinking.get("type") == "enabled" else None
         prompt_ids = server.encode(render_prompt(openai_messages(body), tools, effort))
         max_tokens = server.limit_max_tokens(len(prompt_ids), body.max_tokens)
+        choice = body.tool_choice or {}
+        grammar = server.output_grammar(
+            tools, tool_choice={"any": "required", "tool": "named"}.get(choice.get("type"), "auto"),
+            tool_name=choice.get("name"), parallel_tool_calls=not choice.get("disable_parallel_tool_use", False),
+            max_tokens=max_tokens)
         try:
             params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k or 0,
-                                    max_tokens=max_tokens, stop=tuple(body.stop_sequences or ()))
+                                    max_tokens=max_tokens, stop=tuple(body.stop_sequences or ()), grammar=grammar)
         except ValueError as error:
             raise ApiError(400, str(error), "invalid_request_error") from error
         message_id = new_id("msg")

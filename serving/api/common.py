@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -11,11 +12,15 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
+from serving.api.chat_output import CHAT_FORMAT
 from serving.api.errors import ApiError
 from serving.api.metrics import Metrics
 from serving.async_engine import AsyncEngine, EngineDeadError
 from serving.engine import RequestOutput
+from serving.grammar import ChatGrammars, Grammar
 from serving.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class Server:
@@ -30,6 +35,8 @@ class Server:
         self.max_model_len = llm.max_model_len
         self.metrics = Metrics()
         self.created = int(time.time())
+        self.grammar_backend = llm.grammars  # made now: it imports xgrammar (and torch), which takes seconds
+        self.grammars = ChatGrammars(CHAT_FORMAT, self.grammar_backend.special_tokens)
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -45,6 +52,39 @@ class Server:
             raise ApiError(400, f"prompt token ids outside the vocabulary of {vocab}: {bad[:5]}",
                            "invalid_request_error", param="prompt")
         return list(ids)
+
+    def output_grammar(self, tools: list[dict] | None, *, tool_choice: str = "auto", tool_name: str | None = None,
+                       json_output: bool = False, json_schema: dict | bool | None = None,
+                       parallel_tool_calls: bool = True, max_tokens: int) -> Grammar | None:
+        """The grammar a chat turn must follow, or None. `tool_choice`: "auto", "required" or "named"
+        (`tool_name`). A forced call wins over `json_output`; under "auto" the answer may be JSON or
+        calls are constrained once started, not both (a JSON answer excludes calls). Forced forms may
+        reason first for up to half of `max_tokens`, which leaves the other half to the constrained part."""
+        reasoning_tokens = max_tokens // 2
+        if tools and tool_choice in ("required", "named"):
+            build = lambda: self.grammars.forced_tool_calls(  # noqa: E731
+                tools, name=tool_name, parallel=parallel_tool_calls, reasoning_tokens=reasoning_tokens)
+            param = "tool_choice"
+        elif json_output:
+            build = lambda: self.grammars.json_output(json_schema, reasoning_tokens=reasoning_tokens)  # noqa: E731
+            param = "response_format"
+        elif tools and tool_choice == "auto":
+            try:
+                grammar = self.grammars.tool_calls_once_started(tools)
+                if grammar is not None:
+                    self.grammar_backend.compile(grammar)
+                return grammar
+            except ValueError as error:  # a schema the grammar engine cannot take: calls stay free
+                log.warning("tool calls unconstrained: %s", error)
+                return None
+        else:
+            return None
+        try:
+            grammar = build()
+            self.grammar_backend.compile(grammar)
+        except ValueError as error:
+            raise ApiError(400, str(error), "invalid_request_error", param=param) from error
+        return grammar
 
     def limit_max_tokens(self, prompt_len: int, max_tokens: int | None) -> int:
         room = self.max_model_len - prompt_len

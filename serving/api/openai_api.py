@@ -18,17 +18,28 @@ from serving.engine import RequestOutput
 from serving.sampling import SamplingParams
 
 
-def sampling_params(body, max_tokens: int, seed_offset: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(body, max_tokens: int, seed_offset: int, logprobs: int | None, grammar=None) -> SamplingParams:
     seed = None if body.seed is None else body.seed + seed_offset
     try:
         return SamplingParams(
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k or 0, min_p=body.min_p,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty, seed=seed, max_tokens=max_tokens,
-            stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos, logprobs=logprobs,
+            stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos, logprobs=logprobs, grammar=grammar,
         )
     except ValueError as error:
         raise ApiError(400, str(error), "invalid_request_error") from error
+
+
+def _output_grammar(server: Server, body: ChatCompletionRequest, tools, max_tokens: int):
+    """response_format and tool_choice as a grammar (serving/grammar.py), or None."""
+    response_format = body.response_format or {}
+    named = body.tool_choice.get("function", {}).get("name") if isinstance(body.tool_choice, dict) else None
+    return server.output_grammar(
+        tools, tool_choice="named" if named else (body.tool_choice or "auto"), tool_name=named,
+        json_output=response_format.get("type") in ("json_object", "json_schema"),
+        json_schema=(response_format.get("json_schema") or {}).get("schema"),
+        parallel_tool_calls=body.parallel_tool_calls, max_tokens=max_tokens)
 
 
 def _finish_reason(completion, parsed_calls: bool) -> str:
@@ -60,12 +71,6 @@ def add_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
         server.check_model(body.model)
-        if body.response_format and body.response_format.get("type") != "text":
-            raise ApiError(400, "response_format json_object/json_schema needs grammar-constrained decoding, which this "
-                           "server does not have yet", "unsupported_parameter", param="response_format")
-        if body.tool_choice not in (None, "auto", "none"):
-            raise ApiError(400, "tool_choice 'required' or a named function needs grammar-constrained decoding, which "
-                           "this server does not have yet", "unsupported_parameter", param="tool_choice")
         tools = None if body.tool_choice == "none" else [t.model_dump() for t in body.tools or []] or None
         messages = []
         for m in body.messages:
@@ -74,9 +79,11 @@ def add_routes(app: FastAPI, server: Server) -> None:
             messages.append(message)
         prompt_ids = server.encode(render_prompt(messages, tools, body.reasoning_effort))
         max_tokens = server.limit_max_tokens(len(prompt_ids), body.max_tokens)
+        grammar = _output_grammar(server, body, tools, max_tokens)
         top = body.top_logprobs if body.logprobs else None
         request_id = new_id("chatcmpl")
-        params = [sampling_params(body, max_tokens, i, (top or 0) if body.logprobs else None) for i in range(body.n)]
+        params = [sampling_params(body, max_tokens, i, (top or 0) if body.logprobs else None, grammar)
+                  for i in range(body.n)]
         streams = [server.generate(f"{request_id}-{i}", prompt_ids, p) for i, p in enumerate(params)]
         created = int(time.time())
         if body.stream:

@@ -84,6 +84,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -99,8 +100,13 @@ class ChatCompletionRequest(_SamplingFields):
                 raise ValueError("tool_choice names a function that is not in tools")
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             raise ValueError("tool_choice needs tools")
-        if self.response_format is not None and self.response_format.get("type") not in ("text", "json_object", "json_schema"):
-            raise ValueError("response_format.type must be text, json_object or json_schema")
+        if self.response_format is not None:
+            kind = self.response_format.get("type")
+            if kind not in ("text", "json_object", "json_schema"):
+                raise ValueError("response_format.type must be text, json_object or json_schema")
+            spec = self.response_format.get("json_schema")
+            if kind == "json_schema" and not (isinstance(spec, dict) and isinstance(spec.get("schema", {}), (dict, bool))):
+                raise ValueError("response_format.json_schema must be an object whose `schema` is a JSON schema")
         return self
 
 
@@ -144,3 +150,16 @@ class MessagesRequest(_Lenient):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice(self):
+        if self.tool_choice is None:
+            return self
+        kind = self.tool_choice.get("type")
+        if kind not in ("auto", "any", "tool", "none"):
+            raise ValueError("tool_choice.type must be auto, any, tool or none")
+        if kind in ("any", "tool") and not self.tools:
+            raise ValueError(f"tool_choice {kind} needs tools")
+        if kind == "tool" and not any(t.name == self.tool_choice.get("name") for t in self.tools):
+            raise ValueError("tool_choice names a tool that is not in tools")
+        return self

@@ -495,7 +495,7 @@ def test_sample_compiles_once_per_batch_size():
         # Default (bucketed) widths: histories of 10 tokens all fall in the smallest bucket.
         batch = SamplingBatch.build(mix, request_ids=range(len(mix)), num_output_tokens=rng.integers(0, 5, len(mix)),
                                     histories=histories, vocab_size=vocab, eos_token_ids=[0], pad_to=batch_size)
-        assert len(jax.tree_util.tree_leaves(batch)) == 12
+        assert len(jax.tree_util.tree_leaves(batch)) == 13
         out = step(random_logits(rng, batch_size, vocab), batch)
         assert out.tokens.shape == out.logprobs.shape == (batch_size,)
     assert step._cache_size() == 1

@@ -12,6 +12,7 @@ import time
 import anthropic
 import httpx
 import jax.numpy as jnp
+import jsonschema
 import openai
 import pytest
 import uvicorn
@@ -196,3 +197,74 @@ def test_many_concurrent_streams_and_disconnects_free_the_pool(server):
             break
         time.sleep(0.2)
     assert pool_is_free(async_engine)
+
+
+# ---- grammar-constrained output (random weights never write JSON or a call unless constrained) ------
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+           "properties": {"city": {"type": "string", "maxLength": 16}, "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                          "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "required": ["zone"], "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}}}}]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
+
+
+@pytest.mark.parametrize("seed", [None, 1])
+def test_response_format_json_schema_validates(client, seed):
+    out = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=160, temperature=0 if seed is None else 1.0, seed=seed,
+        response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER, "strict": True}})
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), WEATHER)
+
+
+def test_tool_choice_required_and_named_give_valid_calls(client):
+    # (one call: random weights would chain parallel calls up to max_tokens)
+    for tool_choice, name in (("required", None), ({"type": "function", "function": {"name": "get_time"}}, "get_time")):
+        out = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice,
+                                             parallel_tool_calls=False, temperature=0, max_tokens=200)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        call = choice.message.tool_calls[0]
+        assert name is None or call.function.name == name
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        streamed = {}
+        for chunk in client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice,
+                                                    parallel_tool_calls=False, temperature=0, max_tokens=200,
+                                                    stream=True):
+            for delta in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():
+                entry = streamed.setdefault(delta.index, {"name": "", "arguments": ""})
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+        assert streamed[0] == {"name": call.function.name, "arguments": call.function.arguments}
+
+
+def test_anthropic_tool_choice_any_and_tool(server):
+    client = anthropic.Anthropic(base_url=server[0], api_key=KEY)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    for tool_choice in ({"type": "any", "disable_parallel_tool_use": True}, {"type": "tool", "name": "get_weather"}):
+        message = client.messages.create(model=MODEL, max_tokens=200, messages=ASK, tools=tools, tool_choice=tool_choice,
+                                         extra_body={"temperature": 0})
+        assert message.stop_reason == "tool_use"
+        use = next(b for b in message.content if b.type == "tool_use")
+        assert tool_choice["type"] == "any" or use.name == "get_weather"
+        jsonschema.validate(use.input, SCHEMAS[use.name])
+
+
+def test_bad_grammar_requests_get_400(server):
+    base, _ = server
+    bad = [
+        {"model": MODEL, "messages": ASK, "response_format": {"type": "json_schema", "json_schema": "x"}},
+        {"model": MODEL, "messages": ASK, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}}},
+        {"model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+    ]
+    with httpx.Client(base_url=base, timeout=30, headers={"Authorization": f"Bearer {KEY}"}) as http:
+        for body in bad:
+            response = http.post("/v1/chat/completions", json=body)
+            assert response.status_code == 400, (body, response.text)
+        response = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 8, "messages": ASK,
+                                                   "tool_choice": {"type": "any"}})
+        assert response.status_code == 400 and response.json()["type"] == "error"
