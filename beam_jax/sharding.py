@@ -32,7 +32,11 @@ XLA's SPMD partitioner partitions attention, the dense MLP and the head from the
 inserts the all-reduces (after o_proj and down_proj: the sandwich norm after each block then runs on
 the reduced activations). For the experts it would all-gather whole expert weights, so they run
 under `jax.shard_map` (`experts_on_mesh`): each device computes its experts' slices for every token
-and one psum combines them. Efficiency notes there.
+and one psum combines them. The compiled forward's only collectives are then two all-reduces per
+layer, of `[tokens, hidden]` (tests/beam_jax/test_sharding.py counts them). Efficiency notes there.
+
+Several processes (`jax.distributed`): the mesh spans every process's devices and each process
+runs the same program on the same inputs (the serving engine drives identical steps everywhere).
 """
 
 from __future__ import annotations
@@ -189,10 +193,20 @@ def mesh_layout(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 # ---- placement -----------------------------------------------------------------------------------
-def _place(value, sharding: NamedSharding) -> jax.Array:
-    """A global array from a value every process holds whole (each process fills its own devices)."""
-    host = np.asarray(value)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+def place_blocks(shape: tuple[int, ...], sharding: NamedSharding, read: Callable[[tuple], np.ndarray]) -> jax.Array:
+    """A global array from `read(index) -> host block`, called once per distinct block among this
+    process's devices (a block replicated over several devices is read once); each block is placed
+    and dropped before the next is read, so the host never holds more than one block."""
+    devices_of_block: dict[tuple, list] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape))  # [start, stop) per dim
+        devices_of_block.setdefault(bounds, []).append(device)
+    shards = []
+    for bounds, devices in devices_of_block.items():
+        block = read(tuple(slice(start, stop) for start, stop in bounds))
+        shards += [jax.device_put(block, device) for device in devices]
+        del block
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
 
 
 def shard_params(params: nnx.State, mesh: Mesh, config: BeamConfig) -> nnx.State:
@@ -208,7 +222,8 @@ def shard_params(params: nnx.State, mesh: Mesh, config: BeamConfig) -> nnx.State
         shape = mesh_layout(name, value.shape)
         sharding = NamedSharding(mesh, param_spec(name, config, mesh))
         if not (isinstance(value, jax.Array) and value.shape == shape and value.sharding == sharding):
-            value = _place(np.asarray(value).reshape(shape), sharding)
+            host = np.asarray(value).reshape(shape)  # every process holds it whole: slicing is free
+            value = place_blocks(shape, sharding, host.__getitem__)
         flat.append((path, leaf.replace(value)))
     return nnx.from_flat_state(flat)
 
@@ -282,8 +297,9 @@ def experts_on_mesh(
     within one NVLink domain), summed in fp32 (twice the bytes of bf16, one rounding); every device
     sorts all the step's pairs, and under EP the pairs of other devices' experts still pass through
     the local sort. Dispatching tokens to their experts' devices (all-to-all) would avoid both at
-    large batch; the GPU kernel's "ids" path also assumes all of a token's pairs are local, so
-    under EP the experts run the plain-jnp reference (dequantized per layer) for now."""
+    large batch. The GPU kernel would need a mask for other devices' pairs (its "ids" path assumes
+    a token's pairs name distinct experts), so under EP the experts run the plain-jnp reference
+    (dequantized per layer) for now; under TP alone they run the kernel."""
     mesh = jax.sharding.get_abstract_mesh()
     ep, _ = _sizes(mesh)
     arrays = {name: a.reshape(mesh_layout("mlp.experts." + name, a.shape)) for name, a in arrays.items()}

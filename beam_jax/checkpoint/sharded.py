@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from beam_jax.checkpoint.safetensors_io import SafetensorsCheckpoint
 from beam_jax.config import BeamConfig
-from beam_jax.sharding import mesh_layout, param_spec
+from beam_jax.sharding import mesh_layout, param_spec, place_blocks
 
 # One destination slice of a parameter: (checkpoint tensor name, index into the parameter).
 # A parameter stored under its own name has one source with the empty index (the whole array).
@@ -38,24 +38,9 @@ def load_sharded_param(
     """One parameter (`spec`: its shape and dtype) placed on the mesh in its mesh layout."""
     shape = mesh_layout(name, spec.shape)
     sharding = NamedSharding(mesh, param_spec(name, config, mesh))
-    return _place_blocks(
+    return place_blocks(
         shape, sharding, lambda index: read_block(checkpoint, sources, spec.shape, spec.dtype, shape, index)
     )
-
-
-def _place_blocks(shape: tuple[int, ...], sharding: NamedSharding, read) -> jax.Array:
-    """The global array from `read(index) -> host block`, called once per distinct block among this
-    process's devices (a block replicated over several devices is read once); each block is placed
-    and dropped before the next is read."""
-    by_block: dict[Box, list] = {}
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
-        by_block.setdefault(_box(index, shape), []).append(device)
-    shards = []
-    for box, devices in by_block.items():
-        block = read(tuple(slice(start, stop) for start, stop in box))
-        shards += [jax.device_put(block, device) for device in devices]
-        del block
-    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
 
 
 def read_block(
