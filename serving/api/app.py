@@ -46,6 +46,11 @@ def build_app(engine: AsyncEngine, *, served_model_name: str = "beam-tiny", api_
     async def _http_error(request: Request, error: StarletteHTTPException):
         return error_response(request, ApiError(error.status_code, str(error.detail), "not_found"))
 
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, error: Exception):
+        # A bug, not bad input (uvicorn logs the traceback): still a body the client's SDK can read.
+        return error_response(request, ApiError(500, f"internal error: {type(error).__name__}", "server_error"))
+
     @app.middleware("http")
     async def _auth(request: Request, call_next):
         if server.api_key and request.url.path != "/health":

@@ -18,6 +18,49 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+def _check_unicode(value: Any) -> None:
+    """JSON can carry lone surrogates (`"\\ud800"`), which are not text: no tokenizer or grammar
+    engine takes them, so they are refused here, with a 400, wherever they are in the body."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError as error:
+                    raise ValueError(f"strings must be valid Unicode ({error.reason}: {item[error.start]!r})") from None
+        elif isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            stack += item
+
+
+class _Request(_Lenient):
+    """A whole request body."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data: Any) -> Any:
+        _check_unicode(data)
+        return data
+
+
+def _need_str(block: dict[str, Any], key: str, what: str) -> None:
+    if not isinstance(block.get(key), str):
+        raise ValueError(f"{what} needs a string `{key}`")
+
+
+def _check_text_blocks(blocks: list[dict[str, Any]], what: str) -> None:
+    """Content parts (OpenAI) or blocks (Anthropic): a string `type`, and a string `text` in text ones."""
+    for block in blocks:
+        if not isinstance(block, dict):
+            raise ValueError(f"each {what} must be an object")
+        _need_str(block, "type", f"each {what}")
+        if block["type"] in ("text", "input_text"):
+            _need_str(block, "text", f"a text {what}")
+
+
 class ToolFunction(_Lenient):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
@@ -42,7 +85,7 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class _SamplingFields(_Lenient):
+class _SamplingFields(_Request):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -75,6 +118,25 @@ class ChatMessage(_Lenient):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _parts(cls, value):
+        if isinstance(value, list):
+            _check_text_blocks(value, "content part")
+        return value
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls(cls, value):
+        for call in value or ():
+            function = call.get("function", call)
+            if not isinstance(function, dict):
+                raise ValueError("a tool call's `function` must be an object")
+            _need_str(function, "name", "a tool call's function")
+            if not isinstance(function.get("arguments", {}), (str, dict)):
+                raise ValueError("a tool call's `arguments` must be a JSON string or an object")
+        return value
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -129,6 +191,28 @@ class AnthropicMessage(_Lenient):
     role: Literal["user", "assistant"]
     content: str | list[dict[str, Any]]
 
+    @field_validator("content")
+    @classmethod
+    def _blocks(cls, value):
+        if isinstance(value, str):
+            return value
+        _check_text_blocks(value, "content block")
+        for block in value:
+            kind = block["type"]
+            if kind == "thinking":
+                _need_str(block, "thinking", "a thinking block")
+            elif kind == "tool_use":
+                _need_str(block, "name", "a tool_use block")
+                if not isinstance(block.get("input", {}), dict):
+                    raise ValueError("a tool_use block's `input` must be an object")
+            elif kind == "tool_result":
+                content = block.get("content", "")
+                if not isinstance(content, str):
+                    if not isinstance(content, list):
+                        raise ValueError("a tool_result block's `content` must be a string or a list of blocks")
+                    _check_text_blocks(content, "tool_result content block")
+        return value
+
 
 class AnthropicTool(_Lenient):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
@@ -136,7 +220,7 @@ class AnthropicTool(_Lenient):
     input_schema: dict[str, Any]
 
 
-class MessagesRequest(_Lenient):
+class MessagesRequest(_Request):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     max_tokens: int = Field(ge=1)
@@ -150,6 +234,13 @@ class MessagesRequest(_Lenient):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+
+    @field_validator("system")
+    @classmethod
+    def _system(cls, value):
+        if isinstance(value, list):
+            _check_text_blocks(value, "system block")
+        return value
 
     @model_validator(mode="after")
     def _tool_choice(self):
