@@ -10,7 +10,7 @@
 # The tokenizer is the shipped one (beam_jax/assets/tokenizer), read from disk, never from a hub.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${1:-benchmarks/server/results}
+OUT=${1:-benchmarks/server/results/$(date -u +%Y-%m-%dT%H%MZ)}
 AIPERF=${AIPERF:-aiperf}
 BEAM_SERVE=${BEAM_SERVE:-beam-serve}
 PORT=${PORT:-8123}
@@ -78,4 +78,5 @@ metrics after-chat
 run completions completions
 metrics after-completions
 uptime >> "$OUT/machine.txt"  # the load average: other work on the machine slows the server
+python3 benchmarks/server/summarize.py "$OUT" > "$OUT/summary.md"
 echo "results in $OUT; full logs in $WORK"
