@@ -172,14 +172,14 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._key_ids = 0
         self.metrics = EngineMetrics()
-        self._grammars: GrammarBackend | None = None
+        self._grammar_backend: GrammarBackend | None = None
 
     @property
-    def grammars(self) -> GrammarBackend:
+    def grammar_backend(self) -> GrammarBackend:
         """Compiles request grammars; made on first use (xgrammar imports torch: seconds)."""
-        if self._grammars is None:
-            self._grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        return self._grammars
+        if self._grammar_backend is None:
+            self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammar_backend
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -201,7 +201,7 @@ class LLMEngine:
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"stop token id {t} is outside the vocabulary of {self.vocab_size}")
         request = self.scheduler.add(request_id, prompt_ids, params)
-        matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None  # ValueError
+        matcher = self.grammar_backend.matcher(params.grammar) if params.grammar is not None else None  # ValueError
         history = TokenHistory(prompt_ids) if params.has_penalties else None
         self._key_ids += 1
         self._tracked[request_id] = _Tracked(

@@ -76,8 +76,8 @@ def _optional(content: dict) -> dict:
 
 
 def _tag(begin: str, content: dict, end: str | list[str]) -> dict:
-    # Free text (any_text) goes inside a tag: its end is what stops the text (xgrammar's masks for
-    # bounded free text in a plain sequence are wrong in 0.2.x).
+    # Free text (any_text) is only ever a tag's content: in xgrammar 0.2 its masks are wrong (they
+    # allow tokens the matcher then refuses) when it is bounded and sits in a plain sequence.
     return {"type": "tag", "begin": begin, "content": content, "end": end}
 
 
@@ -183,11 +183,11 @@ class ChatGrammars:
 
     @staticmethod
     def _verbatim_string(schema: Mapping[str, Any], excludes: list[str]) -> dict:
-        """A string value written as is: `const`, `enum`, `pattern` (a regex), and the length bounds
-        are kept. A string with a length bound has neither newlines nor '<' (so it can neither end
-        early nor hold a marker); xgrammar's free text counts bytes of broken UTF-8 as characters,
-        and its lookaheads do not constrain, so a bounded string cannot be free text excluding the
-        closer. `format` is not enforced."""
+        """A string value written as is, honouring `const`, `enum`, `pattern` and the length bounds
+        (not `format`). A length-bounded string is a character class without newlines and '<', so it
+        can neither hold the closer nor a marker: free text excluding the closer cannot be bounded
+        exactly (xgrammar's `max_chars` counts broken UTF-8 bytes as characters, and its lookaheads
+        do not constrain)."""
         if isinstance(schema.get("const"), str):
             return _const(schema["const"])
         choices = [v for v in schema.get("enum") or () if isinstance(v, str)]

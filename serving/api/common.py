@@ -35,7 +35,7 @@ class Server:
         self.max_model_len = llm.max_model_len
         self.metrics = Metrics()
         self.created = int(time.time())
-        self.grammar_backend = llm.grammars  # made now: it imports xgrammar (and torch), which takes seconds
+        self.grammar_backend = llm.grammar_backend  # made now: it imports xgrammar (and torch): seconds
         self.grammars = ChatGrammars(CHAT_FORMAT, self.grammar_backend.special_tokens)
 
     def check_model(self, model: str) -> None:
@@ -60,31 +60,28 @@ class Server:
         (`tool_name`). A forced call wins over `json_output`; under "auto" the answer may be JSON or
         calls are constrained once started, not both (a JSON answer excludes calls). Forced forms may
         reason first for up to half of `max_tokens`, which leaves the other half to the constrained part."""
-        reasoning_tokens = max_tokens // 2
-        if tools and tool_choice in ("required", "named"):
-            build = lambda: self.grammars.forced_tool_calls(  # noqa: E731
-                tools, name=tool_name, parallel=parallel_tool_calls, reasoning_tokens=reasoning_tokens)
-            param = "tool_choice"
-        elif json_output:
-            build = lambda: self.grammars.json_output(json_schema, reasoning_tokens=reasoning_tokens)  # noqa: E731
-            param = "response_format"
-        elif tools and tool_choice == "auto":
-            try:
-                grammar = self.grammars.tool_calls_once_started(tools)
-                if grammar is not None:
-                    self.grammar_backend.compile(grammar)
-                return grammar
-            except ValueError as error:  # a schema the grammar engine cannot take: calls stay free
-                log.warning("tool calls unconstrained: %s", error)
-                return None
-        else:
+        forced = bool(tools) and tool_choice in ("required", "named")
+        if not (forced or json_output or (tools and tool_choice == "auto")):
             return None
         try:
-            grammar = build()
-            self.grammar_backend.compile(grammar)
-        except ValueError as error:
-            raise ApiError(400, str(error), "invalid_request_error", param=param) from error
-        return grammar
+            if forced:
+                grammar = self.grammars.forced_tool_calls(tools, name=tool_name, parallel=parallel_tool_calls,
+                                                          reasoning_tokens=max_tokens // 2)
+            elif json_output:
+                grammar = self.grammars.json_output(json_schema, reasoning_tokens=max_tokens // 2)
+            else:
+                grammar = self.grammars.tool_calls_once_started(tools)
+            if grammar is not None:
+                self.grammar_backend.compile(grammar)
+            return grammar
+        # (TypeError, KeyError: schemas with fields of the wrong type, e.g. a non-integer maxLength)
+        except (ValueError, TypeError, KeyError) as error:
+            if not (forced or json_output):  # a tool schema the grammar cannot take: auto calls stay free
+                log.warning("tool calls unconstrained: %s", error)
+                return None
+            message = str(error) if isinstance(error, ValueError) else f"the schema cannot be used: {error!r}"
+            raise ApiError(400, message, "invalid_request_error",
+                           param="tool_choice" if forced else "response_format") from error
 
     def limit_max_tokens(self, prompt_len: int, max_tokens: int | None) -> int:
         room = self.max_model_len - prompt_len
