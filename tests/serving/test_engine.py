@@ -4,8 +4,6 @@ come back; steady state never recompiles; decodes keep going while a long prompt
 
 from __future__ import annotations
 
-import time
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -107,6 +105,8 @@ def test_no_recompilation_after_warmup(beam):
 
 
 def test_decodes_continue_while_a_long_prompt_prefills(beam):
+    """Every step of a 100-chunk prefill also gives each of 4 decoding requests its next token, so no
+    decode waits more than one step (the time per step is measured by benchmarks/engine/mixed.py)."""
     chunk = 16
     engine = LLMEngine(beam, config=EngineConfig(max_num_seqs=8, max_num_batched_tokens=chunk + 4,
                                                  max_prefill_chunk=chunk, max_model_len=2048))
@@ -117,20 +117,12 @@ def test_decodes_continue_while_a_long_prompt_prefills(beam):
     for _ in range(3):  # all four are decoding
         engine.step()
     engine.add_request("long", rng.integers(16, 8192, 100 * chunk).tolist(), SamplingParams(max_tokens=1))
-    last_token, gaps, step_times = {}, [], []
+    steps = 0
     while "long" in engine._tracked:
-        started = time.monotonic()
-        outputs = engine.step()
-        now = time.monotonic()
-        step_times.append(now - started)
-        for out in outputs:
-            if out.request_id.startswith("d"):
-                if out.request_id in last_token:
-                    gaps.append(now - last_token[out.request_id])
-                last_token[out.request_id] = now
-    assert len(step_times) >= 100  # the prompt really ran in chunks beside the decodes
-    assert len(gaps) >= 4 * (len(step_times) - 1)  # every decoder got a token every step
-    assert max(gaps) <= 2 * np.median(step_times)
+        decoded = {out.request_id for out in engine.step() if out.request_id.startswith("d") and out.new_token_ids}
+        assert decoded == {"d0", "d1", "d2", "d3"}, f"step {steps}: only {sorted(decoded)} decoded"
+        steps += 1
+    assert steps >= 100  # the prompt really ran in chunks beside the decodes
 
 
 def test_same_seed_same_output_in_any_batch(beam):
