@@ -18,12 +18,16 @@ def server_figures(path: pathlib.Path) -> list[str]:
         tag, name, value = line.split()
         values[tag, name] = float(value)
     rows = []
+    def delta(before: str, after: str, name: str) -> float:
+        return values[after, name] - values[before, name]
+
     for before, after, run in (("before", "after-chat", "chat"), ("after-chat", "after-completions", "completions")):
-        delta = lambda name: values[after, name] - values[before, name]  # noqa: E731
-        ttft = delta("beam_time_to_first_token_seconds_sum") / max(delta("beam_time_to_first_token_seconds_count"), 1)
-        itl = delta("beam_inter_token_latency_seconds_sum") / max(delta("beam_inter_token_latency_seconds_count"), 1)
-        rows.append(f"| {run} | {delta('beam_requests_finished_total'):.0f} | {delta('beam_generated_tokens_total'):.0f} "
-                    f"| {ttft * 1000:,.0f} | {itl * 1000:,.0f} |")
+        ttft_sum, ttft_count, itl_sum, itl_count, finished, generated = (delta(before, after, name) for name in (
+            "beam_time_to_first_token_seconds_sum", "beam_time_to_first_token_seconds_count",
+            "beam_inter_token_latency_seconds_sum", "beam_inter_token_latency_seconds_count",
+            "beam_requests_finished_total", "beam_generated_tokens_total"))
+        ttft, itl = ttft_sum / max(ttft_count, 1), itl_sum / max(itl_count, 1)
+        rows.append(f"| {run} | {finished:.0f} | {generated:.0f} | {ttft * 1000:,.0f} | {itl * 1000:,.0f} |")
     return ["| run | requests (warm-up included) | tokens generated | mean TTFT (ms) | mean inter-token (ms) |",
             "|---|---|---|---|---|", *rows]
 
@@ -39,16 +43,16 @@ def aiperf_figures(path: pathlib.Path) -> list[str]:
     out += ["", "| throughput | value |", "|---|---|",
             f"| output tokens/s | {data['output_token_throughput']['avg']:.2f} |",
             f"| requests/s | {data['request_throughput']['avg']:.3f} |",
-            f"| requests (errors) | {data['request_count']['avg']:.0f} "
-            f"({len(data.get('error_summary') or [])} error kinds) |",
+            (f"| requests (errors) | {data['request_count']['avg']:.0f} "
+             f"({len(data.get('error_summary') or [])} error kinds) |"),
             f"| benchmark duration (s) | {data['benchmark_duration']['avg']:.1f} |"]
     return out
 
 
 def main(run: str) -> None:
     run_dir = pathlib.Path(run)
-    lines = [f"# AIPerf against beam-serve beam-tiny: {run_dir.name}", "", "Machine (date, arch, cores, CPU, load "
-             "average at the start and the end):", "", "```", (run_dir / "machine.txt").read_text().strip(), "```", ""]
+    lines = [f"# AIPerf against beam-serve beam-tiny: {run_dir.name}", "",
+             "Machine (date, arch, cores, CPU, load average at the start and the end):", "", "```", (run_dir / "machine.txt").read_text().strip(), "```", ""]
     report = run_dir / "completions-profile_export_aiperf.json"
     if report.exists():
         lines += ["## AIPerf, streamed completions", "", *aiperf_figures(report), ""]

@@ -48,14 +48,20 @@ def _finish_reason(completion, parsed_calls: bool) -> str:
     return "tool_calls" if parsed_calls else "stop"
 
 
+def _logprob(value: float) -> float:
+    # A token the grammar masked has -inf, which JSON cannot carry: vLLM's floor.
+    return max(value, -9999.0)
+
+
 def _chat_logprobs(server: Server, completion, top: int | None) -> dict:
     content = []
     for i, token in enumerate(completion.token_ids):
         text = server.tokenizer.decode([token], skip_special_tokens=False)
-        entry = {"token": text, "logprob": completion.logprobs[i], "bytes": list(text.encode()), "top_logprobs": []}
+        entry = {"token": text, "logprob": _logprob(completion.logprobs[i]), "bytes": list(text.encode()),
+                 "top_logprobs": []}
         if top:
             entry["top_logprobs"] = [
-                {"token": (t := server.tokenizer.decode([tid], skip_special_tokens=False)), "logprob": lp,
+                {"token": (t := server.tokenizer.decode([tid], skip_special_tokens=False)), "logprob": _logprob(lp),
                  "bytes": list(t.encode())} for tid, lp in completion.top_logprobs[i][:top]
             ]
         content.append(entry)
@@ -138,9 +144,10 @@ def _completion_logprobs(server: Server, completion, top: int | None) -> dict | 
     for text in tokens:
         offsets.append(at)
         at += len(text)
-    return {"tokens": tokens, "token_logprobs": completion.logprobs, "text_offset": offsets,
-            "top_logprobs": [{server.tokenizer.decode([tid], skip_special_tokens=False): lp for tid, lp in row[:top]}
-                             for row in completion.top_logprobs] if top else None}
+    top_logprobs = [{server.tokenizer.decode([tid], skip_special_tokens=False): _logprob(lp) for tid, lp in row[:top]}
+                    for row in completion.top_logprobs] if top else None
+    return {"tokens": tokens, "token_logprobs": [_logprob(lp) for lp in completion.logprobs], "text_offset": offsets,
+            "top_logprobs": top_logprobs}
 
 
 async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

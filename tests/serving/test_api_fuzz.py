@@ -13,7 +13,8 @@ Every response must be:
 - an error body shaped as its API shapes errors (OpenAI `{"error": {"message", "type", ...}}`,
   Anthropic `{"type": "error", "error": {"type", "message"}}`) whenever the status is 4xx;
 - a 4xx whenever schemathesis meant the body to break the schema;
-- for a stream, free of `server_error` / `api_error` events (a 5xx after the status line).
+- for a stream, free of `server_error` / `api_error` events (a 5xx after the status line);
+- strict JSON: no NaN or Infinity (what `json.dumps` writes for a -inf logprob).
 
 Positive schemathesis cases name the served model (a random name would stop every one of them at
 the model check). Generation on CPU is slow, so within the range the server accepts, `max_tokens`
@@ -21,7 +22,7 @@ and `n` are clamped to small values (4 tokens, 2 choices); values outside that r
 generated, so the "too many tokens" and "n out of range" paths are fuzzed too.
 
 `test_api_fuzz` sends ~200 requests (about a minute on 2 cores, after the server's warm-up);
-`test_api_fuzz_long` (slow) 10x as many. FUZZ_DEBUG=1 prints every 4xx body.
+`test_api_fuzz_long` (slow: `--run-slow`) 10x as many. FUZZ_DEBUG=1 prints every 4xx body.
 """
 
 from __future__ import annotations
@@ -36,19 +37,18 @@ import time
 import httpx
 import jax.numpy as jnp
 import pytest
+import requests  # a schemathesis dependency
+import schemathesis
 import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
+from schemathesis.core.parameters import ParameterLocation
 
-schemathesis = pytest.importorskip("schemathesis")
-import requests  # noqa: E402  (a schemathesis dependency)
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from schemathesis import GenerationMode  # noqa: E402
-from schemathesis.core.parameters import ParameterLocation  # noqa: E402
-
-import beam_jax  # noqa: E402
-from serving.api.app import build_app  # noqa: E402
-from serving.async_engine import AsyncEngine  # noqa: E402
-from serving.engine import EngineConfig, LLMEngine  # noqa: E402
+import beam_jax
+from serving.api.app import build_app
+from serving.async_engine import AsyncEngine
+from serving.engine import EngineConfig, LLMEngine
 
 KEY = "fuzz-key"
 MODEL = "beam-tiny"
@@ -109,12 +109,16 @@ def _is_anthropic_error(body) -> bool:
             and isinstance(body["error"].get("type"), str) and isinstance(body["error"].get("message"), str))
 
 
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON (Python's json writes it, strict parsers reject it)")
+
+
 def _check(path: str, body, status: int, content_type: str, text: str, *, meant_invalid: bool = False) -> None:
     where = f"POST {path} body={body!r}"[:2000]
     assert status < 500, f"{status} for {where}: {text[:500]}"
     if status >= 400:
         try:
-            error = json.loads(text)
+            error = json.loads(text, parse_constant=_not_json)
         except ValueError:
             pytest.fail(f"{status} without a JSON body for {where}: {text[:500]}")
         shaped = _is_anthropic_error(error) if path.startswith("/v1/messages") else _is_openai_error(error)
@@ -125,7 +129,7 @@ def _check(path: str, body, status: int, content_type: str, text: str, *, meant_
         for line in text.splitlines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            payload = json.loads(line[6:])
+            payload = json.loads(line[6:], parse_constant=_not_json)
             if _is_openai_error(payload):
                 assert payload["error"]["type"] != "server_error", f"server error in the stream of {where}: {payload}"
             if _is_anthropic_error(payload):
@@ -163,31 +167,37 @@ def _schemathesis(base: str, tally: Tally, examples_per_operation: int) -> None:
         for result in schema.get_all_operations():
             operation = result.ok()
             posts = operation.method.upper() == "POST"
-            modes = [GenerationMode.POSITIVE, GenerationMode.NEGATIVE] if posts else [GenerationMode.POSITIVE]
-            for mode in modes:
-                @settings(max_examples=examples_per_operation if posts else 2, deadline=None, database=None,
-                          derandomize=True, suppress_health_check=list(HealthCheck))
-                @given(case=operation.as_strategy(generation_mode=mode))
-                def run(case):
-                    if posts and isinstance(case.body, dict):
-                        body = _clamp(case.body, case.path)
-                        if mode is GenerationMode.POSITIVE and isinstance(body.get("model"), str):
-                            body["model"] = MODEL  # past the model check, into rendering and generation
-                        case.body = body
-                    started = time.monotonic()
-                    response = case.call(base_url=base, session=session, headers=HEADERS, timeout=120)
-                    tally.add(case.path, f"schemathesis-{mode.value}", response.status_code, response.text,
-                              time.monotonic() - started, case.body if posts else None)
-                    content_type = response.headers.get("content-type") or [""]  # header -> list of values
-                    meant_invalid = case.meta is not None and case.meta.is_negative_at(ParameterLocation.BODY)
-                    _check(case.path, case.body if posts else None, response.status_code,
-                           content_type[0] if isinstance(content_type, list) else content_type, response.text,
-                           meant_invalid=meant_invalid)
-
-                run()
+            for mode in [GenerationMode.POSITIVE, GenerationMode.NEGATIVE] if posts else [GenerationMode.POSITIVE]:
+                _operation_test(base, session, tally, operation, mode, examples_per_operation if posts else 2)()
 
 
-# Known-good requests that use every part of each API; the mutations start from these.
+def _operation_test(base: str, session, tally: Tally, operation, mode: GenerationMode, examples: int):
+    posts = operation.method.upper() == "POST"
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def run(case):
+        if posts and isinstance(case.body, dict):
+            body = _clamp(case.body, case.path)
+            if mode is GenerationMode.POSITIVE and isinstance(body.get("model"), str):
+                body["model"] = MODEL  # past the model check, into rendering and generation
+            case.body = body
+        started = time.monotonic()
+        response = case.call(base_url=base, session=session, headers=HEADERS, timeout=120)
+        tally.add(case.path, f"schemathesis-{mode.value}", response.status_code, response.text,
+                  time.monotonic() - started, case.body if posts else None)
+        content_type = response.headers.get("content-type") or [""]  # header -> list of values
+        meant_invalid = case.meta is not None and case.meta.is_negative_at(ParameterLocation.BODY)
+        _check(case.path, case.body if posts else None, response.status_code,
+               content_type[0] if isinstance(content_type, list) else content_type, response.text,
+               meant_invalid=meant_invalid)
+
+    return run
+
+
+# Known-good requests that use every part of each API (keyed by route, then a tag); the mutations
+# start from these.
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                         "required": ["city"]}}}
@@ -204,6 +214,13 @@ VALID = {
                              "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
             {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
         ],
+    },
+    "/v1/chat/completions json_schema": {
+        "model": MODEL, "max_tokens": 4, "logprobs": True, "top_logprobs": 20, "seed": 2, "temperature": 1.0,
+        "messages": [{"role": "user", "content": "A city as JSON."}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": {
+            "type": "object", "properties": {"name": {"type": "string"}, "population": {"type": "integer"}},
+            "required": ["name"]}}},
     },
     "/v1/completions": {"model": MODEL, "prompt": "def fib(n):", "max_tokens": 2, "temperature": 0.5, "top_k": 5,
                         "seed": 3, "stop": ["\n"], "logprobs": 2, "echo": True, "n": 1,
@@ -256,8 +273,8 @@ def _mutated(draw):
     """A known-good request with one to three places changed: removed, given a value of another
     kind, or any JSON. Mostly one place, so the rest of the body stays valid and the request gets
     as far as the changed value lets it."""
-    route = draw(st.sampled_from(sorted(VALID)))
-    body = copy.deepcopy(VALID[route])
+    name = draw(st.sampled_from(sorted(VALID)))
+    route, body = name.split()[0], copy.deepcopy(VALID[name])
     body["stream"] = draw(st.booleans())
     for _ in range(draw(st.sampled_from([1, 1, 1, 2, 3]))):
         path = draw(st.sampled_from([p for p in _places(body) if p]))
