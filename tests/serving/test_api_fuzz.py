@@ -30,25 +30,20 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
-import threading
 import time
 
 import httpx
-import jax.numpy as jnp
 import pytest
 import requests  # a schemathesis dependency
 import schemathesis
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.core.parameters import ParameterLocation
 
-import beam_jax
-from serving.api.app import build_app
-from serving.async_engine import AsyncEngine
-from serving.engine import EngineConfig, LLMEngine
+from serving.engine import EngineConfig
+from tests.serving.live_server import live_server, pool_is_free
+
 
 KEY = "fuzz-key"
 MODEL = "beam-tiny"
@@ -60,25 +55,9 @@ HEADERS = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server():
-    engine = LLMEngine(beam_jax.load("beam-tiny", dtype=jnp.float32, seed=3),
-                       config=EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN))
-    engine.warmup()
-    async_engine = AsyncEngine(engine)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(build_app(async_engine, served_model_name=MODEL, api_key=KEY),
-                                       host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    for _ in range(100):
-        if uv.started:
-            break
-        time.sleep(0.1)
-    yield f"http://127.0.0.1:{port}", async_engine
-    uv.should_exit = True
-    thread.join(timeout=10)
-    async_engine.shutdown()
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN)
+    with live_server(config, seed=3, model=MODEL, api_key=KEY) as running:
+        yield running
 
 
 def _clamp(body, path: str):
@@ -314,17 +293,6 @@ def _still_serves(base: str) -> None:
     assert ok.status_code == 200, ok.text
 
 
-def _pool_is_free(async_engine: AsyncEngine) -> bool:
-    for _ in range(100):  # the last streams may still be finishing
-        with async_engine._lock:
-            engine = async_engine.engine
-            if not engine.has_unfinished_requests():
-                engine.prefix_cache.reset()
-                return engine.pool.num_free == engine.pool.num_pages
-        time.sleep(0.1)
-    return False
-
-
 def _run(server, schemathesis_examples: int, mutation_examples: int) -> None:
     base, async_engine = server
     tally = Tally()
@@ -335,7 +303,7 @@ def _run(server, schemathesis_examples: int, mutation_examples: int) -> None:
         print(tally.report())
     assert tally.total() >= 6 * schemathesis_examples + mutation_examples
     _still_serves(base)
-    assert _pool_is_free(async_engine)
+    assert pool_is_free(async_engine)
 
 
 def test_api_fuzz(server):

@@ -5,22 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
 
 import anthropic
 import httpx
-import jax.numpy as jnp
 import jsonschema
 import openai
 import pytest
-import uvicorn
 
-import beam_jax
-from serving.api.app import build_app
-from serving.async_engine import AsyncEngine
-from serving.engine import EngineConfig, LLMEngine
+from serving.engine import EngineConfig
+from tests.serving.live_server import live_server, pool_is_free
+
 
 KEY = "test-key"
 MODEL = "beam-tiny"
@@ -28,39 +22,14 @@ MODEL = "beam-tiny"
 
 @pytest.fixture(scope="module")
 def server():
-    engine = LLMEngine(beam_jax.load("beam-tiny", dtype=jnp.float32, seed=2),
-                       config=EngineConfig(max_num_seqs=16, max_num_batched_tokens=128, max_model_len=512))
-    engine.warmup()
-    async_engine = AsyncEngine(engine)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(build_app(async_engine, served_model_name=MODEL, api_key=KEY),
-                                       host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    for _ in range(100):
-        if uv.started:
-            break
-        time.sleep(0.1)
-    yield f"http://127.0.0.1:{port}", async_engine
-    uv.should_exit = True
-    thread.join(timeout=10)
-    async_engine.shutdown()
+    config = EngineConfig(max_num_seqs=16, max_num_batched_tokens=128, max_model_len=512)
+    with live_server(config, seed=2, model=MODEL, api_key=KEY) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY)
-
-
-def pool_is_free(async_engine: AsyncEngine) -> bool:
-    with async_engine._lock:
-        engine = async_engine.engine
-        idle = not engine.has_unfinished_requests()
-        engine.prefix_cache.reset()
-        engine.pool.check_invariants()
-        return idle and engine.pool.num_free == engine.pool.num_pages
 
 
 MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def fib(n):"}]
@@ -192,10 +161,7 @@ def test_many_concurrent_streams_and_disconnects_free_the_pool(server):
 
     counts = asyncio.run(main())
     assert all(n >= 3 for n in counts)  # role chunk, at least one more, [DONE]
-    for _ in range(100):  # the server notices the disconnects and aborts
-        if pool_is_free(async_engine):
-            break
-        time.sleep(0.2)
+    # The server notices the disconnects and aborts those requests.
     assert pool_is_free(async_engine)
 
 
