@@ -57,6 +57,14 @@ MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's limit
 GREEDY_EPSILON = 1e-5  # temperatures below this are greedy (as vLLM): dividing by them only overflows
 PENALTY_WIDTH_MIN = 16  # smallest bucket of the [B, S] penalty arrays
 SUPPRESS_WIDTH_MIN = 8  # smallest bucket of the [B, E] suppressed-ids array
+# Limits that keep the float32 sampling step finite (the one place for them: the HTTP layer's request
+# models use these too). A repetition penalty divides or multiplies logits: a tiny one (subnormal in
+# float32) overflows them to inf and makes NaNs. A top_p below MIN_TOP_P keeps only the most likely
+# token, as MIN_TOP_P does (its probability is at least 1 / vocabulary size), so it is raised to it;
+# smaller ones round to 0 in float32 and would keep no token at all.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MIN_TOP_P = 1e-8
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # a temperature above this is inf in the step
 NO_TOKEN = -1  # padding in the id arrays
 _MASK64 = (1 << 64) - 1
 
@@ -69,9 +77,9 @@ class SamplingParams:
 
     temperature: float = 1.0  # 0 (or < 1e-5): greedy
     top_k: int = 0  # 0 or -1: off
-    top_p: float = 1.0  # in (0, 1]; 1: off
+    top_p: float = 1.0  # in (0, 1]; 1: off; values below MIN_TOP_P are raised to it
     min_p: float = 0.0  # in [0, 1]; 0: off
-    repetition_penalty: float = 1.0  # > 0; 1: off; over prompt and output tokens
+    repetition_penalty: float = 1.0  # in [0.01, 100]; 1: off; over prompt and output tokens
     presence_penalty: float = 0.0  # in [-2, 2]; over output tokens
     frequency_penalty: float = 0.0  # in [-2, 2]; over output tokens
     seed: int | None = None
@@ -98,16 +106,19 @@ class SamplingParams:
         def is_real(x) -> bool:
             return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) and math.isfinite(x)
 
-        if not is_real(self.temperature) or self.temperature < 0:
-            fail("temperature", "must be a finite number >= 0")
+        if not is_real(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
+            fail("temperature", "must be a finite number >= 0 (and finite in float32)")
         if not is_int(self.top_k) or self.top_k < -1:
             fail("top_k", "must be an int >= 1, or 0 / -1 for off")
         if not is_real(self.top_p) or not 0 < self.top_p <= 1:
             fail("top_p", "must be in (0, 1]")
+        object.__setattr__(self, "top_p", max(self.top_p, MIN_TOP_P))
         if not is_real(self.min_p) or not 0 <= self.min_p <= 1:
             fail("min_p", "must be in [0, 1]")
-        if not is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
-            fail("repetition_penalty", "must be a finite number > 0")
+        if not is_real(self.repetition_penalty) or not (
+            MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY
+        ):
+            fail("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]")
         for field in ("presence_penalty", "frequency_penalty"):
             if not is_real(getattr(self, field)) or not -2 <= getattr(self, field) <= 2:
                 fail(field, "must be in [-2, 2]")

@@ -7,13 +7,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from serving.sampling import MAX_LOGPROBS
+from serving.sampling import MAX_LOGPROBS, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 
 MAX_N = 16
 MAX_STOP = 16
-# A top_p below this keeps only the most likely token, as this does (its probability is at least
-# 1 / vocabulary size); a smaller one would round to 0 in the float32 sampling step and keep none.
-MIN_TOP_P = 1e-8
 
 
 class _Lenient(BaseModel):
@@ -97,19 +94,14 @@ class _SamplingFields(_Request):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    # Bounded so that logits divided or multiplied by it stay finite in float32.
-    repetition_penalty: float = Field(default=1.0, ge=0.01, le=100.0)
+    # SamplingParams' bounds (logits divided or multiplied by it stay finite in float32), in the schema.
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, value: float) -> float:
-        return max(value, MIN_TOP_P)
 
     @field_validator("stop")
     @classmethod
@@ -243,11 +235,6 @@ class MessagesRequest(_Request):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, value: float) -> float:
-        return max(value, MIN_TOP_P)
 
     @field_validator("system")
     @classmethod

@@ -15,6 +15,9 @@ import pytest
 
 from serving.sampling import (
     MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    MIN_TOP_P,
     SamplingBatch,
     SamplingParams,
     StopChecker,
@@ -439,13 +442,23 @@ def test_stop_strings_random_against_reference():
     [
         ("temperature", dict(temperature=-0.1)),
         ("temperature", dict(temperature=float("nan"))),
+        ("temperature", {"temperature": float("inf")}),
+        ("temperature", {"temperature": 1e39}),  # finite in Python, inf in float32
+        ("temperature", {"temperature": True}),
         ("top_k", dict(top_k=-2)),
         ("top_k", dict(top_k=1.5)),
         ("top_p", dict(top_p=0.0)),
         ("top_p", dict(top_p=1.1)),
+        ("top_p", {"top_p": -1e-30}),
+        ("top_p", {"top_p": float("nan")}),
         ("min_p", dict(min_p=-0.1)),
         ("min_p", dict(min_p=1.5)),
         ("repetition_penalty", dict(repetition_penalty=0.0)),
+        ("repetition_penalty", {"repetition_penalty": 1e-40}),  # subnormal in float32: NaN logits
+        ("repetition_penalty", {"repetition_penalty": 0.009}),
+        ("repetition_penalty", {"repetition_penalty": 100.5}),
+        ("repetition_penalty", {"repetition_penalty": float("inf")}),
+        ("presence_penalty", {"presence_penalty": float("nan")}),
         ("presence_penalty", dict(presence_penalty=2.5)),
         ("frequency_penalty", dict(frequency_penalty=-3.0)),
         ("seed", dict(seed=1.5)),
@@ -462,6 +475,24 @@ def test_stop_strings_random_against_reference():
 def test_invalid_params_name_the_field(field: str, kwargs: dict):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} "):
         SamplingParams(**kwargs)
+
+
+def test_float32_limits_at_the_edges():
+    """The limits themselves are valid; a top_p that float32 flushes to 0 (1e-40 is subnormal) is
+    raised to MIN_TOP_P, which keeps exactly the most likely token (a top_p of 0 keeps none, and the
+    step then returned token 0)."""
+    SamplingParams(repetition_penalty=MIN_REPETITION_PENALTY)
+    SamplingParams(repetition_penalty=MAX_REPETITION_PENALTY)
+    SamplingParams(temperature=1e38)
+    assert SamplingParams(top_p=1e-40).top_p == MIN_TOP_P == SamplingParams(top_p=MIN_TOP_P).top_p
+    assert SamplingParams(top_p=0.5).top_p == 0.5
+    rng = np.random.default_rng(5)
+    batch_size, vocab = SMALL
+    logits = random_logits(rng, batch_size, vocab)
+    logits[:, 0] = -1e3  # token 0 is the least likely
+    params = [SamplingParams(temperature=1.0, top_p=1e-40, seed=i) for i in range(batch_size)]
+    out = sample_jit(logits, make_batch(params, vocab))
+    np.testing.assert_array_equal(np.asarray(out.tokens), logits.argmax(-1))
 
 
 def test_valid_params_and_builder_errors():

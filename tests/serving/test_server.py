@@ -234,3 +234,20 @@ def test_bad_grammar_requests_get_400(server):
         response = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 8, "messages": ASK,
                                                    "tool_choice": {"type": "any"}})
         assert response.status_code == 400 and response.json()["type"] == "error"
+
+
+def test_http_sampling_limits_are_sampling_params_limits():
+    """The request models use SamplingParams' float32 limits (no server needed): a repetition penalty
+    outside them is a validation error (a 400), a tiny top_p is raised to MIN_TOP_P by SamplingParams."""
+    from pydantic import ValidationError
+
+    from serving.api.openai_api import sampling_params
+    from serving.api.protocol import ChatCompletionRequest
+    from serving.sampling import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, MIN_TOP_P
+
+    for penalty in (MIN_REPETITION_PENALTY / 2, MAX_REPETITION_PENALTY * 2):
+        with pytest.raises(ValidationError, match="repetition_penalty"):
+            ChatCompletionRequest(model=MODEL, messages=MESSAGES, repetition_penalty=penalty)
+    body = ChatCompletionRequest(model=MODEL, messages=MESSAGES, top_p=1e-40, repetition_penalty=MIN_REPETITION_PENALTY)
+    params = sampling_params(body, max_tokens=4, seed_offset=0, logprobs=None)
+    assert params.top_p == MIN_TOP_P and params.repetition_penalty == MIN_REPETITION_PENALTY
