@@ -16,13 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Sequence
 
+import jax
+from jax.sharding import AbstractMesh
+
 import beam_jax
 from beam_jax.api import Beam
+from beam_jax.config import PRESETS, BeamConfig, preset
 from beam_jax.model import flat_params
-from beam_jax.sharding import make_mesh
+from beam_jax.sharding import AXES, check_mesh, make_mesh
 from serving.grammar import GrammarBackend, Matcher
 from serving.kv_cache import KVPool
 from serving.prefix_cache import PrefixCache
@@ -46,8 +51,47 @@ class EngineConfig:
     num_pages: int | None = None  # default: every sequence can reach max_model_len
     enable_prefix_caching: bool = True
     # Tensor / expert parallelism over the first tp*ep devices (beam_jax.sharding): 1, 1 is one device.
+    # `check_parallelism` says what a model and the devices need for it.
     tp: int = 1
     ep: int = 1
+
+
+def check_parallelism(model_config: BeamConfig, tp: int, ep: int, num_devices: int) -> None:
+    """Whether `model_config` can be served on a (tp, ep) mesh of `num_devices` devices; every problem
+    in one ValueError. The mesh needs tp*ep devices (the first ones are used, so it need not use them
+    all); the query heads must split evenly over tp (beam_jax.sharding would otherwise replicate them,
+    and every device would compute every head: no speed-up); the experts must divide as
+    `beam_jax.sharding.check_mesh` requires. KV heads, the dense MLP and the vocabulary need nothing:
+    whatever does not split evenly is replicated."""
+    for name, size in (("tp", tp), ("ep", ep)):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {size!r}")
+    problems = []
+    if tp * ep > num_devices:
+        hint = ""
+        if jax.default_backend() == "cpu":
+            hint = f" (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={tp * ep} makes that many)"
+        problems.append(f"tp={tp} x ep={ep} needs {tp * ep} devices, JAX sees {num_devices}{hint}")
+    if model_config.num_attention_heads % tp:
+        problems.append(f"num_attention_heads ({model_config.num_attention_heads}) is not divisible by tp={tp}")
+    try:
+        check_mesh(model_config, AbstractMesh((ep, tp), AXES))
+    except ValueError as error:
+        problems.append(str(error))
+    if problems:
+        raise ValueError(f"cannot serve on tp={tp}, ep={ep}: " + "; ".join(problems))
+
+
+def _model_config(model: str | Beam) -> BeamConfig | None:
+    """The config of what `beam_jax.load(model)` would load, read without loading it (None where
+    `load` will fail anyway, with its own error)."""
+    from beam_jax.checkpoint import read_config
+
+    if isinstance(model, Beam):
+        return model.config
+    if str(model) in PRESETS:
+        return preset(str(model))
+    return read_config(model) if os.path.isfile(os.path.join(model, "config.json")) else None
 
 
 @dataclasses.dataclass
@@ -136,6 +180,8 @@ class EngineMetrics:
 class LLMEngine:
     def __init__(self, model: str | Beam = "beam-tiny", *, config: EngineConfig | None = None, dtype=None, seed: int = 0):
         config = config or EngineConfig()
+        if (config.tp, config.ep) != (1, 1) and (model_config := _model_config(model)) is not None:
+            check_parallelism(model_config, config.tp, config.ep, jax.device_count())  # before loading
         mesh = make_mesh(tp=config.tp, ep=config.ep) if config.tp * config.ep > 1 else None
         self.beam = model if isinstance(model, Beam) else beam_jax.load(model, dtype=dtype, seed=seed, mesh=mesh)
         self.config = config
