@@ -4,6 +4,7 @@
     beam = beam_jax.load("beam-tiny")            # a preset (random weights) or a checkpoint dir
     out = beam.forward([[1, 2, 3]])              # ForwardOutput: logits [1, 3, vocab], ...
     beam.generate("def fib(n):", max_new_tokens=16)
+    beam = beam_jax.load("beam-tiny", quantization="nvfp4")  # bf16 experts quantized at load time
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ from beam_jax.tokenizer import STOP_TOKENS, load_tokenizer
 
 
 RANDOM_PRESET_LIMIT_BYTES = 16 * 2**30  # random weights are drawn on the host
+# Load-time quantization of bf16 experts (`load(..., quantization=)`, `beam-serve --quantization`):
+# the method -> the expert format it makes (as `beam-jax quantize --format`: fp8 is compressed-tensors'
+# per-channel FP8_DYNAMIC), and the stored formats that already are that method.
+QUANTIZATIONS = {"fp8": "fp8_channel", "nvfp4": "nvfp4"}
+_ALREADY = {"fp8": ("fp8_channel", "fp8_tensor"), "nvfp4": ("nvfp4",)}
 
 
 def default_dtype() -> jnp.dtype:
@@ -83,11 +89,56 @@ class Beam:
         return self.decode(out) if isinstance(prompt, str) else out
 
 
-def load(model: str | Path = "beam-tiny", *, dtype=None, seed: int = 0, mesh: jax.sharding.Mesh | None = None) -> Beam:
+def quantized_expert_format(config: BeamConfig, quantization: str | None) -> str:
+    """The experts' format once `load(..., quantization=)` has run: as stored without a method; a
+    bf16 model's becomes the method's; a quantized checkpoint keeps its format if it already is the
+    method's (fp8: either FP8 layout) and is refused otherwise (its bf16 original is not there)."""
+    if quantization is None:
+        return config.expert_format
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization must be one of {', '.join(sorted(QUANTIZATIONS))} or None, not {quantization!r}"
+        )
+    stored = config.expert_format
+    if stored == "bf16":
+        return QUANTIZATIONS[quantization]
+    if stored not in _ALREADY[quantization]:
+        raise ValueError(
+            f"the checkpoint's experts are already quantized ({stored}); quantization {quantization!r} "
+            "applies to bf16 experts only: load it without a quantization, or quantize its bf16 original"
+        )
+    return stored
+
+
+def quantize(beam: Beam, quantization: str | None) -> Beam:
+    """`beam` with its bf16 experts quantized by `quantization` ("fp8" or "nvfp4"; None: unchanged),
+    with the project's quantizer (`beam_jax.quant.convert.quantize_params`, what `beam-jax quantize`
+    writes: weight scales from the weights, no calibration). A model already in that format is
+    returned as it is. The quantizer works on the host one layer at a time and places the results
+    on the default device (`shard_params` splits them over a mesh afterwards)."""
+    from beam_jax.quant.convert import quantize_params
+
+    expert_format = quantized_expert_format(beam.config, quantization)
+    if expert_format == beam.config.expert_format:
+        return beam
+    config, params = quantize_params(beam.config, beam.params, expert_format)
+    return Beam(config, params, beam.tokenizer)
+
+
+def load(
+    model: str | Path = "beam-tiny",
+    *,
+    dtype=None,
+    seed: int = 0,
+    mesh: jax.sharding.Mesh | None = None,
+    quantization: str | None = None,
+) -> Beam:
     """A preset name (random weights from `seed`) or a checkpoint directory (HF safetensors or
     orbax). The tokenizer is the directory's `tokenizer.json` if it has one, else the shipped one.
     With a `mesh` (`beam_jax.sharding.make_mesh`) the parameters are split over it; safetensors
-    are read slice by slice, each process reading only what its devices hold."""
+    are read slice by slice, each process reading only what its devices hold. `quantization`
+    ("fp8", "nvfp4") quantizes bf16 experts as they load (`quantize`); the whole model is then
+    read onto one device before it is quantized and split."""
     dtype = default_dtype() if dtype is None else jnp.dtype(dtype)
     if str(model) in PRESETS:
         config = preset(str(model))
@@ -97,16 +148,23 @@ def load(model: str | Path = "beam-tiny", *, dtype=None, seed: int = 0, mesh: ja
                 f"preset {model!r} would need {size / 2**30:.0f} GiB of random weights; "
                 "load a checkpoint directory instead (beam-jax init-checkpoint writes one for small presets)"
             )
-        params = init_params(config, seed, dtype)
-        return Beam(config, params if mesh is None else shard_params(params, mesh, config), load_tokenizer())
+        quantized_expert_format(config, quantization)  # a bad method fails before the weights are drawn
+        beam = quantize(Beam(config, init_params(config, seed, dtype), load_tokenizer()), quantization)
+        if mesh is not None:
+            beam.params = shard_params(beam.params, mesh, beam.config)
+        return beam
     path = Path(model)
     if not path.is_dir():
         raise FileNotFoundError(f"{model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a directory")
-    from beam_jax.checkpoint import is_orbax_checkpoint, load_any
+    from beam_jax.checkpoint import is_orbax_checkpoint, load_any, read_config
 
-    sliced_read = mesh is not None and not is_orbax_checkpoint(path)  # orbax restores whole arrays
+    stored = read_config(path)
+    quantizing = quantized_expert_format(stored, quantization) != stored.expert_format  # refused before loading
+    # orbax restores whole arrays; experts about to be quantized are read whole too.
+    sliced_read = mesh is not None and not is_orbax_checkpoint(path) and not quantizing
     config, params = load_any(path, dtype=dtype, **({"mesh": mesh} if sliced_read else {}))
-    if mesh is not None:
-        params = shard_params(params, mesh, config)  # keeps what the reader placed already
     tokenizer = load_tokenizer(path if (path / "tokenizer.json").exists() else None)
-    return Beam(config, params, tokenizer)
+    beam = quantize(Beam(config, params, tokenizer), quantization)
+    if mesh is not None:
+        beam.params = shard_params(beam.params, mesh, beam.config)  # keeps what the reader placed already
+    return beam

@@ -40,6 +40,14 @@ def parser() -> argparse.ArgumentParser:
         default=1,
         help="serve on a tensor-parallel mesh of this many local devices (default: 1)",
     )
+    p.add_argument(
+        "--quantization",
+        "--quant",
+        "-q",
+        choices=["fp8", "nvfp4"],
+        default=None,
+        help="quantize a bf16 checkpoint's experts as it loads: fp8 (per channel) or nvfp4 (default: as stored)",
+    )
     p.add_argument("--log-level", default="info")
     return p
 
@@ -56,6 +64,7 @@ def engine_config(args: argparse.Namespace):
         num_pages=args.num_pages,
         enable_prefix_caching=args.enable_prefix_caching,
         tp=args.tp,
+        quantization=args.quantization,
     )
 
 

@@ -24,9 +24,10 @@ import jax
 from jax.sharding import AbstractMesh
 
 import beam_jax
-from beam_jax.api import Beam
+from beam_jax.api import Beam, quantize, quantized_expert_format
 from beam_jax.config import PRESETS, BeamConfig, preset
 from beam_jax.model import flat_params
+from beam_jax.quant.convert import quantization_config_for
 from beam_jax.sharding import AXES, check_mesh, make_mesh
 from serving.grammar import GrammarBackend, Matcher
 from serving.kv_cache import KVPool
@@ -54,6 +55,8 @@ class EngineConfig:
     # `check_parallelism` says what a model and the devices need for it.
     tp: int = 1
     ep: int = 1
+    # "fp8" or "nvfp4": quantize a bf16 model's experts as it loads (beam_jax.api.quantize); None: as stored.
+    quantization: str | None = None
 
 
 def check_parallelism(model_config: BeamConfig, tp: int, ep: int, num_devices: int) -> None:
@@ -82,16 +85,24 @@ def check_parallelism(model_config: BeamConfig, tp: int, ep: int, num_devices: i
         raise ValueError(f"cannot serve on tp={tp}, ep={ep}: " + "; ".join(problems))
 
 
-def _model_config(model: str | Beam) -> BeamConfig | None:
-    """The config of what `beam_jax.load(model)` would load, read without loading it (None where
-    `load` will fail anyway, with its own error)."""
+def _served_config(model: str | Beam, quantization: str | None) -> BeamConfig | None:
+    """The config of the model that `beam_jax.load(model, quantization=...)` gives, read without
+    loading it (None where `load` will fail anyway, with its own error). A quantization that the
+    checkpoint cannot take fails here."""
     from beam_jax.checkpoint import read_config
 
     if isinstance(model, Beam):
-        return model.config
-    if str(model) in PRESETS:
-        return preset(str(model))
-    return read_config(model) if os.path.isfile(os.path.join(model, "config.json")) else None
+        config = model.config
+    elif str(model) in PRESETS:
+        config = preset(str(model))
+    elif os.path.isfile(os.path.join(model, "config.json")):
+        config = read_config(model)
+    else:
+        return None
+    expert_format = quantized_expert_format(config, quantization)
+    if expert_format == config.expert_format:
+        return config
+    return config.replace(quantization_config=quantization_config_for(config, expert_format))
 
 
 @dataclasses.dataclass
@@ -180,10 +191,14 @@ class EngineMetrics:
 class LLMEngine:
     def __init__(self, model: str | Beam = "beam-tiny", *, config: EngineConfig | None = None, dtype=None, seed: int = 0):
         config = config or EngineConfig()
-        if (config.tp, config.ep) != (1, 1) and (model_config := _model_config(model)) is not None:
-            check_parallelism(model_config, config.tp, config.ep, jax.device_count())  # before loading
+        served = _served_config(model, config.quantization)  # refuses what cannot be served before loading
+        if (config.tp, config.ep) != (1, 1) and served is not None:
+            check_parallelism(served, config.tp, config.ep, jax.device_count())
         mesh = make_mesh(tp=config.tp, ep=config.ep) if config.tp * config.ep > 1 else None
-        self.beam = model if isinstance(model, Beam) else beam_jax.load(model, dtype=dtype, seed=seed, mesh=mesh)
+        if isinstance(model, Beam):
+            self.beam = quantize(model, config.quantization)
+        else:
+            self.beam = beam_jax.load(model, dtype=dtype, seed=seed, mesh=mesh, quantization=config.quantization)
         self.config = config
         model_config = self.beam.config
         self.max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 4096)

@@ -1,6 +1,7 @@
 """`beam-serve` flags: `--tp` serves on a tensor-parallel mesh of local devices (the same greedy tokens
 as one device; 8 CPU devices in a subprocess, tests/serving/parallel_worker.py) and refuses meshes
-the devices or the model cannot hold, naming why."""
+the devices or the model cannot hold, naming why; `--quantization` (`--quant`) quantizes bf16 experts
+as they load and refuses a checkpoint quantized in another format."""
 
 from __future__ import annotations
 
@@ -10,12 +11,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
+import beam_jax
+from beam_jax.checkpoint import save_checkpoint
 from beam_jax.config import preset
+from beam_jax.model import flat_params
+from beam_jax.quant.convert import quantize_params
 from serving.cli import build_engine, parser
 from serving.engine import check_parallelism
 from tests.beam_jax.sharding_worker import XLA_FLAGS
+from tests.serving.parallel_worker import PROMPT_LENGTHS, greedy
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = [
@@ -71,3 +78,38 @@ def test_tp_errors_name_the_problem():
     # This process has one CPU device: the CLI exits with the reason before loading anything.
     with pytest.raises(SystemExit, match=r"error: cannot serve on tp=2.*needs 2 devices, JAX sees 1.*XLA_FLAGS"):
         build_engine(parser().parse_args([*SMALL, "--tp", "2"]))
+
+
+# ---- --quantization ------------------------------------------------------------------------------
+EXPERT = "model.layers.1.mlp.experts.down_proj."  # beam-tiny's first sparse layer
+
+
+@pytest.mark.parametrize(
+    ("flag", "expert_format", "stored"), [("fp8", "fp8_channel", jnp.float8_e4m3fn), ("nvfp4", "nvfp4", jnp.uint8)]
+)
+def test_quantization_at_load_generates(flag, expert_format, stored):
+    engine = build_engine(parser().parse_args([*SMALL, "--quant", flag]))
+    assert engine.beam.config.expert_format == expert_format
+    flat = flat_params(engine.runner.params)
+    assert flat[EXPERT + "weight"].dtype == stored  # packed on the device, not bf16 copies
+    assert flat[EXPERT + "weight_scale"].dtype != jnp.bfloat16
+    assert flat["model.embed_tokens.weight"].dtype == jnp.float32  # only the experts are quantized
+    tokens = greedy(engine)
+    assert [len(t) for t in tokens] == [8] * len(PROMPT_LENGTHS)
+
+
+def test_quantization_of_a_quantized_checkpoint(tmp_path):
+    beam = beam_jax.load("beam-tiny", dtype=jnp.float32)
+    save_checkpoint(tmp_path, *quantize_params(beam.config, beam.params, "fp8_channel"))
+    with pytest.raises(SystemExit, match=r"already quantized \(fp8_channel\); quantization 'nvfp4' applies to bf16"):
+        build_engine(parser().parse_args([*SMALL, "--model", str(tmp_path), "--quantization", "nvfp4"]))
+    # The method it already has: served as stored.
+    engine = build_engine(parser().parse_args([*SMALL, "--model", str(tmp_path), "-q", "fp8"]))
+    assert engine.beam.config.expert_format == "fp8_channel"
+
+
+def test_tp2_with_nvfp4_at_load_gives_the_tokens_of_one_device():
+    out = run_worker("1,2", *SMALL, "--quant", "nvfp4")
+    assert out["2"]["tokens"] == out["1"]["tokens"]
+    assert out["1"]["expert_format"] == out["2"]["expert_format"] == "nvfp4"
+    assert out["2"]["param_devices"] == 2
