@@ -308,7 +308,7 @@ class LLMEngine:
             vocab_size=self.vocab_size,
             eos_token_ids=self.eos_token_ids,
             pad_to=rows,
-            **self._pinned_widths(tracked),
+            **self.runner.sampling_widths(max((len(t.history) for t in tracked if t.history is not None), default=0)),
             token_bitmask=self._token_bitmask(plan, tracked, rows),
         )
 
@@ -321,17 +321,6 @@ class LLMEngine:
             if t.matcher is not None and item.samples:
                 t.matcher.fill(bitmask, row)
         return bitmask
-
-    def _pinned_widths(self, tracked) -> dict:
-        """Fixed widths unless a row needs more (then the builder's bucket: a new compile)."""
-        widths = self.runner.sampling_widths()
-        needed = max((len(t.history) for t in tracked if t.history is not None), default=0)
-        if needed > widths["penalty_width"]:
-            widths.pop("penalty_width")
-        suppressed = max((len(self.eos_token_ids) + len(t.request.params.stop_token_ids) for t in tracked), default=0)
-        if suppressed > widths["suppress_width"]:
-            widths.pop("suppress_width")
-        return widths
 
     def _consume(self, plan: SchedulerOutput, sampled) -> list[RequestOutput]:
         outputs = []

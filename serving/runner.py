@@ -4,8 +4,13 @@ calls ONE compiled program (model forward on the paged cache + sampling) and ret
 Shapes are bucketed so that steady state never recompiles: the flat token count is padded to a
 power of two (at least 16, at most the token budget rounded up), the number of rows to
 min(token bucket, max_num_seqs) (a step never has more sequences than tokens), page tables to a
-fixed width (`max_model_len` / page size), and the sampling widths are pinned. So one program per
-token bucket; `compilations` counts traces (a test asserts it stops growing after warm-up).
+fixed width (`max_model_len` / page size), and the sampling widths are pinned: 20 top logprobs
+always, and one of two penalty widths (`penalty_widths`): a narrow one (16 distinct tokens: in
+practice the steps without penalized requests) and one that holds any request's history (its
+distinct tokens are at most the context, and the vocabulary). The wide one costs
+`[rows, max_model_len]` ids and counts per step, which is why it is not used for every step. So two
+programs per token bucket, both compiled by `warmup`; `compilations` counts traces (a test asserts
+it stops growing after warm-up).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from beam_jax.model import Params, forward
 from beam_jax.paged_cache import PagedBatch, PagedKVCache
 from beam_jax.sharding import constrain_cache, replicate, shard_params, sharded_cache
 from serving.kv_cache import KVPool
-from serving.sampling import MAX_LOGPROBS, PENALTY_WIDTH_MIN, SUPPRESS_WIDTH_MIN, SamplerOutput, SamplingBatch, sample
+from serving.sampling import MAX_LOGPROBS, PENALTY_WIDTH_MIN, SamplerOutput, SamplingBatch, bucket, sample
 from serving.scheduler import ScheduledRequest
 
 MIN_TOKEN_BUCKET = 16
@@ -65,6 +70,9 @@ class ModelRunner:
         self.max_pages = -(-max_model_len // pool.page_tokens)
         self.buckets = token_buckets(max_num_batched_tokens)
         self.layer_group = layer_groups(pool, config.num_hidden_layers)
+        # A penalty history holds distinct tokens of one sequence: at most max_model_len, and the vocabulary.
+        widest = bucket(min(max_model_len, config.vocab_size), PENALTY_WIDTH_MIN)
+        self.penalty_widths = tuple(sorted({PENALTY_WIDTH_MIN, widest}))
 
         def create_cache():
             return PagedKVCache.create(config, pool.num_pages, pool.page_tokens, self.layer_group, dtype)
@@ -139,15 +147,24 @@ class ModelRunner:
         return SamplerOutput(*(np.asarray(a) for a in out))
 
     def warmup(self) -> None:
-        """Compiles every token bucket with an all-padding step (nothing is written to the cache)."""
+        """Compiles every token bucket at every penalty width with an all-padding step (nothing is
+        written to the cache)."""
         for size in self.buckets:
-            empty = SamplingBatch.build(
-                [], request_ids=[], num_output_tokens=[], vocab_size=self.config.vocab_size,
-                pad_to=self.rows_for(size), **self.sampling_widths(),
-            )
-            self.execute([], empty, num_tokens=size)
+            for width in self.penalty_widths:
+                empty = SamplingBatch.build(
+                    [],
+                    request_ids=[],
+                    num_output_tokens=[],
+                    vocab_size=self.config.vocab_size,
+                    pad_to=self.rows_for(size),
+                    **self.sampling_widths(width),
+                )
+                self.execute([], empty, num_tokens=size)
 
-    @staticmethod
-    def sampling_widths() -> dict:
-        """Widths that keep the sampling arrays' shapes fixed (`SamplingBatch.build` kwargs)."""
-        return dict(penalty_width=PENALTY_WIDTH_MIN, suppress_width=SUPPRESS_WIDTH_MIN, num_top_logprobs=MAX_LOGPROBS)
+    def sampling_widths(self, penalty_history: int = 0) -> dict:
+        """The pinned widths (`SamplingBatch.build` kwargs) of a step whose longest penalty history
+        has `penalty_history` distinct tokens: the narrowest penalty width that holds it."""
+        for width in self.penalty_widths:
+            if penalty_history <= width:
+                return {"penalty_width": width, "num_top_logprobs": MAX_LOGPROBS}
+        raise ValueError(f"a penalty history of {penalty_history} tokens exceeds the widest {self.penalty_widths[-1]}")

@@ -5,17 +5,17 @@ Per step, on the device (`sample`), for logits `[B, vocab]`:
   1. penalties (repetition over prompt+output tokens, presence/frequency over output tokens), as
      vLLM applies them: repetition first (divide a positive logit, multiply a negative one), then
      `logit -= frequency * count + presence * (count > 0)`;
-  2. suppression: rows that have not yet produced `min_tokens` tokens get -inf on eos and their
-     stop token ids (not grammar rows: their grammar decides when they may end);
-  3. grammar: -inf on the tokens the row's packed bitmask disallows (`token_bitmask`, int32
+  2. token mask: -inf on the tokens the row's packed bitmask disallows (`token_bitmask`, int32
      `[B, ceil(vocab / 32)]`, bit t % 32 of word t // 32 for token t; all ones for unconstrained rows,
-     so the shape never changes); the host fills it from the request's grammar matcher
-     (serving/grammar.py);
-  4. logprobs: `log_softmax` of these logits (the model's distribution after penalties, before
+     so the shape never changes). The host fills it from the request's grammar matcher
+     (serving/grammar.py) and clears the bits of suppressed ids: rows that have not yet produced
+     `min_tokens` tokens may not end, so eos and their stop token ids are masked (not in grammar
+     rows: their grammar decides when they may end);
+  3. logprobs: `log_softmax` of these logits (the model's distribution after penalties, before
      temperature / top-k / top-p / min-p, as vLLM reports by default): what the model thinks, not
      what the sampler's truncated distribution happened to be (a grammar is part of the model's
      distribution here, as in vLLM, so a logprob is never -inf for a token the grammar allowed);
-  5. greedy rows (temperature 0): `argmax`, ties to the lowest id;
+  4. greedy rows (temperature 0): `argmax`, ties to the lowest id;
      random rows: logits / temperature, then top-k, min-p (both relative to the best token, so
      they commute), then top-p over the distribution renormalized to what top-k and min-p kept
      (vLLM's order), then a Gumbel-max draw, which samples exactly from the kept distribution.
@@ -25,13 +25,15 @@ the number of tokens the request has produced so far. The request key is the use
 one, a hash of the request id), so the same seed and prompt give the same output whatever else is in
 the batch and wherever the row sits; threefry is counter-based, so a row's noise depends on its key only.
 
-Static shapes: everything is `[B]` or `[B, width]`, widths padded to power-of-two buckets (or pinned
-by the runner), so steady state compiles one program per batch bucket. Penalty state is sparse: per
-row the distinct tokens seen (prompt and output) with their output counts, `[B, S]`, not a dense
-`[B, vocab]` count array: at vocab 152K and 256 rows a dense int32 array is 155 MB to build and copy
-every step, while S (distinct tokens in the history) is usually thousands, and rows without
-penalties are all padding. The step gathers those S logits, penalizes them and scatters them back.
-min_tokens works the same way: a `[B, E]` list of ids to mask (eos and stop ids), padded.
+Static shapes: everything is `[B]` or `[B, width]`; the one width that depends on the requests, the
+penalty width S, is a power-of-two bucket of what the rows need (or pinned by the runner: a narrow
+width and one that holds any history, both compiled at warm-up), so steady state compiles one
+program per batch bucket and penalty width. Penalty state is sparse: per row the distinct tokens
+seen (prompt and output) with their output counts, `[B, S]`, not a dense `[B, vocab]` count array:
+at vocab 152K and 256 rows a dense int32 array is 155 MB to build and copy every step, while S
+(distinct tokens in the history) is usually thousands, and rows without penalties are all padding.
+The step gathers those S logits, penalizes them and scatters them back. min_tokens needs no width of
+its own: its ids are cleared in the token mask, which always has the vocabulary's width.
 
 On the host: `SamplingParams` (the user's request), `TokenHistory` (incremental penalty state of one
 request), `SamplingBatch.build` (numpy, O(batch + distinct tokens of penalized rows)), and
@@ -56,7 +58,6 @@ from serving.grammar import Grammar
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's limit)
 GREEDY_EPSILON = 1e-5  # temperatures below this are greedy (as vLLM): dividing by them only overflows
 PENALTY_WIDTH_MIN = 16  # smallest bucket of the [B, S] penalty arrays
-SUPPRESS_WIDTH_MIN = 8  # smallest bucket of the [B, E] suppressed-ids array
 # Limits that keep the float32 sampling step finite (the one place for them: the HTTP layer's request
 # models use these too). A repetition penalty divides or multiplies logits: a tiny one (subnormal in
 # float32) overflows them to inf and makes NaNs. A top_p below MIN_TOP_P keeps only the most likely
@@ -212,6 +213,13 @@ def pack_bitmask(allowed: np.ndarray) -> np.ndarray:
     return np.packbits(padded, axis=1, bitorder="little").view(np.int32)
 
 
+def clear_bits(bitmask: np.ndarray, row_tokens: Sequence[tuple[int, int]]) -> None:
+    """Disallows token t in row r for each (r, t), in place."""
+    rows, tokens = np.asarray(row_tokens, np.int64).reshape(-1, 2).T
+    words = bitmask.view(np.uint32)  # bit 31 as an unsigned mask
+    np.bitwise_and.at(words, (rows, tokens // 32), ~(np.uint32(1) << (tokens % 32).astype(np.uint32)))
+
+
 def unpack_bitmask(bitmask: Int[Array, "batch words"], vocab_size: int) -> Bool[Array, "batch vocab"]:
     """The inverse of `pack_bitmask`, in jnp (inside the compiled step)."""
     words = jax.lax.bitcast_convert_type(bitmask, jnp.uint32)
@@ -226,7 +234,7 @@ def unpack_bitmask(bitmask: Int[Array, "batch words"], vocab_size: int) -> Bool[
         "temperature", "top_k", "top_p", "min_p",
         "repetition_penalty", "presence_penalty", "frequency_penalty",
         "rng_key_data", "steps",
-        "penalty_token_ids", "penalty_output_counts", "suppressed_token_ids", "token_bitmask",
+        "penalty_token_ids", "penalty_output_counts", "token_bitmask",
     ),
     meta_fields=("num_top_logprobs",),
 )
@@ -245,7 +253,6 @@ class SamplingBatch:
     steps: Int[Array, " batch"]  # tokens the request has produced so far: folded into its key
     penalty_token_ids: Int[Array, "batch penalty_width"]  # distinct seen tokens; -1 pads
     penalty_output_counts: Int[Array, "batch penalty_width"]  # their counts in the output
-    suppressed_token_ids: Int[Array, "batch suppress_width"]  # ids masked to -inf this step; -1 pads
     token_bitmask: Int[Array, "batch words"]  # packed allowed tokens (`pack_bitmask`); -1 words: all
     num_top_logprobs: int = MAX_LOGPROBS  # static: width of the top-logprobs output
 
@@ -265,15 +272,15 @@ class SamplingBatch:
         eos_token_ids: Iterable[int] = (),
         pad_to: int | None = None,
         penalty_width: int | None = None,
-        suppress_width: int | None = None,
         num_top_logprobs: int = MAX_LOGPROBS,
         token_bitmask: np.ndarray | None = None,
     ) -> SamplingBatch:
         """The batch for rows `params[i]` (request `request_ids[i]`, which has produced
         `num_output_tokens[i]` tokens; `histories[i]` is required where the row has penalties),
-        padded to `pad_to` rows. Widths default to power-of-two buckets of what the rows need; pass
-        fixed ones to pin the compiled shape. `token_bitmask` (int32 [pad_to, ceil(vocab / 32)],
-        filled by the grammar matchers; default: all allowed). Arrays are numpy; jit moves them to
+        padded to `pad_to` rows. The penalty width defaults to the power-of-two bucket of what the
+        rows need; pass a fixed one to pin the compiled shape. `token_bitmask` (int32
+        [pad_to, ceil(vocab / 32)], filled by the grammar matchers; default: all allowed; not
+        modified: min_tokens suppression clears bits in a copy). Arrays are numpy; jit moves them to
         the device."""
         rows = len(params)
         batch = rows if pad_to is None else pad_to
@@ -328,19 +335,15 @@ class SamplingBatch:
             (() if p.ignore_eos else eos) + p.stop_token_ids if n < p.min_tokens and p.grammar is None else ()
             for p, n in zip(params, num_output_tokens)
         ]
-        needed = max(map(len, suppressed), default=0)
-        suppress_width = bucket(needed, SUPPRESS_WIDTH_MIN) if suppress_width is None else suppress_width
-        if needed > suppress_width:
-            raise ValueError(f"suppress_width={suppress_width} is narrower than {needed} suppressed ids")
-        suppressed_token_ids = np.full((batch, suppress_width), NO_TOKEN, np.int32)
-        for i, ids in enumerate(suppressed):
-            suppressed_token_ids[i, : len(ids)] = ids
-
         if token_bitmask is None:
             token_bitmask = full_bitmask(batch, vocab_size)
         elif token_bitmask.shape != (batch, bitmask_words(vocab_size)) or token_bitmask.dtype != np.int32:
             raise ValueError(f"token_bitmask must be int32 [{batch}, {bitmask_words(vocab_size)}], got "
                              f"{token_bitmask.dtype} {token_bitmask.shape}")
+        elif any(suppressed):
+            token_bitmask = token_bitmask.copy()  # the caller's stays as it was
+        if any(suppressed):
+            clear_bits(token_bitmask, [(row, t) for row, ids in enumerate(suppressed) for t in ids])
 
         rng_key_data = np.zeros((batch, 2), np.uint32)
         for i, (p, request_id) in enumerate(zip(params, request_ids)):
@@ -358,7 +361,6 @@ class SamplingBatch:
             steps=column(np.int32, 0, num_output_tokens),
             penalty_token_ids=penalty_token_ids,
             penalty_output_counts=penalty_output_counts,
-            suppressed_token_ids=suppressed_token_ids,
             token_bitmask=token_bitmask,
             num_top_logprobs=num_top_logprobs,
         )
@@ -389,11 +391,6 @@ def apply_penalties(logits: Float[Array, "batch vocab"], batch: SamplingBatch) -
     seen = seen - batch.frequency_penalty[:, None] * counts - batch.presence_penalty[:, None] * (counts > 0)
     rows = jnp.arange(logits.shape[0])[:, None]
     return logits.at[rows, _scatter_ids(ids, vocab)].set(seen, mode="drop")
-
-
-def suppress_tokens(logits: Float[Array, "batch vocab"], ids: Int[Array, "batch width"]) -> Float[Array, "batch vocab"]:
-    rows = jnp.arange(logits.shape[0])[:, None]
-    return logits.at[rows, _scatter_ids(ids, logits.shape[-1])].set(-jnp.inf, mode="drop")
 
 
 def filter_mask(
@@ -452,7 +449,6 @@ def sample(logits: Float[Array, "batch vocab"], batch: SamplingBatch) -> Sampler
         raise ValueError(f"logits have {logits.shape[0]} rows but the sampling batch {batch.batch_size}")
     logits = logits.astype(jnp.float32)
     logits = apply_penalties(logits, batch)
-    logits = suppress_tokens(logits, batch.suppressed_token_ids)
     logits = jnp.where(unpack_bitmask(batch.token_bitmask, logits.shape[-1]), logits, -jnp.inf)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     greedy = batch.temperature == 0

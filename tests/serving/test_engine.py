@@ -98,10 +98,50 @@ def test_no_recompilation_after_warmup(beam):
 
     engine.warmup()
     warm = engine.runner.compilations
-    assert warm == len(engine.runner.buckets) == 3  # token buckets 16, 32, 64
+    # token buckets 16, 32, 64, each with the narrow and the widest penalty width (max_model_len)
+    assert (engine.runner.buckets, engine.runner.penalty_widths) == ([16, 32, 64], (16, 256))
+    assert warm == 6
     workload(10)
     workload(11)
     assert engine.runner.compilations == warm
+
+
+def test_wide_sampling_state_never_recompiles(beam):
+    """What makes the sampling arrays wider is compiled at warm-up too: penalized requests whose
+    prompt and output hold more distinct tokens than the narrow penalty width (up to the whole
+    context), 20 top logprobs, and more eos and stop ids to suppress under min_tokens than fit a
+    narrow array; beside plain requests in the same steps."""
+    engine = LLMEngine(beam, config=EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128))
+    assert engine.runner.penalty_widths == (16, 128)
+    engine.warmup()
+    warm = engine.runner.compilations
+    rng = np.random.default_rng(8)
+    penalized = {
+        "repetition_penalty": 1.3,
+        "frequency_penalty": 0.5,
+        "presence_penalty": 0.2,
+        "logprobs": 20,
+        "seed": 1,
+    }
+    requests = [
+        (rng.integers(16, 8192, 100).tolist(), SamplingParams(**penalized, max_tokens=27)),  # 100-127 distinct
+        (rng.integers(16, 8192, 40).tolist(), SamplingParams(**penalized, max_tokens=12, temperature=0)),
+        (
+            rng.integers(16, 8192, 5).tolist(),
+            SamplingParams(
+                temperature=0.8, max_tokens=20, min_tokens=10, logprobs=20, stop_token_ids=list(range(100, 140))
+            ),
+        ),
+        (rng.integers(16, 8192, 9).tolist(), SamplingParams(temperature=0, max_tokens=30)),
+    ]
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(f"w{i}", prompt, params)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({out.request_id: out.outputs[0] for out in engine.step() if out.finished})
+    assert engine.runner.compilations == warm
+    assert len(outputs["w0"].token_ids) == 27 and len(outputs["w2"].token_ids) >= 10
+    assert all(len(top) == 20 for top in outputs["w0"].top_logprobs)
 
 
 def test_decodes_continue_while_a_long_prompt_prefills(beam):

@@ -24,8 +24,10 @@ from serving.sampling import (
     TokenHistory,
     apply_penalties,
     filter_mask,
+    full_bitmask,
     request_key_data,
     sample,
+    unpack_bitmask,
 )
 
 sample_jit = jax.jit(sample)
@@ -366,6 +368,20 @@ def test_min_tokens_suppresses_eos_and_stop_ids():
     assert np.isfinite(logprobs).all()
 
 
+def test_min_tokens_clears_mask_bits_of_any_many_ids():
+    """Suppressed ids are cleared in (a copy of) the token mask, however many (no width to outgrow),
+    bit 31 of a word included; grammar rows and rows past min_tokens keep their masks."""
+    vocab, eos = 100, (31, 63)
+    stops = tuple(range(64, 100))  # 36 stop ids
+    params = [SamplingParams(min_tokens=2, stop_token_ids=stops), SamplingParams(min_tokens=2, stop_token_ids=stops)]
+    given = full_bitmask(3, vocab)
+    batch = make_batch(params, vocab, num_output_tokens=[0, 2], eos_token_ids=eos, pad_to=3, token_bitmask=given)
+    np.testing.assert_array_equal(given, full_bitmask(3, vocab))  # the caller's mask is left alone
+    allowed = np.asarray(unpack_bitmask(jnp.asarray(batch.token_bitmask), vocab))
+    np.testing.assert_array_equal(~allowed[0], np.isin(np.arange(vocab), eos + stops))
+    assert allowed[1:].all()
+
+
 # ---- stopping ------------------------------------------------------------------------------------------
 def feed(checker: StopChecker, pieces: list[tuple[int, str]]) -> list[str]:
     deltas = []
@@ -526,7 +542,7 @@ def test_sample_compiles_once_per_batch_size():
         # Default (bucketed) widths: histories of 10 tokens all fall in the smallest bucket.
         batch = SamplingBatch.build(mix, request_ids=range(len(mix)), num_output_tokens=rng.integers(0, 5, len(mix)),
                                     histories=histories, vocab_size=vocab, eos_token_ids=[0], pad_to=batch_size)
-        assert len(jax.tree_util.tree_leaves(batch)) == 13
+        assert len(jax.tree_util.tree_leaves(batch)) == 12
         out = step(random_logits(rng, batch_size, vocab), batch)
         assert out.tokens.shape == out.logprobs.shape == (batch_size,)
     assert step._cache_size() == 1
