@@ -15,8 +15,11 @@ Layout (one layer):
 A key at position k_pos is visible to a query at q_pos iff k_pos <= q_pos, its logical page is
 mapped (page_table entry >= 0) and, when `window` is set, q_pos - k_pos < window.
 
-Rounding points follow `beam_jax.layers.attention.attend` (the dense reference), so the paged and
-contiguous caches give the same numbers:
+Three implementations: the plain-jnp reference (every token gathers its whole page-table span), a
+blocked plain-jnp form for long contexts (query blocks visit only the pages they can see), and the
+Pallas kernel. `ragged_paged_attention` picks one. The jnp forms round where
+`beam_jax.layers.attention.attend` (the dense reference) rounds, so the paged and contiguous caches
+give the same numbers:
   1. scores = q . k accumulated in fp32 (fp32 inputs: Precision.HIGHEST), rounded to q.dtype;
   2. scores * softmax_scale in fp32, rounded to q.dtype again;
   3. softmax in fp32 over visible keys (a query with no visible key gets zeros, not NaN);
@@ -136,6 +139,116 @@ def ragged_paged_attention_reference(
     probs = jnp.where(mask.any(-1, keepdims=True), probs, 0.0).astype(v_pages.dtype)
     out = jnp.einsum("thgk,tkhd->thgd", probs, values, precision=precision, preferred_element_type=jnp.float32)
     return out.reshape(tokens, heads, head_dim).astype(v_pages.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Blocked jnp: the reference's math without materializing every token's whole span
+# --------------------------------------------------------------------------------------------------
+
+
+def ragged_paged_attention_blocked(
+    queries: Float[Array, "tokens heads d"],
+    k_pages: Float[Array, "pages page_size kv_heads d"],
+    v_pages: Float[Array, "pages page_size kv_heads d"],
+    query_start: Int[Array, " batch_plus_1"],
+    seq_lens: Int[Array, " batch"],
+    page_table: Int[Array, "batch max_pages"],
+    *,
+    window: int | None = None,
+    softmax_scale: float | None = None,
+    block_q: int = 256,
+    block_pages: int = 32,
+) -> Float[Array, "tokens heads d"]:
+    """Plain jnp with the reference's rounding points, for long contexts: the reference gathers all
+    `max_pages` pages for every token (a 4,096-token chunk over a 70K-token table is 68 GiB of fp32 keys and values).
+
+    Query blocks of up to `block_q` tokens of one sequence (split as the kernel splits them) run one
+    after another (`lax.map`); each visits only the pages from its first query's window start to its
+    last query, `block_pages` pages per step, so a sliding layer's cost does not grow with the
+    context. The softmax is taken in two passes (row max and sum, then the probabilities normalized
+    and rounded to v.dtype, where the reference rounds them, times V); with fp32 pages that rounding
+    is exact and one online pass gives the same rounding points. Either way it equals the reference
+    up to fp32 summation order. Memory: O(block_q * heads * block_pages * page_size) per step."""
+    tokens, heads, head_dim = queries.shape
+    _, page_size, kv_heads, _ = k_pages.shape
+    group = heads // kv_heads
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    block_q = max(1, min(block_q, tokens))
+    rows, span = block_q * group, block_pages * page_size
+    precision = _precision(queries.dtype)
+    one_pass = jnp.dtype(v_pages.dtype) == jnp.float32
+
+    num_blocks, block_sequence, block_meta, blocks_start = _query_blocks(query_start, seq_lens, tokens, block_q)
+    token_of_row = query_start[block_sequence][:, None] + block_meta[:, 2:3] + jnp.arange(block_q)[None, :]
+    # [blocks, kv_heads, block_q * group, d]: one batched matmul per kv head, rows query-major.
+    q_blocks = queries[jnp.minimum(token_of_row, tokens - 1)].reshape(num_blocks, block_q, kv_heads, group, head_dim)
+    q_blocks = q_blocks.transpose(0, 2, 1, 3, 4).reshape(num_blocks, kv_heads, rows, head_dim)
+    # Padded by a step's pages so that a dynamic slice never runs off the end (and gets clamped).
+    page_rows = jnp.pad(page_table, ((0, 0), (0, block_pages)), constant_values=-1)[block_sequence]
+
+    def attend_block(args):
+        q, meta, page_row = args
+        seq_len, q_len, block_start, valid_rows = meta[0], meta[1], meta[2], meta[3]
+        row_query = jnp.arange(rows, dtype=jnp.int32) // group
+        q_pos = seq_len - q_len + block_start + row_query
+        row_valid = row_query < valid_rows
+        first_q_pos = seq_len - q_len + block_start
+        first_key = 0 if window is None else jnp.maximum(first_q_pos - window + 1, 0)
+        first_page = first_key // page_size
+        end_page = jnp.where(valid_rows > 0, (first_q_pos + valid_rows - 1) // page_size + 1, first_page)
+        num_steps = (end_page - first_page + block_pages - 1) // block_pages
+
+        def scores_and_values(step):
+            start = first_page + step * block_pages
+            pages = lax.dynamic_slice(page_row, (start,), (block_pages,))
+            # The last step may reach past the block's last query, and -1 entries gather page 0: such
+            # keys are masked, and their values zeroed so that garbage there (even NaN) cannot leak.
+            live = jnp.repeat((pages >= 0) & (start + jnp.arange(block_pages) < end_page), page_size)
+            gathered = jnp.maximum(pages, 0)
+            k = k_pages[gathered].reshape(span, kv_heads, head_dim).transpose(1, 0, 2)
+            v = v_pages[gathered].reshape(span, kv_heads, head_dim)
+            v = jnp.where(live[:, None, None], v, 0).transpose(1, 0, 2)
+            scores = jnp.einsum("hrd,hkd->hrk", q, k, precision=precision, preferred_element_type=jnp.float32)
+            scores = (scores.astype(q.dtype).astype(jnp.float32) * scale).astype(q.dtype).astype(jnp.float32)
+            distance = q_pos[:, None] - (start * page_size + jnp.arange(span, dtype=jnp.int32))[None, :]
+            visible = (distance >= 0) & live[None, :] & row_valid[:, None]
+            if window is not None:
+                visible &= distance < window
+            return jnp.where(visible[None], scores, -jnp.inf), v
+
+        def times_v(probs, v):
+            return jnp.einsum("hrk,hkd->hrd", probs, v, precision=precision, preferred_element_type=jnp.float32)
+
+        def online(step, carry):  # running max and sum; with one_pass also the running P.V
+            acc, m_prev, l_prev = carry
+            scores, v = scores_and_values(step)
+            m_next = jnp.maximum(m_prev, scores.max(axis=-1))
+            correction = jnp.exp(m_prev - m_next)
+            probs = jnp.exp(scores - m_next[..., None])  # masked keys: exp(-inf) = 0
+            if one_pass:
+                acc = correction[..., None] * acc + times_v(probs, v)
+            return acc, m_next, correction * l_prev + probs.sum(axis=-1)
+
+        acc = jnp.zeros((kv_heads, rows, head_dim), jnp.float32)
+        m = jnp.full((kv_heads, rows), _M_INIT, jnp.float32)
+        acc, m, l = lax.fori_loop(0, num_steps, online, (acc, m, jnp.zeros_like(m)))
+        total = jnp.where(l > 0, l, 1.0)[..., None]  # a query with no visible key gets zeros
+        if one_pass:
+            return (acc / total).astype(v_pages.dtype)
+
+        def accumulate(step, acc):
+            scores, v = scores_and_values(step)
+            return acc + times_v((jnp.exp(scores - m[..., None]) / total).astype(v.dtype), v)
+
+        return lax.fori_loop(0, num_steps, accumulate, acc).astype(v_pages.dtype)
+
+    out = lax.map(attend_block, (q_blocks, block_meta, page_rows))  # [blocks, kv_heads, rows, d]
+    sequence, _, valid = _token_sequence_and_position(query_start, seq_lens, tokens)
+    local = jnp.arange(tokens, dtype=jnp.int32) - query_start[sequence]
+    block = jnp.where(valid, blocks_start[sequence] + local // block_q, 0)
+    out = out.reshape(num_blocks, kv_heads, block_q, group, head_dim)[block, :, local % block_q]
+    out = jnp.where(valid[:, None, None, None], out, 0)
+    return out.reshape(tokens, heads, head_dim)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -317,6 +430,17 @@ def _triton_params(num_warps: int, num_stages: int):
 # --------------------------------------------------------------------------------------------------
 
 
+# The reference gathers `tokens * max_pages * page_size * kv_heads * head_dim` key elements (and as
+# many values); past this many (256 MiB of fp32 keys) the op runs the blocked form instead.
+REFERENCE_MAX_GATHER = 2**26
+
+
+def reference_gather_size(queries, k_pages, page_table) -> int:
+    """Key elements the reference would gather for this step (static: from shapes only)."""
+    _, page_size, kv_heads, head_dim = k_pages.shape
+    return queries.shape[0] * page_table.shape[1] * page_size * kv_heads * head_dim
+
+
 def ragged_paged_attention(
     queries: Float[Array, "tokens heads d"],
     k_pages: Float[Array, "pages page_size kv_heads d"],
@@ -328,19 +452,26 @@ def ragged_paged_attention(
     window: int | None = None,
     softmax_scale: float | None = None,
     use_kernel: bool = False,
+    blocked: bool | None = None,
     block_q: int = 16,
     interpret: bool = False,
 ) -> Float[Array, "tokens heads d"]:
     """Ragged paged attention (see the module docstring for the layout and rounding).
 
-    By default this runs the plain-jnp reference on every backend. The Pallas kernel
-    (`use_kernel=True`; `interpret=True` on CPU) matches it but is not yet benchmarked against the
-    HBM floor; switch the GPU default to it once the issue-5 benchmarks say it is the faster path."""
+    By default this runs plain jnp on every backend: the reference, or the blocked form when the
+    reference's gather would exceed `REFERENCE_MAX_GATHER` elements (`blocked=None`; True / False
+    forces it). Both have the same rounding points, so the choice, static per shape bucket, shows
+    only as fp32 summation order. The Pallas kernel (`use_kernel=True`; `interpret=True` on CPU)
+    matches them but is not yet benchmarked against the HBM floor; switch the GPU default to it once
+    the issue-5 benchmarks say it is the faster path. `block_q` is the kernel's."""
     if use_kernel:
         return ragged_paged_attention_kernel(
             queries, k_pages, v_pages, query_start, seq_lens, page_table,
             window=window, softmax_scale=softmax_scale, block_q=block_q, interpret=interpret,
         )
-    return ragged_paged_attention_reference(
+    if blocked is None:
+        blocked = reference_gather_size(queries, k_pages, page_table) > REFERENCE_MAX_GATHER
+    attend = ragged_paged_attention_blocked if blocked else ragged_paged_attention_reference
+    return attend(
         queries, k_pages, v_pages, query_start, seq_lens, page_table, window=window, softmax_scale=softmax_scale
     )

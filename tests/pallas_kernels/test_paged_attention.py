@@ -4,6 +4,7 @@ contiguous K/V, a plain causal/window mask, fp32 math), on fresh seeded random i
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -264,6 +265,103 @@ def test_write_then_attend_decode_step():
         k[-1], v[-1] = new_k[b], new_v[b]
     out = reference(batch.queries, k_pages, v_pages, batch.query_start, batch.seq_lens, batch.page_table)
     check(batch, out, None, jnp.float32)
+
+
+# --- The blocked jnp form (long contexts) against the dense check and the reference ---
+
+blocked = jax.jit(
+    pa.ragged_paged_attention_blocked, static_argnames=("window", "softmax_scale", "block_q", "block_pages")
+)
+
+BLOCKED_CASES = [
+    # dtype, group, page_size, window, release, specs, block_q, block_pages
+    (jnp.float32, 6, 16, None, "none", MIXED, 8, 1),
+    (jnp.float32, 8, 64, None, "none", MIXED, 256, 32),
+    (jnp.float32, 1, 16, 17, "hole", WINDOWED, 4, 3),
+    (jnp.float32, 6, 16, 64, "before_window", WINDOWED, 16, 2),
+    (jnp.float32, 8, 64, 1000, "hole", MIXED, 32, 1),
+    (jnp.bfloat16, 6, 16, None, "none", MIXED, 16, 4),
+    (jnp.bfloat16, 8, 64, 17, "hole", WINDOWED, 8, 2),
+]
+
+
+@pytest.mark.parametrize("dtype, group, page_size, window, release, specs, block_q, block_pages", BLOCKED_CASES)
+def test_blocked_matches_dense_and_reference(dtype, group, page_size, window, release, specs, block_q, block_pages):
+    options = {"window": window, "release": release, "padding_tokens": 3}
+    seed = 71 + group + page_size
+    batch = make_batch(seed, specs, page_size=page_size, kv_heads=2, group=group, dtype=dtype, **options)
+    args = (batch.queries, batch.k_pages, batch.v_pages, batch.query_start, batch.seq_lens, batch.page_table)
+    out = blocked(*args, window=window, block_q=block_q, block_pages=block_pages)
+    assert out.shape == batch.queries.shape and out.dtype == dtype
+    check(batch, out, window, dtype)
+    # The reference's rounding points: fp32 differs by summation order, bf16 by at most an ulp or so.
+    tol = {"atol": 2e-6, "rtol": 2e-6} if dtype == jnp.float32 else {"atol": 4e-3, "rtol": 4e-3}
+    expected = reference(*args, window=window)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32), **tol)
+
+
+def test_blocked_is_blind_to_pages_out_of_the_window_past_the_last_query_or_unmapped():
+    """NaN in pages wholly before every query's window, in mapped pages past a sequence's last query
+    and in page 0 (which -1 entries gather): reading any of them into the output would poison it."""
+    window, page_size = 20, 16
+    specs = [(200, 1), (150, 16), (97, 33)]
+    batch = make_batch(43, specs, page_size=page_size, kv_heads=1, group=8, dtype=jnp.float32, window=window)
+    table = np.array(batch.page_table)
+    extra = np.zeros((1 + len(specs), *batch.k_pages.shape[1:]), np.float32)  # spare pages
+    k_pages, v_pages = (np.concatenate([np.asarray(pages), extra]) for pages in (batch.k_pages, batch.v_pages))
+    spare = list(range(len(batch.k_pages), len(k_pages)))
+    # Move whatever lives in page 0 to a spare page, then poison page 0.
+    moved = spare.pop()
+    k_pages[moved], v_pages[moved] = k_pages[0], v_pages[0]
+    table[table == 0] = moved
+    poisoned = [0]
+    for b, (seq_len, q_len) in enumerate(specs):
+        poisoned += [table[b, page] for page in range((seq_len - q_len - window + 1) // page_size)]
+        last = (seq_len - 1) // page_size
+        if last + 1 < table.shape[1]:
+            table[b, last + 1] = spare.pop()  # mapped, but past every query of the sequence
+            poisoned.append(table[b, last + 1])
+        table[b, 0] = -1 if table[b, 0] in poisoned[1:] else table[b, 0]
+    # A hole inside the last sequence's window (its first query, 64, sees keys from 45): read as page 0.
+    table[2, 3] = -1
+    batch.dense[2][3][48:64] = False
+    k_pages[poisoned] = v_pages[poisoned] = np.nan
+    assert len(poisoned) >= 10
+    pages = (jnp.asarray(k_pages), jnp.asarray(v_pages))
+    for block_q, block_pages in [(8, 1), (8, 4), (64, 32)]:
+        metadata = (batch.query_start, batch.seq_lens, jnp.asarray(table))
+        out = blocked(batch.queries, *pages, *metadata, window=window, block_q=block_q, block_pages=block_pages)
+        check(batch, out, window, jnp.float32)
+
+
+def test_op_takes_the_blocked_form_past_the_reference_gather_limit(monkeypatch):
+    batch = make_batch(53, MIXED[:5], page_size=16, kv_heads=2, group=6, dtype=jnp.float32)
+    args = (batch.queries, batch.k_pages, batch.v_pages, batch.query_start, batch.seq_lens, batch.page_table)
+    size = pa.reference_gather_size(batch.queries, batch.k_pages, batch.page_table)
+    # A fresh jit per call: the limit is read when the op is traced.
+    op = lambda **kwargs: jax.jit(functools.partial(pa.ragged_paged_attention, **kwargs))(*args)
+    assert size <= pa.REFERENCE_MAX_GATHER
+    np.testing.assert_array_equal(op(window=17), reference(*args, window=17))
+    monkeypatch.setattr(pa, "REFERENCE_MAX_GATHER", size - 1)
+    np.testing.assert_array_equal(op(window=17), blocked(*args, window=17))
+    np.testing.assert_array_equal(op(blocked=False), reference(*args))
+
+
+def test_a_4096_token_chunk_over_a_70k_token_table_fits():
+    """The case the reference cannot run on a CPU host (68 GiB of gathered keys and values): the blocked
+    form's working set is a few MiB."""
+    page_size, max_pages, tokens = 16, 4375, 4096
+    shapes = (
+        jax.ShapeDtypeStruct((tokens, 4, 16), jnp.float32),
+        jax.ShapeDtypeStruct((max_pages + 1, page_size, 2, 16), jnp.float32),
+        jax.ShapeDtypeStruct((max_pages + 1, page_size, 2, 16), jnp.float32),
+        jax.ShapeDtypeStruct((2,), jnp.int32),
+        jax.ShapeDtypeStruct((1,), jnp.int32),
+        jax.ShapeDtypeStruct((1, max_pages), jnp.int32),
+    )
+    assert 2 * pa.reference_gather_size(shapes[0], shapes[1], shapes[5]) * 4 > 64 * 2**30  # fp32 keys and values
+    compiled = jax.jit(pa.ragged_paged_attention).lower(*shapes).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < 256 * 2**20
 
 
 # --- The Pallas kernel, in interpret mode on CPU, against the dense check and the reference ---
