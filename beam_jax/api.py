@@ -25,8 +25,18 @@ from beam_jax.model import ForwardOutput, Params, abstract_flat, init_params, ji
 from beam_jax.sharding import shard_params
 from beam_jax.tokenizer import STOP_TOKENS, load_tokenizer
 
-
 RANDOM_PRESET_LIMIT_BYTES = 16 * 2**30  # random weights are drawn on the host
+# Trained checkpoints that ship inside the package, loadable by name.
+SHIPPED_MODELS = {"beam-tiny-code": Path(__file__).parent / "assets" / "beam-tiny-code"}
+
+
+def checkpoint_dir(model: str | Path) -> Path | None:
+    """The directory a model name or path stands for (a shipped model's by name); None for presets
+    and paths that are not directories."""
+    if str(model) in SHIPPED_MODELS:
+        return SHIPPED_MODELS[str(model)]
+    path = Path(model)
+    return path if str(model) not in PRESETS and path.is_dir() else None
 # Load-time quantization of bf16 experts (`load(..., quantization=)`, `beam-serve --quantization`):
 # the method -> the expert format it makes (as `beam-jax quantize --format`: fp8 is compressed-tensors'
 # per-channel FP8_DYNAMIC), and the stored formats that already are that method.
@@ -133,8 +143,8 @@ def load(
     mesh: jax.sharding.Mesh | None = None,
     quantization: str | None = None,
 ) -> Beam:
-    """A preset name (random weights from `seed`) or a checkpoint directory (HF safetensors or
-    orbax). The tokenizer is the directory's `tokenizer.json` if it has one, else the shipped one.
+    """A preset name (random weights from `seed`), a shipped model's name (`SHIPPED_MODELS`:
+    `beam-tiny-code`, trained) or a checkpoint directory (HF safetensors or orbax). The tokenizer is the directory's `tokenizer.json` if it has one, else the shipped one.
     With a `mesh` (`beam_jax.sharding.make_mesh`) the parameters are split over it; safetensors
     are read slice by slice, each process reading only what its devices hold. `quantization`
     ("fp8", "nvfp4") quantizes bf16 experts as they load (`quantize`); the whole model is then
@@ -153,9 +163,10 @@ def load(
         if mesh is not None:
             beam.params = shard_params(beam.params, mesh, beam.config)
         return beam
-    path = Path(model)
-    if not path.is_dir():
-        raise FileNotFoundError(f"{model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a directory")
+    path = checkpoint_dir(model)
+    if path is None:
+        names = ", ".join(sorted(PRESETS) + sorted(SHIPPED_MODELS))
+        raise FileNotFoundError(f"{model!r} is neither a model name ({names}) nor a directory")
     from beam_jax.checkpoint import is_orbax_checkpoint, load_any, read_config
 
     stored = read_config(path)

@@ -1,4 +1,4 @@
-"""`beam-jax` command line: generate, init-checkpoint, to-orbax, quantize, plan, compare."""
+"""`beam-jax` command line: generate, init-checkpoint, to-orbax, quantize, plan, evaluate, compare."""
 
 from __future__ import annotations
 
@@ -77,10 +77,11 @@ SIDE_FILES = (
 
 
 def cmd_quantize(args) -> int:
+    from beam_jax.api import checkpoint_dir
     from beam_jax.checkpoint import load_checkpoint, save_checkpoint
     from beam_jax.quant.convert import expert_nbytes, quantize_params
 
-    source, out = Path(args.source), Path(args.out)
+    source, out = checkpoint_dir(args.source) or Path(args.source), Path(args.out)
     if out.resolve() == source.resolve():
         raise SystemExit("error: --out must differ from --in (saving removes the old weight files)")
     try:
@@ -118,6 +119,25 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_evaluate(args) -> int:
+    from beam_jax.train.evaluate import evaluate
+
+    try:
+        result = evaluate(args.model, seq_len=args.seq_len, batch_size=args.batch_size, max_windows=args.max_windows,
+                          corpus_dir=args.corpus_dir, dtype=args.dtype)
+    except (FileNotFoundError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from None
+    print(
+        f"{result['model']} ({result['expert_format']} experts) on {result['tokens']} held-out tokens: "
+        f"loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}, next-token accuracy "
+        f"{100 * result['accuracy']:.2f}%; unigram baseline: loss {result['unigram_loss']:.4f}, "
+        f"perplexity {result['unigram_perplexity']:.2f}"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
 def cmd_compare(args) -> int:
     from beam_jax.compare import main as compare_main
 
@@ -129,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="greedy generation with the contiguous KV cache")
-    gen.add_argument("--model", default="beam-tiny", help=f"checkpoint directory or preset ({', '.join(PRESETS)})")
+    gen.add_argument("--model", default="beam-tiny-code",
+                     help=f"checkpoint directory, beam-tiny-code (trained) or a random-weight preset ({', '.join(PRESETS)})")
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text prompt (encoded with the model's tokenizer)")
     prompt.add_argument("--prompt-ids", help="comma-separated token ids; prints the generated ids as JSON")
@@ -173,6 +194,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--hbm-gb", type=float, default=186.0, help="HBM per GPU in GB (1e9 bytes); GB200: 186")
     plan.add_argument("--mem-fraction", type=float, default=0.95)
     plan.set_defaults(run=cmd_plan)
+
+    evaluate = commands.add_parser("evaluate", help="held-out loss, perplexity and next-token accuracy (stdlib code)")
+    evaluate.add_argument("--model", default="beam-tiny-code", help="checkpoint directory or model name")
+    evaluate.add_argument("--seq-len", type=int, default=1024, help="tokens of context per window")
+    evaluate.add_argument("--batch-size", type=int, default=8)
+    evaluate.add_argument("--max-windows", type=int, default=None, help="evaluate only the first N windows")
+    evaluate.add_argument("--corpus-dir", type=Path, default=None, help="default: this interpreter's standard library")
+    evaluate.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    evaluate.add_argument("--json", default=None, help="also write the figures to this file")
+    evaluate.set_defaults(run=cmd_evaluate)
 
     compare = commands.add_parser("compare", help="JAX vs transformers' BeamForCausalLM (same as python -m beam_jax.compare)")
     compare.add_argument("args", nargs=argparse.REMAINDER)

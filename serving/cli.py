@@ -12,7 +12,11 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="beam-serve", description="Serve a Beam model over HTTP (OpenAI and Anthropic APIs)."
     )
-    p.add_argument("--model", default="beam-tiny", help="a preset name or a checkpoint directory (default: beam-tiny)")
+    p.add_argument(
+        "--model",
+        default="beam-tiny-code",
+        help="a model name (beam-tiny-code, trained; presets with random weights: beam-tiny, ...) or a checkpoint directory (default: beam-tiny-code)",
+    )
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

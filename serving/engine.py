@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Sequence
 
@@ -24,7 +23,7 @@ import jax
 from jax.sharding import AbstractMesh
 
 import beam_jax
-from beam_jax.api import Beam, quantize, quantized_expert_format
+from beam_jax.api import Beam, checkpoint_dir, quantize, quantized_expert_format
 from beam_jax.config import PRESETS, BeamConfig, preset
 from beam_jax.model import flat_params
 from beam_jax.quant.convert import quantization_config_for
@@ -95,8 +94,8 @@ def _served_config(model: str | Beam, quantization: str | None) -> BeamConfig | 
         config = model.config
     elif str(model) in PRESETS:
         config = preset(str(model))
-    elif os.path.isfile(os.path.join(model, "config.json")):
-        config = read_config(model)
+    elif (path := checkpoint_dir(model)) is not None and (path / "config.json").is_file():
+        config = read_config(path)
     else:
         return None
     expert_format = quantized_expert_format(config, quantization)

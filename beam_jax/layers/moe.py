@@ -3,6 +3,8 @@ experts with fp32 SwiGLU, and the routed scaling factor applied after aggregatio
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -63,6 +65,39 @@ def experts_reference(
     for slot in range(1, top_k):
         total = (total.astype(jnp.float32) + per_token[:, slot].astype(jnp.float32)).astype(x.dtype)
     return total
+
+
+def experts_dense(
+    x: Float[Array, "tokens hidden"],
+    weights: Float[Array, "tokens k"],
+    indices: Int[Array, "tokens k"],
+    gate_up_proj: Float[Array, "experts two_i hidden"],
+    down_proj: Float[Array, "experts hidden i"],
+) -> Float[Array, "tokens hidden"]:
+    """Every expert on every token, weighted by the routing weight (zero off the selection): the
+    same sum as `experts_reference`, rounded once. For training small models, where plain einsums
+    differentiate and run fast and the extra FLOPs (experts / k) are cheap."""
+    num_experts = gate_up_proj.shape[0]
+    dense_weights = jnp.zeros((x.shape[0], num_experts), jnp.float32)
+    dense_weights = dense_weights.at[jnp.arange(x.shape[0])[:, None], indices].add(weights.astype(jnp.float32))
+    gate_up = jnp.einsum("th,eih->tei", x, gate_up_proj, preferred_element_type=jnp.float32).astype(x.dtype)
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    out = jnp.einsum("tei,ehi->teh", swiglu(gate, up), down_proj, preferred_element_type=jnp.float32)
+    return jnp.einsum("teh,te->th", out, dense_weights).astype(x.dtype)
+
+
+_DENSE_EXPERTS = contextvars.ContextVar("dense_experts", default=False)
+
+
+@contextlib.contextmanager
+def dense_experts_for_training():
+    """Inside this block, models traced run `experts_dense` for bf16 experts (training needs
+    gradients, which neither the Pallas kernels nor the sorted reference are written for)."""
+    token = _DENSE_EXPERTS.set(True)
+    try:
+        yield
+    finally:
+        _DENSE_EXPERTS.reset(token)
 
 
 class Router(nnx.Module):
@@ -154,6 +189,10 @@ def compute_experts(
     """The experts' output from their parameter arrays (`Experts.arrays()`, or one device's slices
     of them, holding experts from `expert_offset` on). The GPU runs the Pallas kernels when every
     expert is local; otherwise (and on CPU) the plain-jnp reference, dequantizing packed weights."""
+    if _DENSE_EXPERTS.get():
+        if expert_format != "bf16" or expert_offset is not None:
+            raise ValueError("training (dense experts) needs unquantized experts on one device")
+        return experts_dense(x, weights, indices, _fused_gate_up(arrays["gate_up_proj"]), arrays["down_proj"])
     if expert_offset is None and jax.default_backend() == "gpu":
         return moe_gemm(x, weights, indices, *expert_weights(arrays, expert_format), use_kernel=True)
     if expert_format == "bf16":
