@@ -104,7 +104,8 @@ class KVPool:
     """A pool of `num_pages` pages (ids 0..num_pages-1) shared by `groups`.
 
     `allocate(seq, total)` grows a sequence (creating it on first use) and releases its
-    out-of-window pages; `share_prefix(seq, pages, tokens)` creates one on cached pages;
+    out-of-window pages; `truncate(seq, total)` rolls it back (rejected speculative drafts);
+    `share_prefix(seq, pages, tokens)` creates one on cached pages;
     `free(seq)` lets go of all of them; `page_tables(seqs, group)` gives the runner a padded int32
     table per group. `check_invariants()` verifies the exact accounting.
 
@@ -348,6 +349,41 @@ class KVPool:
             live_pages.append(live)
         self._seqs[seq_id] = _SequenceState(num_tokens, tables, first_live)
         self._refcount[np.concatenate(live_pages)] += 1
+
+    def truncate(self, seq_id: int, num_tokens: int) -> int:
+        """Roll `seq_id` back to its first `num_tokens` tokens: the KV of positions `>= num_tokens`
+        (a verify block's rejected drafts) is dropped. Pages holding only dropped positions lose this
+        sequence's reference in every group, sliding ones included; the page of position
+        `num_tokens - 1` is kept, and its later slots are rewritten before any query can see them
+        (a key is visible only at positions below the step's sequence length, which the next step
+        writes first). Returns how many pages returned to the free list.
+
+        Refused (ValueError, nothing changed) if a sliding group already released pages a query at
+        `num_tokens` would see (the sequence was released at a later position: `allocate` releases
+        at the step's first query, so rolling back to at least that is always fine), or if the next
+        write would land in a page the sequence shares (a cached prefix's)."""
+        state = self._seqs[seq_id]
+        if not 0 <= num_tokens <= state.num_tokens:
+            raise ValueError(f"sequence {seq_id} holds {state.num_tokens} tokens; cannot truncate to {num_tokens}")
+        old_pages = state.num_pages(self.page_tokens)
+        new_pages = ceil_div(num_tokens, self.page_tokens)
+        for g, group in enumerate(self.groups):
+            if self._dead_pages(group, num_tokens, new_pages) < state.first_live[g]:
+                raise ValueError(
+                    f"sequence {seq_id}: group {g} released pages a query at {num_tokens} sees "
+                    f"(released up to logical page {state.first_live[g]})"
+                )
+        if num_tokens % self.page_tokens:
+            last = [state.tables[g][new_pages - 1] for g in range(len(self.groups))]
+            if np.any(self._refcount[last] > 1):
+                raise ValueError(f"sequence {seq_id}: position {num_tokens} would be written into a shared page")
+        freed = 0
+        for g in range(len(self.groups)):
+            table = state.tables[g]
+            freed += self._unref(table[new_pages:old_pages].copy())
+            table[new_pages:old_pages] = NO_PAGE
+        state.num_tokens = num_tokens
+        return freed
 
     def release_out_of_window(self, seq_id: int, current_position: int) -> int:
         """Drop the sliding-group pages of `seq_id` that no query at `>= current_position` can

@@ -32,6 +32,13 @@ What `verify` does not apply: penalties, min_tokens suppression and grammar mask
 tokens accepted earlier in the block, so the caller either applies them per position to
 `target_logits` (and to the drafter's q) or does not speculate for such rows.
 
+KV of rejected drafts: the verify step wrote K/V for the whole block (positions L .. L+K of a row
+whose context was L tokens, drafter layers included, as they are cache-group members), but only
+`t0, d_1..d_a` (a = `num_accepted`) are context now; the emitted token is the next block's anchor.
+So the caller rolls each row back with `serving.kv_cache.KVPool.truncate(seq, L + a + 1)`, which
+frees the pages holding only rejected positions (every group) and leaves the rest of the kept last
+page to be overwritten by the next step before anything can see it.
+
 Memory: the sampling path holds a few `[B, K+1, vocab]` fp32 arrays (p, the residual, noise); it runs
 only when some row samples (`lax.cond`), as in `sampling.sample`.
 """

@@ -188,3 +188,79 @@ def test_cache_holds_what_the_pool_budgets():
     cache = PagedKVCache.create(config, 10, 16, groups, jnp.bfloat16)
     assert cache.k_pages.nbytes + cache.v_pages.nbytes == pool.page_bytes * 10
     assert len(set(groups)) > 1 and cache.slots < config.num_hidden_layers
+
+
+def paged_step(params, cache, pool, items, step_tokens: int = 32):
+    """One ragged step: `items` are `(seq_id, tokens)`, each appended at the sequence's current
+    length (`pool.allocate` grows it first). Returns the cache and each item's logits."""
+    starts = [pool.num_tokens(s) if s in pool else 0 for s, _ in items]
+    for (seq, tokens), start in zip(items, starts):
+        pool.allocate(seq, start + len(tokens))
+    pool.check_invariants()
+    flat_tokens = np.zeros(step_tokens, np.int32)
+    positions = np.zeros(step_tokens, np.int32)
+    slots = np.full((len(pool.groups), step_tokens), -1, np.int32)
+    query_start, at = [0], 0
+    for (seq, tokens), start in zip(items, starts):
+        pos = np.arange(start, start + len(tokens))
+        flat_tokens[at : at + len(tokens)] = tokens
+        positions[at : at + len(tokens)] = pos
+        for g in range(len(pool.groups)):
+            slots[g, at : at + len(tokens)] = pool.page_table(seq, g)[pos // PAGE] * PAGE + pos % PAGE
+        at += len(tokens)
+        query_start.append(at)
+    seq_ids = [seq for seq, _ in items]
+    tables = [pool.page_tables(seq_ids, g, max_pages=MAX_PAGES) for g in range(len(pool.groups))]
+    batch = PagedBatch(
+        query_start=jnp.asarray(query_start, jnp.int32),
+        seq_lens=jnp.asarray([start + len(tokens) for (_, tokens), start in zip(items, starts)], jnp.int32),
+        page_tables=tuple(jnp.asarray(t) for t in tables),
+        slot_mappings=tuple(jnp.asarray(s) for s in slots),
+    )
+    tokens, positions = jnp.asarray(flat_tokens)[None], jnp.asarray(positions)[None]
+    out = FORWARD(params, tokens, positions, cache.with_batch(batch), config=CONFIG)
+    logits = np.asarray(out.logits)[0]
+    return out.cache, [logits[query_start[i] : query_start[i + 1]] for i in range(len(items))]
+
+
+@pytest.mark.parametrize("accepted", [3, 0, 12], ids=["accept_3_of_13", "reject_all", "accept_12_of_13"])
+def test_rejected_drafts_are_rolled_back(params, prompts, truth, accepted):
+    """Speculative decoding on the paged cache: after 30 tokens, a verify block writes K/V for 13 more
+    (the first `accepted` true, the rest wrong), the pool rolls the sequence back to the accepted
+    length (`KVPool.truncate`), another sequence takes the freed pages and writes its own K/V there,
+    then the true tokens go in one at a time. Every logit equals the contiguous-cache run of the true
+    tokens: the rejected K/V, in freed pages and in the kept page's later slots, is never seen."""
+    prompt, start, block = prompts[0], 30, 13
+    pool = KVPool.from_config(CONFIG, NUM_PAGES, page_tokens=PAGE)
+    cache = garbage_cache(layer_groups(pool, CONFIG.num_hidden_layers))
+    cache, (logits,) = paged_step(params, cache, pool, [(0, prompt[:start])])
+    assert_logits_match(logits, truth[0][:start], "prefix")
+
+    rng = np.random.default_rng(3)
+    wrong = (prompt[start : start + block] + rng.integers(1, CONFIG.vocab_size, block)) % CONFIG.vocab_size
+    drafts = np.concatenate([prompt[start : start + accepted], wrong[accepted:]]).astype(np.int32)
+    cache, (logits,) = paged_step(params, cache, pool, [(0, drafts)])
+    # Logits of the accepted drafts' positions are right; the rejected ones' are not the truth's.
+    if accepted:
+        assert_logits_match(logits[:accepted], truth[0][start : start + accepted], "accepted drafts")
+    assert np.abs(logits[accepted:] - truth[0][start + accepted : start + block]).max(-1).min() > 1e-2
+
+    kept = start + accepted
+    held = pool.num_used
+    freed = pool.truncate(0, kept)
+    pool.check_invariants()
+    expected_freed = len(pool.groups) * (-(-(start + block) // PAGE) - -(-kept // PAGE))
+    assert freed == expected_freed and pool.num_used == held - freed
+    if freed:
+        # The freed pages are the next ones handed out: sequence 1 writes its own K/V into them.
+        released = set(pool._free[pool._num_free - freed : pool._num_free].tolist())
+        other = rng.integers(0, CONFIG.vocab_size, freed // len(pool.groups) * PAGE).astype(np.int32)
+        cache, _ = paged_step(params, cache, pool, [(1, other)])
+        assert {int(page) for g in range(len(pool.groups)) for page in pool.page_table(1, g)} == released
+
+    got = []
+    for position in range(kept, len(prompt)):
+        items = [(0, prompt[position : position + 1])] + ([(1, other[:1])] if freed else [])
+        cache, (logits, *_) = paged_step(params, cache, pool, items)
+        got.append(logits)
+    assert_logits_match(np.concatenate(got), truth[0][kept:], f"after rolling back to {kept}")

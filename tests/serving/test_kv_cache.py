@@ -1,10 +1,9 @@
 """The host-side KV page pool: group layout from the planner, page-boundary allocation, sliding
 release against a brute-force visibility definition, random workloads with the invariant checked
-after every operation, atomic failure, a 64K-token sequence on beam-tiny, and 1M-token admission."""
+after every operation, atomic failure, speculative rollback, a 64K-token sequence on beam-tiny, and
+1M-token admission."""
 
 from __future__ import annotations
-
-import copy
 
 import numpy as np
 import pytest
@@ -228,6 +227,78 @@ def test_exhausted_pool_fails_atomically_and_counts_released_pages():
     assert pool.num_free == 0 and pool.page_table(0, 1).tolist()[:2] == [NO_PAGE, NO_PAGE]
     with pytest.raises(ValueError, match="cannot shrink"):
         pool.allocate(0, 10)
+
+
+# ---- speculative rollback ----------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(4))
+def test_truncate_drops_rejected_drafts_in_every_group(seed: int):
+    """Speculative steps: grow by a verify block of k+1 tokens, keep the accepted j+1 (j <= k), as
+    serving.speculative's caller does. After each rollback the sequence holds exactly the pages a plain
+    step from the old length to the kept one would have left it (brute force), in full and sliding
+    groups; the pages of rejected positions are free and handed out again."""
+    rng = np.random.default_rng(200 + seed)
+    page_tokens = (1, 4, 8, 16)[seed]
+    windows = [None, int(page_tokens), int(rng.integers(1, 30)), 3 * page_tokens + 1]
+    pool = KVPool(toy_groups(windows), num_pages=4 * 200, page_tokens=page_tokens)
+    length = int(rng.integers(1, 20))
+    pool.allocate(5, length)
+    freed_total = 0
+    while length < 400:
+        drafts = int(rng.integers(1, 17))
+        pool.allocate(5, length + drafts + 1)
+        held = pool.num_used
+        accepted = int(rng.integers(0, drafts + 1))
+        kept = length + accepted + 1
+        freed = pool.truncate(5, kept)
+        pool.check_invariants()
+        assert pool.num_tokens(5) == kept and pool.num_used == held - freed
+        for g, window in enumerate(windows):
+            assert held_pages(pool, 5, g) == visible_pages(length, kept, window, page_tokens), (g, length, kept)
+        freed_total += freed
+        length = kept
+    assert freed_total > 0, "no rollback crossed a page: the test is too lenient"
+    # A block of two pages rejected whole: its pages are free and the next ones handed out.
+    first_rejected = ceil_div(length, page_tokens)
+    pool.allocate(5, first_rejected * page_tokens + 2 * page_tokens)
+    rejected = {int(page) for g in range(4) for page in pool.page_table(5, g)[first_rejected:]}
+    assert len(rejected) == 8 and pool.truncate(5, length) == 8
+    assert all(len(pool.page_table(5, g)) == first_rejected for g in range(4))
+    pool.allocate(6, 2 * page_tokens)
+    assert {int(page) for g in range(4) for page in pool.page_table(6, g)} == rejected
+    pool.check_invariants()
+    pool.free(5)
+    pool.free(6)
+    pool.check_invariants()
+    assert pool.num_free == pool.num_pages
+
+
+def test_truncate_refuses_what_it_cannot_undo():
+    page_tokens = 4
+    pool = KVPool(toy_groups([None, 8]), num_pages=40, page_tokens=page_tokens)
+    pool.allocate(0, 12)
+    pool.allocate(0, 30)  # released at 12: query 12 sees keys 5.., so logical page 0 is gone
+    assert pool.page_table(0, 1)[0] == NO_PAGE
+    before = state_of(pool)
+    with pytest.raises(ValueError, match="released pages a query at 4 sees"):
+        pool.truncate(0, 4)  # query 4 would need keys 0..3 back
+    with pytest.raises(ValueError, match="cannot truncate"):
+        pool.truncate(0, 31)
+    assert state_of(pool) == before
+    assert pool.truncate(0, 12) == 2 * (ceil_div(30, 4) - 3)  # back to where the release happened
+    pool.check_invariants()
+    # A cached prefix is read-only: rolling back into its last page would write into a shared page.
+    pool.add_refs(pool.page_table(0, 0)[:3])
+    pool.add_refs(pool.page_table(0, 1)[1:3])
+    pool.share_prefix(1, [pool.page_table(0, 0)[:3], pool.page_table(0, 1)[:3]], 12)
+    pool.allocate(1, 16)
+    before = state_of(pool)
+    with pytest.raises(ValueError, match="shared page"):
+        pool.truncate(1, 11)
+    assert state_of(pool) == before
+    assert pool.truncate(1, 12) == 2  # to the page boundary: its own page goes, the shared ones stay
+    pool.check_invariants()
+    assert pool.free(0) == 0  # every page of sequence 0 is also the cache's and sequence 1's
+    pool.check_invariants()
 
 
 # ---- long sequences --------------------------------------------------------------------------------
