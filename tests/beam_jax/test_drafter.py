@@ -1,11 +1,14 @@
 """The DFlash drafter (beam_jax/drafter.py): vLLM's checkpoint names and shapes, config.json round trip,
 attention that is bidirectional inside the block but sees only the past context within the window,
 the block-local convolution against a numpy reference, proposals (greedy = the selector's best walk,
-sampling stays on the candidates, jit), and checkpoint save / load with its error reports."""
+sampling stays on the candidates, jit), checkpoint save / load with its error reports, and the drafter
+as the memory planner counts it (KV bytes per token, window, cache group, weights)."""
 
 from __future__ import annotations
 
 import json
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +18,16 @@ import pytest
 from beam_jax import drafter as D
 from beam_jax.checkpoint import CheckpointError
 from beam_jax.checkpoint.safetensors_io import load_safetensors, save_safetensors
+from beam_jax.config import SLIDING, preset
+from beam_jax.memory_plan import (
+    DFLASH2,
+    DrafterSpec,
+    dflash2_matrix_params,
+    drafter_cache_layers,
+    kv_bytes_per_token_per_layer,
+)
 from beam_jax.model import flat_params
+from serving.kv_cache import cache_groups, first_visible_page
 
 CONFIG = D.drafter_tiny()
 BATCH, CONTEXT = 6, 40  # context rows per sequence (the tiny window is 24)
@@ -225,3 +237,87 @@ def test_checkpoint_round_trip_and_errors(tmp_path):
     assert "model.fc.weight: expected [64, 192], found [64, 128]" in problems
     assert "model.layers.0.self_attn.gate_proj.weight: expected no such tensor" in problems
     assert len(error.value.problems) == 4
+
+
+# ---- the memory planner's view of the drafter -------------------------------------------------------
+def planner_spec(config: D.DrafterConfig) -> DrafterSpec:
+    """What beam_jax.memory_plan counts for a drafter of `config`, built the way `DFLASH2` is for
+    `dflash2_beam()`: one window for every layer, bf16 K and V per KV head, the matrices' parameters."""
+    assert set(config.layer_types) == {SLIDING}, "the planner gives a drafter one window for all its layers"
+    num_params = dflash2_matrix_params(
+        hidden=config.hidden_size,
+        q_heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        intermediate=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_target_layers=len(config.target_layer_ids),
+    )
+    kv_heads, head_dim = config.num_key_value_heads, config.head_dim
+    layers, window = config.num_hidden_layers, config.sliding_window
+    return DrafterSpec(DFLASH2.name, layers, window, kv_heads, head_dim, num_params=num_params)
+
+
+def test_planners_dflash2_is_the_dflash2_config():
+    assert planner_spec(D.dflash2_beam()) == DFLASH2
+
+
+def test_drafter_kv_per_token_is_what_the_planner_counts():
+    """The drafter's context K/V (what the pool will hold for its layers) against the planner's bytes per
+    token, and its group in the pool beside beam-tiny's (the tiny drafter has beam-tiny's KV shape)."""
+    target = preset("beam-tiny")
+    params = D.init_drafter_params(CONFIG, seed=0, dtype=jnp.bfloat16)
+    hidden = jnp.ones((1, CONTEXT, len(CONFIG.target_layer_ids) * CONFIG.hidden_size), jnp.bfloat16)
+    context = context_jit(params, hidden, jnp.arange(CONTEXT)[None], config=CONFIG)
+    layers, kv_heads, head_dim = CONFIG.num_hidden_layers, CONFIG.num_key_value_heads, CONFIG.head_dim
+    for rows in (context.keys, context.values):
+        assert rows.shape == (layers, 1, CONTEXT, kv_heads, head_dim) and rows.dtype == jnp.bfloat16
+    per_token = (context.keys.nbytes + context.values.nbytes) // CONTEXT
+    spec = planner_spec(CONFIG)
+    assert [layer.kv_bytes_per_token for layer in drafter_cache_layers(spec, tp=1)] == [per_token // layers] * layers
+    assert per_token // layers == kv_bytes_per_token_per_layer(kv_heads, head_dim, tp=1) == 2 * 2 * 16 * 2
+    # In the pool: one group of the drafter's window with all its layers, apart from the target's windows.
+    groups = cache_groups(target, drafter=spec)
+    [group] = [g for g in groups if g.labels[0].startswith("D")]
+    assert group.window == CONFIG.sliding_window != target.sliding_window
+    assert group.labels == ("D0", "D1") and group.kv_bytes_per_token == per_token
+    # A pool page row is [page_size, kv_heads, head_dim] of the target's shape: the drafter's rows fit it.
+    assert (kv_heads, head_dim) == (target.num_key_value_heads, target.head_dim)
+    beam = preset("beam-501b")
+    assert (DFLASH2.num_key_value_heads, DFLASH2.head_dim) == (beam.num_key_value_heads, beam.head_dim)
+
+
+def test_drafter_sees_exactly_the_window_the_pool_keeps():
+    """The pool releases a drafter page once no query at or after the block's anchor P can see it
+    (`first_visible_page(window, P)`): the anchor's query sees context keys from P - window + 1, the
+    mask queries after it less. A change at P - window + 1 moves the drafts; one at P - window does not."""
+    params, (embed, head) = randomized(CONFIG), target_weights(CONFIG)
+    anchor, window = 36, CONFIG.sliding_window
+    hidden = np.repeat(np.random.default_rng(4).standard_normal((1, anchor, 3 * CONFIG.hidden_size)), 3, 0)
+    hidden[1, anchor - window + 1] += 1.0
+    hidden[2, anchor - window] += 1.0
+    context_positions = jnp.arange(anchor)[None].repeat(3, 0)
+    context = context_jit(params, jnp.asarray(hidden, jnp.float32), context_positions, config=CONFIG)
+    tokens = jnp.asarray([[100, 8, 8, 8]] * 3)
+    positions = jnp.asarray(anchor + np.arange(4)[None].repeat(3, 0))
+    logits = np.asarray(
+        forward_jit(params, tokens, positions, context, embed_weight=embed, lm_head_weight=head, config=CONFIG).logits
+    )
+    assert np.abs(logits[1] - logits[0]).max(axis=-1).min() > 1e-3
+    np.testing.assert_array_equal(logits[2], logits[0])
+    # The pool's rule at P: the first visible key's page stays, everything before it may go.
+    assert first_visible_page(window, anchor, 1) == anchor - window + 1
+
+
+def test_planner_counts_the_drafters_matrices():
+    """DFLASH2's weights: exactly the fc, attention and MLP matrices of the drafter module. What it
+    leaves out (norms, convolutions, the candidate selector's codebooks) is 4.7% of DFlash2's 1.87B
+    parameters at Beam size (the 151,936 x 256 codebooks are most of it): under 22 MB per GPU at TP8."""
+    matrix = re.compile(r"fc\.weight|layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+    left_out = re.compile(r".*norm\.weight|layers\.\d+\.(attention|mlp)_conv\..*|candidate_selector\..*")
+    for config in (CONFIG, D.dflash2_beam()):
+        sizes = {name: math.prod(spec.shape) for name, spec in D.abstract_flat(config).items()}
+        matrices = sum(size for name, size in sizes.items() if matrix.fullmatch(name))
+        assert matrices == planner_spec(config).num_params
+        assert all(matrix.fullmatch(name) or left_out.fullmatch(name) for name in sizes)
+    assert 0.04 < 1 - matrices / sum(sizes.values()) < 0.05
