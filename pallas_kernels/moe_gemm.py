@@ -23,6 +23,20 @@ their e4m3 block scale, and fed to the tensor cores as bf16; the fp32 global sca
 accumulator. Even and odd K elements (low and high nibbles) go through two dots against the even
 and odd activation columns, so nibbles are never interleaved in registers.
 
+NVFP4 has two decodes, chosen by `MoEBlocks.nvfp4_decode` until the GPU has measured both:
+- "per_value": the one above; every value is converted to fp32, multiplied by its block scale (loaded
+  once per value) and rounded to bf16, and the even/odd activation columns are strided loads.
+- "packed": the activations are permuted once per call so that each K block holds its even columns,
+  then its odd ones (two contiguous loads). Block scales are loaded once per 16 values and
+  broadcast with a reshape. A few PTX instructions per 8 values (`_E2M1_PTX`, one asm block for
+  the low nibbles and one for the high ones) turn 4 packed bytes into 4 bf16x2 registers: `prmt`
+  spreads the bytes into 16-bit lanes, `(nibble * 0x1040) & 0x81C0` puts the magnitude bits at
+  bf16 bits 6-8 and the sign at bit 15 (that bit pattern is the E2M1 value times 2^-126,
+  subnormals included), and one `fma.rn.bf16x2` multiplies it by `block_scale * 2^119` (exact:
+  the product has at most 6 significant bits). The decoded weight is the true one times 2^-7,
+  which the global scale undoes on the accumulator. No fp32 conversion per
+  value. In interpret mode (no PTX on the CPU) a plain-jnp decode with the same results stands in.
+
 Rounding (the reference below does the same): each projection accumulates in fp32 and is rounded
 to the activation dtype; SwiGLU is computed in fp32 from those and rounded; each pair's down output
 is scaled by its weight in fp32 and rounded; a token's pairs are added in fp32 and rounded once.
@@ -45,6 +59,36 @@ Format = Literal["bf16", "fp8_channel", "fp8_tensor", "nvfp4"]
 NVFP4_GROUP = 16
 # fp16 bit pattern (e2m1 code bits moved into place) times 2^14 is the E2M1 value, subnormals included.
 _FP16_E2M1_FACTOR = 2.0**14
+Nvfp4Decode = Literal["per_value", "packed"]
+# The default NVFP4 decode of `choose_blocks` (the "packed" one is not yet measured on a GPU).
+NVFP4_DECODE: Nvfp4Decode = "per_value"
+# "packed": the bf16 bit pattern of an E2M1 code (magnitude at bits 6-8, sign at 15) is the value
+# times 2^-126; block scales are multiplied by 2^119 (448 * 2^119 still fits bf16), so the decoded
+# weight is value * block_scale * 2^-7 and the accumulator is multiplied by 2^7 * global_scale.
+_PACKED_SCALE_FACTOR = 2.0**119
+_PACKED_OUTPUT_FACTOR = 2.0**7
+# One asm per nibble (Pallas' Triton lowering takes one result per inline asm). Inputs: $2 = 4
+# packed bytes (elements 0-3), $3/$4 = their bf16 scales (elements 0,1 / 2,3). Outputs: $0/$1 = the
+# low (or high) nibbles of bytes 0,1 / 2,3 times their scales. NIBBLE_MASK/MULTIPLIER: 0x000F000F /
+# 0x1040 for low nibbles, 0x00F000F0 / 0x104 for high ones: both put the nibble n at n<<6 + n<<12,
+# whose mask 0x81C0 keeps the magnitude at bf16 bits 6-8 and the sign at bit 15.
+_E2M1_PTX = """{
+.reg .b32 d01, d23, t, zero, negzero;
+mov.b32 zero, 0;
+mov.b32 negzero, 0x80008000;
+prmt.b32 d01, $2, zero, 0x4140;
+prmt.b32 d23, $2, zero, 0x4342;
+and.b32 t, d01, NIBBLE_MASK;
+mul.lo.u32 t, t, MULTIPLIER;
+and.b32 t, t, 0x81C081C0;
+fma.rn.bf16x2 $0, t, $3, negzero;
+and.b32 t, d23, NIBBLE_MASK;
+mul.lo.u32 t, t, MULTIPLIER;
+and.b32 t, t, 0x81C081C0;
+fma.rn.bf16x2 $1, t, $4, negzero;
+}"""
+_E2M1_PTX_LOW = _E2M1_PTX.replace("NIBBLE_MASK", "0x000F000F").replace("MULTIPLIER", "0x1040")
+_E2M1_PTX_HIGH = _E2M1_PTX.replace("NIBBLE_MASK", "0x00F000F0").replace("MULTIPLIER", "0x104")
 _E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
@@ -215,6 +259,8 @@ class _Operand:
     rows: int
     in_features: int
     num_arrays: int
+    # NVFP4 only: "per_value", "packed" (PTX), or "packed_emulated" (the same values in plain jnp).
+    decode: str = "per_value"
 
     @classmethod
     def of(cls, w: ExpertWeights) -> _Operand:
@@ -233,10 +279,88 @@ def _e2m1_as_fp16(codes):
     return lax.bitcast_convert_type(bits, jnp.float16)
 
 
+def _e2m1_times_scale(packed, scale, *, emulated: bool):
+    """(low, high) nibbles of uint8 `packed [N, C]` decoded and multiplied by bf16 `scale [N, C]`
+    (block scale * 2^119): bf16 E2M1 value * block scale * 2^-7, exact. PTX on the GPU; in
+    interpret mode the same values from plain jnp (XLA on the CPU flushes the subnormal bit
+    patterns the PTX relies on, so the emulation builds the values arithmetically)."""
+    if not emulated:
+        from jax.experimental.pallas import triton as plgpu
+
+        out = [jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)]
+        return tuple(plgpu.elementwise_inline_asm(asm, args=[packed, scale], constraints="=r,=r,r,r,r", pack=4,
+                                                  result_shape_dtypes=out)[0]
+                     for asm in (_E2M1_PTX_LOW, _E2M1_PTX_HIGH))
+    # what the PTX computes: (E2M1 value * 2^-126) * scale, here without subnormals
+    factor = scale.astype(jnp.float32) * 2.0**-126
+
+    def value(code):
+        magnitude_code = (code & 7).astype(jnp.int32)
+        exponent, mantissa = magnitude_code >> 1, magnitude_code & 1
+        normal = ((2 + mantissa) << exponent).astype(jnp.float32) * 0.25
+        magnitude = jnp.where(exponent == 0, mantissa.astype(jnp.float32) * 0.5, normal)
+        return (jnp.where((code & 8) != 0, -magnitude, magnitude) * factor).astype(jnp.bfloat16)
+
+    return value(packed & 0x0F), value(packed >> 4)
+
+
+def _even_odd_columns(x: Float[Array, "rows k"], block_k: int) -> Float[Array, "rows k_padded"]:
+    """Columns of each K block of `block_k` reordered to its even columns, then its odd ones (the
+    "packed" NVFP4 decode's low and high nibbles); K padded with zeros to a multiple of block_k."""
+    rows, k = x.shape
+    padded = pl.cdiv(k, block_k) * block_k
+    x = jnp.pad(x, ((0, 0), (0, padded - k)))
+    x = x.reshape(rows, padded // block_k, block_k // 2, 2).transpose(0, 1, 3, 2)
+    return x.reshape(rows, padded)
+
+
+def _accumulate_packed_nvfp4(acc, x_ref, token_rows, row_ok, op: _Operand, refs, expert, n_idx, n_ok, chunk,
+                             block_k: int):
+    """acc [M, N] += x[token_rows, chunk] @ w[expert, n_idx, chunk]^T, NVFP4 "packed" decode; x_ref holds
+    the activations reordered by `_even_odd_columns` (padded, so x needs no K mask)."""
+    from jax.experimental.pallas import triton as plgpu
+
+    k_total = op.in_features
+    half, groups = block_k // 2, block_k // NVFP4_GROUP
+    block_n = n_idx.shape[0]
+    w_rows = (op.row_offset + n_idx)[:, None]
+    k_tail = k_total % block_k != 0
+    n_tail = op.rows % block_n != 0
+
+    def mask_for(cols, bound):
+        mask = n_ok[:, None] if n_tail else None
+        if k_tail:
+            mask = (cols[None, :] < bound) if mask is None else mask & (cols[None, :] < bound)
+        return mask
+
+    byte_cols = chunk * half + lax.iota(jnp.int32, half)
+    byte_mask = mask_for(byte_cols, k_total // 2)
+    packed = plgpu.load(refs[0].at[expert, w_rows, byte_cols[None, :]], mask=byte_mask,
+                        other=None if byte_mask is None else 0)
+    group_cols = chunk * groups + lax.iota(jnp.int32, groups)
+    # (no `other=`: Triton cannot splat an int into fp8; the tail is zeroed below)
+    scale = plgpu.load(refs[1].at[expert, w_rows, group_cols[None, :]],
+                       mask=mask_for(group_cols, k_total // NVFP4_GROUP))
+    scale = scale.astype(jnp.float32) * _PACKED_SCALE_FACTOR
+    if k_tail:
+        scale = jnp.where(group_cols[None, :] < k_total // NVFP4_GROUP, scale, 0.0)
+    # one scale per 16 values = per 8 bytes: broadcast, not gathered per value
+    scale = jnp.broadcast_to(scale.astype(jnp.bfloat16)[:, :, None], (block_n, groups, NVFP4_GROUP // 2))
+    low, high = _e2m1_times_scale(packed, scale.reshape(block_n, half), emulated=op.decode == "packed_emulated")
+    dtype = x_ref.dtype
+    cols = chunk * block_k + lax.iota(jnp.int32, half)
+    x_even = plgpu.load(x_ref.at[token_rows[:, None], cols[None, :]], mask=row_ok[:, None], other=0)
+    x_odd = plgpu.load(x_ref.at[token_rows[:, None], half + cols[None, :]], mask=row_ok[:, None], other=0)
+    return acc + _dot(x_even, low.astype(dtype), dtype) + _dot(x_odd, high.astype(dtype), dtype)
+
+
 def _accumulate(acc, x_ref, token_rows, row_ok, op: _Operand, refs, expert, n_idx, n_ok, chunk, block_k: int):
     """acc [M, N] += x[token_rows, chunk] @ w[expert, n_idx, chunk]^T for one K chunk."""
     from jax.experimental.pallas import triton as plgpu
 
+    if op.format == "nvfp4" and op.decode != "per_value":
+        return _accumulate_packed_nvfp4(acc, x_ref, token_rows, row_ok, op, refs, expert, n_idx, n_ok, chunk,
+                                        block_k)
     k_total = op.in_features
     dtype = x_ref.dtype
     w_rows = (op.row_offset + n_idx)[:, None]
@@ -285,7 +409,7 @@ def _output_scale(acc, op: _Operand, refs, expert, n_idx, n_ok):
     if op.format == "fp8_tensor":
         return acc * refs[1][expert]
     if op.format == "nvfp4":
-        return acc * refs[2][expert]
+        return acc * (refs[2][expert] * (_PACKED_OUTPUT_FACTOR if op.decode != "per_value" else 1.0))
     return acc
 
 
@@ -376,6 +500,7 @@ class MoEBlocks:
     down_k: int
     num_warps: int = 4
     num_stages: int = 3
+    nvfp4_decode: Nvfp4Decode = "per_value"  # ignored by the other formats
 
 
 # Largest batch whose blocks are found in the kernel from `ids`: each of the programs scans all
@@ -385,18 +510,27 @@ IDS_SOURCE_MAX_TOKENS = 16
 _TARGET_PROGRAMS = 1024
 
 
-def choose_blocks(tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, fmt: Format) -> MoEBlocks:
+def choose_blocks(tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, fmt: Format,
+                  nvfp4_decode: Nvfp4Decode | None = None) -> MoEBlocks:
     """Block sizes by shape. Decode batches split the hidden axis of the gate/up GEMM until about
     `_TARGET_PROGRAMS` programs share the weight reads; large batches use sorted blocks of 64 rows
-    and fused SwiGLU."""
+    and fused SwiGLU. The "packed" NVFP4 decode uses wider K blocks: its bytes per block are a
+    quarter of bf16's, and a K block of 256 reads as many bytes per row as bf16's 64."""
+    decode = (NVFP4_DECODE if nvfp4_decode is None else nvfp4_decode) if fmt == "nvfp4" else "per_value"
+    packed = decode == "packed"
     if tokens <= 64:
         source = "ids" if tokens <= IDS_SOURCE_MAX_TOKENS else "sorted"
         block_m = max(16, _next_pow2(tokens)) if source == "ids" else 16
-        block_n, block_k = 32, 64
+        block_n, block_k = (64, 256) if packed else (32, 64)
+        down_n, down_k = (64, 128) if packed else (64, 64)
+        min_chunks_per_split = 2 if packed else 4
         used = min(num_experts, tokens * top_k)
         k_chunks = pl.cdiv(hidden, block_k)
-        splits = max(1, min(k_chunks // 4, _TARGET_PROGRAMS // max(1, used * pl.cdiv(intermediate, block_n))))
-        return MoEBlocks(source, block_m, block_n, block_k, splits, 64, 64)
+        splits = max(1, min(k_chunks // min_chunks_per_split,
+                            _TARGET_PROGRAMS // max(1, used * pl.cdiv(intermediate, block_n))))
+        return MoEBlocks(source, block_m, block_n, block_k, splits, down_n, down_k, nvfp4_decode=decode)
+    if packed:
+        return MoEBlocks("sorted", 64, 64, 128, 1, 64, 128, nvfp4_decode=decode)
     return MoEBlocks("sorted", 64, 64, 64, 1, 64, 64, num_warps=4, num_stages=3)
 
 
@@ -430,6 +564,15 @@ def moe_gemm_kernel(
         raise ValueError(f"source 'ids' needs tokens ({tokens}) <= block_m ({blocks.block_m})")
     if fmt == "nvfp4" and (blocks.gate_up_k % 32 or blocks.down_k % 32):
         raise ValueError("NVFP4 needs K blocks that are multiples of 32")
+    packed = fmt == "nvfp4" and blocks.nvfp4_decode == "packed"
+    if packed and not interpret:
+        # the PTX takes 4 bytes at a time: each thread must hold a multiple of 4 of a weight tile
+        threads = 32 * blocks.num_warps
+        for n, k in ((blocks.gate_up_n, blocks.gate_up_k), (blocks.down_n, blocks.down_k)):
+            if n * k // 2 < 4 * threads:
+                raise ValueError(f"packed NVFP4 decode needs weight tiles of >= {4 * threads} bytes, got {n}x{k // 2}")
+    decode = ("packed_emulated" if interpret else "packed") if packed else "per_value"
+    operand = lambda w: dataclasses.replace(_Operand.of(w), decode=decode)
     flat_ids = ids.reshape(-1).astype(jnp.int32)
     if blocks.source == "ids":
         meta = (flat_ids,)
@@ -450,7 +593,7 @@ def moe_gemm_kernel(
     )
     gate_up = pl.pallas_call(
         functools.partial(
-            _gate_up_kernel, gate=_Operand.of(gate), up=_Operand.of(up), top_k=top_k, block_n=blocks.gate_up_n,
+            _gate_up_kernel, gate=operand(gate), up=operand(up), top_k=top_k, block_n=blocks.gate_up_n,
             block_k=blocks.gate_up_k, chunks_per_split=chunks_per_split, fused=fused, **common,
         ),
         grid=(grid0, pl.cdiv(intermediate, blocks.gate_up_n), splits),
@@ -458,16 +601,18 @@ def moe_gemm_kernel(
         compiler_params=params,
         interpret=interpret,
         name="moe_gate_up",
-    )(*meta, x, *gate.arrays(), *up.arrays())
+    )(*meta, _even_odd_columns(x, blocks.gate_up_k) if packed else x, *gate.arrays(), *up.arrays())
     if fused:
         act = gate_up
     else:
         summed = gate_up.sum(0)
         act = _swiglu(summed[:, :intermediate].astype(x.dtype), summed[:, intermediate:].astype(x.dtype))
         act = act.astype(x.dtype)
+    if packed:
+        act = _even_odd_columns(act, blocks.down_k)
 
     out = pl.pallas_call(
-        functools.partial(_down_kernel, down=_Operand.of(down), block_n=blocks.down_n, block_k=blocks.down_k, **common),
+        functools.partial(_down_kernel, down=operand(down), block_n=blocks.down_n, block_k=blocks.down_k, **common),
         grid=(grid0, pl.cdiv(hidden, blocks.down_n)),
         out_shape=jax.ShapeDtypeStruct((pairs, hidden), x.dtype),
         compiler_params=params,

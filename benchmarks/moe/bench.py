@@ -10,6 +10,10 @@ Tokens pick 8 distinct random experts each (fresh ids for every repeat, so L2 ho
 
 Variants (MoE layer = both GEMMs, SwiGLU, routing-weight combine; routing excluded):
   pallas      pallas_kernels.moe_gemm.moe_gemm_kernel (block sizes from choose_blocks unless swept)
+  pallas_packed, pallas_packed[n..,k..,dn..,dk..,s..]
+              nvfp4 only: the same kernels with the "packed" NVFP4 decode (PTX, permuted activations,
+              block scales once per 16 values), with choose_blocks' sizes for it and, at T <= 64, two
+              alternatives (gate/up N and K block, down N and K block, K splits)
   ragged_dot  XLA: pairs sorted by expert, lax.ragged_dot_general twice; quantized formats are
               dequantized to bf16 first (the model's reference path)
   gather      XLA: every pair gathers its expert's (dequantized) weights, then einsum (T <= 64)
@@ -31,6 +35,7 @@ Usage (GPU): python3 benchmarks/moe/bench.py --out moe.json [--tokens 1,8,64] [-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -173,15 +178,44 @@ def time_chain(fn, stacked, *rest, repeats: int, wall: bool = True):
 # --------------------------------------------------------------------------------------------------
 
 
+def decodes(fmt):
+    """The NVFP4 decodes to check and time (None: choose_blocks' default)."""
+    return {"pallas": None, "pallas_packed": "packed"} if fmt == "nvfp4" else {"pallas": None}
+
+
 def check_moe(fmt, weights, key, rows):
+    gate = weights[0]
     for t in (1, 5, 16, 64, 300):
         x, w, ids = make_tokens(t, 1, jax.random.fold_in(key, t))
-        got = jax.jit(mg.moe_gemm_kernel)(x[0], w[0], ids[0], *weights)
         want = jax.jit(mg.moe_gemm_reference)(x[0], w[0], ids[0], *weights)
-        err = float(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)).max())
         scale = float(jnp.abs(want.astype(jnp.float32)).max())
-        rows.append(dict(kind="check_moe", format=fmt, tokens=t, max_abs_err=err, max_abs_ref=scale))
-        print(f"check moe {fmt:6s} T={t:4d} max|err|={err:.3g} max|ref|={scale:.3g}", flush=True)
+        for name, decode in decodes(fmt).items():
+            blocks = mg.choose_blocks(t, TOP_K, E, H, I, gate.format, nvfp4_decode=decode)
+            try:
+                got = jax.jit(functools.partial(mg.moe_gemm_kernel, blocks=blocks))(x[0], w[0], ids[0], *weights)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                print(f"check moe {fmt} T={t} {name}: {type(e).__name__}: {e}"[:600], flush=True)
+                continue
+            err = float(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)).max())
+            rows.append(dict(kind="check_moe", format=fmt, tokens=t, variant=name, max_abs_err=err, max_abs_ref=scale))
+            print(f"check moe {fmt:6s} {name:14s} T={t:4d} max|err|={err:.3g} max|ref|={scale:.3g}", flush=True)
+
+
+def packed_alternatives(t, default: mg.MoEBlocks):
+    """Two other block shapes for the packed NVFP4 decode at decode sizes (splits as choose_blocks)."""
+    if t > 64:
+        return {}
+    used = min(E, t * TOP_K)
+    out = {}
+    for n1, k1, n2, k2 in ((32, 256, 64, 128), (64, 128, 128, 64)):
+        splits = max(1, min(pl_cdiv(H, k1) // 2, mg._TARGET_PROGRAMS // (used * pl_cdiv(I, n1))))
+        cfg = dataclasses.replace(default, gate_up_n=n1, gate_up_k=k1, gate_up_splits=splits, down_n=n2, down_k=k2)
+        out[f"pallas_packed[n{n1},k{k1},dn{n2},dk{k2},s{splits}]"] = cfg
+    return out
+
+
+def pl_cdiv(a, b):
+    return -(-a // b)
 
 
 def check_routing(rows, tokens=100_000):
@@ -287,7 +321,11 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
         floor = touched * per_expert / HBM_BPS * 1e6
         flops = 2 * t * TOP_K * 3 * H * I
         default = mg.choose_blocks(t, TOP_K, E, H, I, gate.format)
-        variants = {"pallas": functools.partial(mg.moe_gemm_kernel, blocks=default)}
+        kernel_blocks = {name: mg.choose_blocks(t, TOP_K, E, H, I, gate.format, nvfp4_decode=decode)
+                         for name, decode in decodes(fmt).items()}
+        if "pallas_packed" in kernel_blocks:
+            kernel_blocks.update(packed_alternatives(t, kernel_blocks["pallas_packed"]))
+        variants = {name: functools.partial(mg.moe_gemm_kernel, blocks=b) for name, b in kernel_blocks.items()}
         if sweep:
             for cfg in sweep_configs(t, default):
                 variants[f"pallas[{cfg.source},m{cfg.block_m},n{cfg.gate_up_n},k{cfg.gate_up_k},s{cfg.gate_up_splits},"
@@ -305,28 +343,32 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
                 res[name] = time_chain(f, (x, w, ids), gate, up, down, repeats=repeats, wall=not sweep)
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"moe {fmt} T={t} {name}: {type(e).__name__}: {e}"[:600], flush=True)
-        breakdown = None
-        try:  # per-kernel device times of one call of the default configuration
-            single = jax.jit(functools.partial(mg.moe_gemm_kernel, blocks=default))
-            args = (x[0], w[0], ids[0], gate, up, down)
-            _, breakdown = profiler.measure(single, aggregate=False)(*args)
-        except Exception as e:  # noqa: BLE001
-            print(f"breakdown: {type(e).__name__}: {e}"[:300], flush=True)
+        breakdowns = {}
+        for name in decodes(fmt):  # per-kernel device times of one call of each decode's default blocks
+            if name not in res:
+                continue
+            try:
+                single = jax.jit(functools.partial(mg.moe_gemm_kernel, blocks=kernel_blocks[name]))
+                _, breakdowns[name] = profiler.measure(single, aggregate=False)(x[0], w[0], ids[0], gate, up, down)
+            except Exception as e:  # noqa: BLE001
+                print(f"breakdown {name}: {type(e).__name__}: {e}"[:300], flush=True)
         for name, (kernel_us, wall_us) in res.items():
             row = dict(kind="moe", format=fmt, tokens=t, variant=name, kernel_us=kernel_us, wall_us=wall_us,
                        floor_us=floor, pct_floor=100 * floor / kernel_us, touched_experts=touched,
                        tflops=flops / kernel_us / 1e6,
                        speedup_vs_ragged_dot=res["ragged_dot"][0] / kernel_us if "ragged_dot" in res else None)
-            if name == "pallas":
-                row["blocks"] = default.__dict__
-                row["kernels_us"] = [(n, round(ms * 1e3, 2)) for n, ms in breakdown] if breakdown else None
+            if name in kernel_blocks:
+                row["blocks"] = kernel_blocks[name].__dict__
+            if name in breakdowns:
+                row["kernels_us"] = [(n, round(ms * 1e3, 2)) for n, ms in breakdowns[name]]
             rows.append(row)
         pallas = {k: v[0] for k, v in res.items() if k.startswith("pallas")}
         best = min(pallas, key=pallas.get) if pallas else None
         print(f"moe {fmt} T={t}: floor {floor:.1f} us; " + "; ".join(
             f"{k} {v[0]:.1f}" for k, v in res.items() if not k.startswith("pallas[")) +
-            (f"; best {best} {pallas[best]:.1f}" if best else "") +
-            (f"; kernels {[(n[:40], round(ms * 1e3, 1)) for n, ms in breakdown]}" if breakdown else ""), flush=True)
+            (f"; best {best} {pallas[best]:.1f}" if best else "") + "".join(
+            f"; kernels {name} {[(n[:40], round(ms * 1e3, 1)) for n, ms in b]}" for name, b in breakdowns.items()),
+            flush=True)
 
 
 def main():
@@ -372,13 +414,21 @@ def main():
 
 
 def print_table(rows):
-    print("\n| format | T | variant | kernel µs | wall µs | floor µs | % floor | TFLOP/s | × vs ragged_dot |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    bf16 = {r["tokens"]: r["kernel_us"] for r in rows
+            if r["kind"] == "moe" and r["format"] == "bf16" and r["variant"] == "pallas"}
+    print("\n| format | T | variant | kernel µs | wall µs | floor µs | % floor | TFLOP/s | × vs ragged_dot "
+          "| × vs bf16 pallas |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["kind"] == "moe" and not r["variant"].startswith("pallas["):
             sp = r["speedup_vs_ragged_dot"] or float("nan")
+            vs_bf16 = bf16[r["tokens"]] / r["kernel_us"] if r["tokens"] in bf16 else float("nan")
             print(f"| {r['format']} | {r['tokens']} | {r['variant']} | {r['kernel_us']:.1f} | {r['wall_us']:.1f} | "
-                  f"{r['floor_us']:.1f} | {r['pct_floor']:.0f} | {r['tflops']:.0f} | {sp:.1f} |")
+                  f"{r['floor_us']:.1f} | {r['pct_floor']:.0f} | {r['tflops']:.0f} | {sp:.1f} | {vs_bf16:.2f} |")
+    for r in rows:
+        if r["kind"] == "check_moe":
+            print(f"check {r['format']} {r.get('variant', 'pallas')} T={r['tokens']}: "
+                  f"max|err| {r['max_abs_err']:.3g} / max|ref| {r['max_abs_ref']:.3g}")
     for r in rows:
         if r["kind"] == "routing":
             print(r)

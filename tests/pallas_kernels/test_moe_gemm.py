@@ -102,6 +102,104 @@ def test_ids_source_needs_every_pair_in_one_block():
         mg.moe_gemm_kernel(*problem, blocks=mg.MoEBlocks("ids", 16, 32, 32, 1, 32, 32), interpret=True)
 
 
+# NVFP4 "packed" decode (PTX on the GPU, its plain-jnp stand-in in interpret mode; on the GPU its
+# weight tiles must hold >= 512 bytes at 4 warps): K blocks of 32+ values, tails in K (hidden 80 / intermediate 48 against K blocks of 32-128) and N, empty experts,
+# one token, several blocks per expert, split K, and Beam's prefill default (sorted, block_m 64).
+PACKED_CASES = {
+    "one_token_ids": (1, 256, 64, 16, 4, mg.MoEBlocks("ids", 16, 32, 128, 2, 32, 64, nvfp4_decode="packed")),
+    "tails_ids": (5, 80, 48, 12, 3, mg.MoEBlocks("ids", 16, 32, 64, 1, 32, 32, nvfp4_decode="packed")),
+    "tails_wide_k": (3, 80, 48, 12, 3, mg.MoEBlocks("ids", 16, 16, 128, 1, 16, 128, nvfp4_decode="packed")),
+    "split_k_ids": (7, 512, 32, 8, 2, mg.MoEBlocks("ids", 16, 16, 64, 4, 32, 32, nvfp4_decode="packed")),
+    "sorted_many_blocks_per_expert": (37, 64, 32, 4, 2, mg.MoEBlocks("sorted", 16, 32, 32, 1, 32, 32,
+                                                                    nvfp4_decode="packed")),
+    "sorted_tails_split": (20, 96, 48, 10, 3, mg.MoEBlocks("sorted", 16, 32, 64, 2, 32, 32, nvfp4_decode="packed")),
+    "sorted_prefill_default": (70, 160, 96, 6, 2, None),
+}
+
+
+@pytest.mark.parametrize("case", list(PACKED_CASES))
+def test_packed_nvfp4_matches_reference(case):
+    tokens, hidden, intermediate, experts, top_k, blocks = PACKED_CASES[case]
+    problem = random_problem(100 + len(case), tokens, hidden, intermediate, experts, top_k, "nvfp4")
+    if blocks is None:
+        blocks = mg.choose_blocks(tokens, top_k, experts, hidden, intermediate, "nvfp4", nvfp4_decode="packed")
+        assert blocks.nvfp4_decode == "packed"
+    assert_close_to_reference(problem, blocks)
+
+
+def test_packed_nvfp4_empty_experts_and_extreme_scales():
+    """Only 3 of 16 experts used; block scales at e4m3's extremes (448 and the smallest subnormal,
+    2^-9), where the decode's 2^119 / 2^-7 factors must neither overflow nor lose bits."""
+    x, weights, ids, gate, up, down = random_problem(12, 4, 128, 64, 16, 2, "nvfp4", used_experts=3)
+    rng = np.random.default_rng(3)
+
+    def extreme(w):
+        choice = rng.choice(np.array([448.0, 2.0**-9, 1.0, 0.0], np.float32), w.scale.shape)
+        return mg.ExpertWeights(w.values, jnp.asarray(choice, jnp.float8_e4m3fn), w.global_scale, format="nvfp4")
+
+    blocks = mg.MoEBlocks("ids", 16, 32, 64, 2, 32, 64, nvfp4_decode="packed")
+    assert_close_to_reference((x, weights, ids, extreme(gate), extreme(up), extreme(down)), blocks)
+
+
+def test_packed_nvfp4_decode_is_exact():
+    """The stand-in decode gives E2M1 * block scale * 2^-7 exactly, for every byte and e4m3 scale."""
+    packed = jnp.asarray(np.repeat(np.arange(256, dtype=np.uint8), 256).reshape(256, 256))
+    block = np.asarray(jnp.arange(256, dtype=jnp.uint8).view(jnp.float8_e4m3fn), np.float32)
+    block = np.where(np.isnan(block), 1.0, block)
+    scale = jnp.asarray(np.tile(block * 2.0**119, (256, 1)), jnp.bfloat16)
+    assert np.all(np.asarray(scale, np.float32) == np.tile(block * 2.0**119, (256, 1)))  # exact in bf16
+    low, high = mg._e2m1_times_scale(packed, scale, emulated=True)
+    byte = np.repeat(np.arange(256), 256).reshape(256, 256)
+    for got, codes in ((low, byte & 15), (high, byte >> 4)):
+        want = mg._E2M1_VALUES[codes].astype(np.float64) * block[None, :] * 2.0**-7
+        np.testing.assert_array_equal(np.asarray(got, np.float64), want)
+
+
+def _ptx_decode_bits(word: np.ndarray) -> tuple[np.ndarray, ...]:
+    """numpy transcription of _E2M1_PTX before its fma: the four bf16x2 registers (uint32)."""
+    word = word.astype(np.uint64)
+
+    def prmt_with_zero(selector):  # selector nibbles 0-3 pick bytes of word, 4 picks a zero byte
+        out = np.zeros_like(word)
+        for position in range(4):
+            pick = (selector >> (4 * position)) & 0xF
+            if pick < 4:
+                out |= ((word >> np.uint64(8 * pick)) & np.uint64(0xFF)) << np.uint64(8 * position)
+        return out
+
+    for asm, mask, multiplier in ((mg._E2M1_PTX_LOW, "0x000F000F", "0x1040"),
+                                  (mg._E2M1_PTX_HIGH, "0x00F000F0", "0x104")):  # what is transcribed
+        assert asm.count(f"and.b32 t, d01, {mask};") == asm.count(f"and.b32 t, d23, {mask};") == 1
+        assert asm.count(f"mul.lo.u32 t, t, {multiplier};") == 2 and asm.count("0x81C081C0") == 2
+        assert "prmt.b32 d01, $2, zero, 0x4140;" in asm and "prmt.b32 d23, $2, zero, 0x4342;" in asm
+    mask32 = np.uint64(0xFFFFFFFF)
+    d01, d23 = prmt_with_zero(0x4140), prmt_with_zero(0x4342)
+    low = lambda d: (((d & np.uint64(0x000F000F)) * np.uint64(0x1040)) & mask32) & np.uint64(0x81C081C0)
+    high = lambda d: (((d & np.uint64(0x00F000F0)) * np.uint64(0x104)) & mask32) & np.uint64(0x81C081C0)
+    return low(d01), low(d23), high(d01), high(d23)
+
+
+def test_ptx_bit_patterns_are_e2m1_times_2_pow_minus_126():
+    """The PTX's integer steps (transcribed): each 16-bit lane is the bf16 bit pattern of the right
+    nibble's E2M1 value times 2^-126 (subnormal for 0 and 0.5), for all bytes in all 4 positions."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    data = np.concatenate([np.arange(256, dtype=np.uint8).repeat(4), rng.integers(0, 256, 4096).astype(np.uint8)])
+    words = data.reshape(-1, 4).view("<u4")[:, 0]
+    registers = _ptx_decode_bits(words)
+    lanes = [(registers[0], 0, 1, "low"), (registers[1], 2, 3, "low"), (registers[2], 0, 1, "high"),
+             (registers[3], 2, 3, "high")]
+    byte_of = data.reshape(-1, 4)
+    for register, first, second, nibble in lanes:
+        for lane, element in ((0, first), (1, second)):
+            bits = ((register >> np.uint64(16 * lane)) & np.uint64(0xFFFF)).astype(np.uint16)
+            value = bits.view(ml_dtypes.bfloat16).astype(np.float64) * 2.0**126
+            code = byte_of[:, element] & 15 if nibble == "low" else byte_of[:, element] >> 4
+            np.testing.assert_array_equal(value, mg._E2M1_VALUES[code].astype(np.float64))
+            np.testing.assert_array_equal(np.signbit(value), code >= 8)  # -0.0 stays negative
+
+
 def test_dequantize_nvfp4_codes():
     """The reference's decode: code c of a byte's low/high nibble times its block and global scale."""
     packed = jnp.asarray(np.arange(256, dtype=np.uint8).reshape(1, 16, 16))
@@ -114,9 +212,39 @@ def test_dequantize_nvfp4_codes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + ["nvfp4_packed"])
 @pytest.mark.parametrize("tokens", [1, 16, 64, 300])
 def test_beam_tp8_shape_on_gpu(fmt, tokens):
     """Beam's per-GPU TP8 expert shape with the default block choice for each token count."""
+    decode = "packed" if fmt == "nvfp4_packed" else None
+    fmt = fmt.removesuffix("_packed")
     problem = random_problem(tokens, tokens, 5120, 320, 256, 8, fmt)
-    assert_close_to_reference(problem)
+    assert_close_to_reference(problem, mg.choose_blocks(tokens, 8, 256, 5120, 320, fmt, nvfp4_decode=decode))
+
+
+@pytest.mark.parametrize("decode", ["per_value", "packed"])
+@pytest.mark.parametrize("tokens", [1, 8, 64, 512])
+def test_nvfp4_kernels_lower_for_cuda(monkeypatch, tokens, decode):
+    """Beam's TP8 shape lowers to Triton for an sm_90 GPU (lowering only; runs on the CPU)."""
+    import types
+
+    from jax._src.pallas.triton import pallas_call_registration
+
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                        lambda: types.SimpleNamespace(compute_capability=90))
+    experts, hidden, intermediate, top_k = 256, 5120, 320, 8
+    spec = jax.ShapeDtypeStruct
+
+    def nvfp4(rows, cols):
+        return mg.ExpertWeights(spec((experts, rows, cols // 2), jnp.uint8),
+                                spec((experts, rows, cols // 16), jnp.float8_e4m3fn),
+                                spec((experts,), jnp.float32), format="nvfp4")
+
+    blocks = mg.choose_blocks(tokens, top_k, experts, hidden, intermediate, "nvfp4", nvfp4_decode=decode)
+    args = (spec((tokens, hidden), jnp.bfloat16), spec((tokens, top_k), jnp.float32),
+            spec((tokens, top_k), jnp.int32), nvfp4(intermediate, hidden), nvfp4(intermediate, hidden),
+            nvfp4(hidden, intermediate))
+    lowered = jax.jit(functools.partial(mg.moe_gemm_kernel, blocks=blocks)).trace(*args).lower(
+        lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2
