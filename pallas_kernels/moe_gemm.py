@@ -61,7 +61,7 @@ NVFP4_GROUP = 16
 _FP16_E2M1_FACTOR = 2.0**14
 Nvfp4Decode = Literal["per_value", "packed"]
 # The default NVFP4 decode of `choose_blocks` (the "packed" one is not yet measured on a GPU).
-NVFP4_DECODE: Nvfp4Decode = "per_value"
+NVFP4_DECODE: Nvfp4Decode = "packed"  # H200, 2026-11-30: 1.5-2.6x faster than per_value (RESULTS.md)
 # "packed": the bf16 bit pattern of an E2M1 code (magnitude at bits 6-8, sign at 15) is the value
 # times 2^-126; block scales are multiplied by 2^119 (448 * 2^119 still fits bf16), so the decoded
 # weight is value * block_scale * 2^-7 and the accumulator is multiplied by 2^7 * global_scale.
@@ -510,19 +510,42 @@ IDS_SOURCE_MAX_TOKENS = 16
 _TARGET_PROGRAMS = 1024
 
 
+# Measured winners of `benchmarks/moe/bench.py --sweep` (H200, 2026-11-30, run C in RESULTS.md) at
+# Beam's TP8 expert shape, keyed by (format, experts, hidden, intermediate, top_k) and then by the
+# largest token count each covers (down from the previous key + 1). Other shapes: the heuristic.
+TUNED_BLOCKS: dict[tuple, dict[tuple[int, int], MoEBlocks]] = {
+    ("bf16", 256, 5120, 320, 8): {
+        (1, 1): MoEBlocks("ids", 16, 32, 128, 6, 64, 64),  # 27.4 µs vs 28.2 heuristic
+        (9, 16): MoEBlocks("ids", 16, 32, 64, 2, 128, 64),  # T=16: 257.1 vs 274.7
+        (17, 32): MoEBlocks("sorted", 16, 32, 64, 2, 128, 64),  # T=32: 412.4 vs 499.9
+        (33, 64): MoEBlocks("sorted", 16, 32, 128, 1, 64, 64),  # T=64: 560.1 vs 571.9
+    },
+}
+
+
+def tuned_blocks(tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, fmt: Format) -> MoEBlocks | None:
+    for (low, high), blocks in TUNED_BLOCKS.get((fmt, num_experts, hidden, intermediate, top_k), {}).items():
+        if low <= tokens <= high:
+            return blocks
+    return None
+
+
 def choose_blocks(tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, fmt: Format,
                   nvfp4_decode: Nvfp4Decode | None = None) -> MoEBlocks:
-    """Block sizes by shape. Decode batches split the hidden axis of the gate/up GEMM until about
+    """Block sizes by shape: a measured entry of TUNED_BLOCKS, else a heuristic. Decode batches split the hidden axis of the gate/up GEMM until about
     `_TARGET_PROGRAMS` programs share the weight reads; large batches use sorted blocks of 64 rows
     and fused SwiGLU. The "packed" NVFP4 decode uses wider K blocks: its bytes per block are a
-    quarter of bf16's, and a K block of 256 reads as many bytes per row as bf16's 64."""
+    quarter of bf16's."""
+    if (tuned := tuned_blocks(tokens, top_k, num_experts, hidden, intermediate, fmt)) is not None:
+        return tuned
     decode = (NVFP4_DECODE if nvfp4_decode is None else nvfp4_decode) if fmt == "nvfp4" else "per_value"
     packed = decode == "packed"
     if tokens <= 64:
         source = "ids" if tokens <= IDS_SOURCE_MAX_TOKENS else "sorted"
         block_m = max(16, _next_pow2(tokens)) if source == "ids" else 16
-        block_n, block_k = (64, 256) if packed else (32, 64)
-        down_n, down_k = (64, 128) if packed else (64, 64)
+        # packed: the best of three shapes timed on the H200 at T = 1, 8, 64 (benchmarks/moe/RESULTS.md)
+        block_n, block_k = (64, 128) if packed else (32, 64)
+        down_n, down_k = (128, 64) if packed else (64, 64)
         min_chunks_per_split = 2 if packed else 4
         used = min(num_experts, tokens * top_k)
         k_chunks = pl.cdiv(hidden, block_k)

@@ -102,6 +102,23 @@ def test_ids_source_needs_every_pair_in_one_block():
         mg.moe_gemm_kernel(*problem, blocks=mg.MoEBlocks("ids", 16, 32, 32, 1, 32, 32), interpret=True)
 
 
+@pytest.mark.parametrize(("shape", "bucket"), [(shape, bucket) for shape, table in mg.TUNED_BLOCKS.items()
+                                                for bucket in table])
+def test_tuned_blocks_are_chosen_and_correct_at_their_bucket_edges(shape, bucket):
+    """Each measured entry is what choose_blocks returns across its token range, and its block
+    sizes compute the right result at both ends of the range (on a small problem with K and N tails)."""
+    fmt, experts, hidden, intermediate, top_k = shape
+    blocks = mg.TUNED_BLOCKS[shape][bucket]
+    for tokens in bucket:
+        assert mg.choose_blocks(tokens, top_k, experts, hidden, intermediate, fmt) == blocks
+        assert blocks.source != "ids" or tokens <= blocks.block_m
+        problem = random_problem(tokens, tokens, 200, 72, 12, 3, fmt)
+        assert_close_to_reference(problem, blocks)
+    low = bucket[0]
+    if low > 1 and mg.tuned_blocks(low - 1, top_k, experts, hidden, intermediate, fmt) is None:
+        assert mg.choose_blocks(low - 1, top_k, experts, hidden, intermediate, fmt) != blocks  # the heuristic
+
+
 # NVFP4 "packed" decode (PTX on the GPU, its plain-jnp stand-in in interpret mode; on the GPU its
 # weight tiles must hold >= 512 bytes at 4 warps): K blocks of 32+ values, tails in K (hidden 80 / intermediate 48 against K blocks of 32-128) and N, empty experts,
 # one token, several blocks per expert, split K, and Beam's prefill default (sorted, block_m 64).
