@@ -15,9 +15,9 @@ Layout (one layer):
 A key at position k_pos is visible to a query at q_pos iff k_pos <= q_pos, its logical page is
 mapped (page_table entry >= 0) and, when `window` is set, q_pos - k_pos < window.
 
-Three implementations: the plain-jnp reference (every token gathers its whole page-table span), a
-blocked plain-jnp form for long contexts (query blocks visit only the pages they can see), and the
-Pallas kernel. `ragged_paged_attention` picks one. The jnp forms round where
+Implementations: the plain-jnp reference (every token gathers its whole page-table span), a blocked
+plain-jnp form for long contexts (query blocks visit only the pages they can see), the general Pallas
+kernel, and the split decode kernels for q_len == 1 (flash-decoding). `ragged_paged_attention` picks. The jnp forms round where
 `beam_jax.layers.attention.attend` (the dense reference) rounds, so the paged and contiguous caches
 give the same numbers:
   1. scores = q . k accumulated in fp32 (fp32 inputs: Precision.HIGHEST), rounded to q.dtype;
@@ -30,6 +30,7 @@ Files in pallas_kernels import nothing from beam_jax or serving.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -330,12 +331,15 @@ def _ragged_paged_attention_kernel(
     o_ref[...] = out.astype(o_ref.dtype)
 
 
-def _query_blocks(query_start, seq_lens, total_tokens: int, block_q: int):
+def _query_blocks(query_start, seq_lens, total_tokens: int, block_q: int, skip_decodes: bool = False):
     """Splits each sequence's query tokens into blocks of `block_q` rows (a block never straddles two
-    sequences). The number of blocks is static: cdiv(total_tokens, block_q) + batch bounds it."""
+    sequences). The number of blocks is static: cdiv(total_tokens, block_q) + batch bounds it.
+    `skip_decodes`: sequences with q_len == 1 get no block (the decode kernel serves them)."""
     batch = seq_lens.shape[0]
     num_blocks = pl.cdiv(total_tokens, block_q) + batch
     q_lens = query_start[1:] - query_start[:-1]
+    if skip_decodes:
+        q_lens = jnp.where(q_lens == 1, 0, q_lens)
     blocks_per_seq = (q_lens + block_q - 1) // block_q
     blocks_end = jnp.cumsum(blocks_per_seq)
     blocks_start = blocks_end - blocks_per_seq
@@ -363,6 +367,7 @@ def ragged_paged_attention_kernel(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
+    skip_decodes: bool = False,
 ) -> Float[Array, "tokens heads d"]:
     """Pallas kernel, grid (query block, kv head). Each query block holds up to `block_q` tokens of ONE
     sequence times the kv head's `group` query heads (padded to a power of two), and runs an online
@@ -371,8 +376,8 @@ def ragged_paged_attention_kernel(
 
     Tested in interpret mode on CPU (tests/pallas_kernels); also compiled through Triton on one H200
     and matched the reference on four mixed batches (bf16 and fp32, GQA 1/6/8, page sizes 16/64,
-    windows 17/64/512, a 4000-token context). Not yet benchmarked or tuned: block_q and a pages-per-step
-    block are the knobs, and a split over the context (flash-decoding) for long decodes is still to do.
+    windows 17/64/512, a 4000-token context). Decodes are better served by the split decode kernel
+    (`paged_decode_attention_kernel`; the op sends them there); `skip_decodes` gives them no block here.
     Triton needs block_q * padded_group >= 16 rows and power-of-two page_size and head_dim."""
     tokens, heads, head_dim = queries.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
@@ -381,7 +386,9 @@ def ragged_paged_attention_kernel(
     scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
     max_pages = page_table.shape[1]
 
-    num_blocks, block_sequence, block_meta, blocks_start = _query_blocks(query_start, seq_lens, tokens, block_q)
+    num_blocks, block_sequence, block_meta, blocks_start = _query_blocks(
+        query_start, seq_lens, tokens, block_q, skip_decodes
+    )
     # Gather queries into [block, kv_head, block_q * padded_group, d]; rows past a sequence's end are
     # clamped reads, masked in the kernel and dropped below.
     token_of_row = query_start[block_sequence][:, None] + block_meta[:, 2:3] + jnp.arange(block_q)[None, :]
@@ -426,6 +433,271 @@ def _triton_params(num_warps: int, num_stages: int):
 
 
 # --------------------------------------------------------------------------------------------------
+# Decode kernels: one query token per sequence, split over the context (flash-decoding)
+# --------------------------------------------------------------------------------------------------
+#
+# Why a second kernel: the general kernel gives each (query block, kv head) ONE program that walks
+# every page, so a batch-1 decode at TP8 (one KV head) is one thread block for the whole context
+# (3.2 ms at 128K against a 16 us floor, benchmarks/attention/RESULTS.md). Here each (sequence,
+# kv head) gets `num_splits` programs, each walking its own range of the sequence's visible pages
+# `pages_per_step` pages at a time, writing a partial (unnormalized output, running max, running
+# sum); a second kernel combines the partials and writes each decode token's row. All `group` query
+# heads of a kv head are the rows of one program (padded to 16, Triton's smallest dot), so every
+# K/V page is read once. The page range is computed in the kernel from seq_lens: with a window only
+# the pages holding in-window keys are visited, so a sliding layer's cost is flat in the context.
+# The per-step metadata (`DecodeMetadata`) depends only on query_start, so all layers of a step
+# share it: build it once per step and pass it to every layer's call.
+
+# Triton's dot needs M >= 16: a kv head's query heads are padded to this many rows.
+_DECODE_MIN_ROWS = 16
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("row_token", "token_row"), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class DecodeMetadata:
+    """Which flat tokens are decodes. Depends only on `query_start`, so one step builds it once and
+    every layer (of every cache group) reuses it."""
+
+    row_token: Int[Array, " batch"]  # sequence b's decode token (q_len == 1), or -1: b has no decode
+    token_row: Int[Array, " tokens"]  # token t's sequence if t is a decode token, else -1
+
+
+def decode_metadata(query_start: Int[Array, " batch_plus_1"], num_tokens: int) -> DecodeMetadata:
+    q_lens = query_start[1:] - query_start[:-1]
+    batch = q_lens.shape[0]
+    is_decode = q_lens == 1
+    row_token = jnp.where(is_decode, query_start[:-1], -1).astype(jnp.int32)
+    # Sequences without a decode scatter to index num_tokens, which mode="drop" discards.
+    token_row = jnp.full((num_tokens,), -1, jnp.int32).at[jnp.where(is_decode, query_start[:-1], num_tokens)].set(
+        jnp.arange(batch, dtype=jnp.int32), mode="drop"
+    )
+    return DecodeMetadata(row_token=row_token, token_row=token_row)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBlocks:
+    """Static block sizes of the decode kernels (chosen per shape by `decode_blocks`)."""
+
+    pages_per_step: int  # pages gathered per loop iteration (power of two)
+    num_splits: int  # programs per (sequence, kv head) (power of two)
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# Programs wanted in flight: the H200 has 132 SMs; two programs per SM hide the gather latency.
+DECODE_TARGET_PROGRAMS = 264
+
+
+def decode_blocks(
+    batch: int, kv_heads: int, max_pages: int, page_size: int, window: int | None, *,
+    keys_per_step: int = 128, target_programs: int = DECODE_TARGET_PROGRAMS,
+    num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+) -> DecodeBlocks:
+    """Split the context until batch * kv_heads * num_splits programs fill the GPU, but never into
+    more splits than a sequence's visible pages give steps. With a window the visible pages are at
+    most cdiv(window - 1, page_size) + 1, whatever the context."""
+    pages_per_step = max(1, keys_per_step // page_size)
+    visible_pages = max_pages if window is None else min(max_pages, -(-(window - 1) // page_size) + 1)
+    if num_splits is None:
+        max_splits = max(1, -(-visible_pages // pages_per_step))
+        wanted = max(1, -(-target_programs // (batch * kv_heads)))
+        num_splits = min(1 << (wanted - 1).bit_length(), 1 << (max_splits.bit_length() - 1))
+    if num_splits & (num_splits - 1) or pages_per_step & (pages_per_step - 1):
+        raise ValueError(f"num_splits {num_splits} and pages_per_step {pages_per_step} must be powers of two")
+    return DecodeBlocks(pages_per_step, num_splits, num_warps, num_stages)
+
+
+def _decode_split_kernel(
+    # inputs
+    row_token_ref,  # [batch] int32
+    seq_lens_ref,  # [batch] int32
+    page_row_ref,  # [max_pages] int32: this sequence's page table row
+    q_ref,  # [tokens, rows, head_dim]: this kv head's query heads, padded to `rows`
+    k_pages_ref,  # [num_pages, page_size, head_dim] for this kv head
+    v_pages_ref,  # [num_pages, page_size, head_dim] for this kv head
+    # outputs
+    o_ref,  # [rows, head_dim] fp32: unnormalized partial output of this split
+    m_ref,  # [rows] fp32: running max of this split
+    l_ref,  # [rows] fp32: running sum of this split
+    *,
+    window: int | None,
+    softmax_scale: float,
+    pages_per_step: int,
+    num_splits: int,
+):
+    sequence, split = pl.program_id(0), pl.program_id(2)
+    rows, head_dim = q_ref.shape[1:]
+    page_size = k_pages_ref.shape[1]
+    max_pages = page_row_ref.shape[0]
+    keys = pages_per_step * page_size
+
+    token = row_token_ref[jnp.asarray(sequence)]
+    seq_len = jnp.where(token >= 0, seq_lens_ref[jnp.asarray(sequence)], 0)  # no decode: nothing to visit
+    q_pos = seq_len - 1
+    first_page = 0 if window is None else jnp.maximum(q_pos - window + 1, 0) // page_size
+    end_page = jnp.maximum((seq_len + page_size - 1) // page_size, first_page)
+    # This split's share, whole steps each: split s takes pages [lo, hi).
+    per_split = (end_page - first_page + num_splits - 1) // num_splits
+    per_split = (per_split + pages_per_step - 1) // pages_per_step * pages_per_step
+    lo = jnp.minimum(first_page + split * per_split, end_page)
+    hi = jnp.minimum(lo + per_split, end_page)
+    num_steps = (hi - lo + pages_per_step - 1) // pages_per_step
+
+    q = q_ref[jnp.maximum(token, 0)]  # [rows, head_dim]
+    step_page = lax.broadcasted_iota(jnp.int32, (pages_per_step,), 0)
+    key_offset = lax.broadcasted_iota(jnp.int32, (keys,), 0)
+
+    def body(step, carry):
+        acc, m_prev, l_prev = carry
+        start = lo + step * pages_per_step
+        logical = start + step_page
+        physical = page_row_ref[jnp.minimum(logical, max_pages - 1)]
+        # Pages past this split's end or released (-1) are read from page 0 and masked: their scores
+        # are -inf and their values zeroed, so whatever page 0 holds (even NaN) cannot leak.
+        page_live = (logical < hi) & (physical >= 0)
+        physical = jnp.where(page_live, physical, 0)
+        k = k_pages_ref[physical].reshape(keys, head_dim)
+        v = v_pages_ref[physical].reshape(keys, head_dim)
+        k_pos = start * page_size + key_offset
+        visible = jnp.broadcast_to(page_live[:, None], (pages_per_step, page_size)).reshape(keys) & (k_pos <= q_pos)
+        if window is not None:
+            visible &= q_pos - k_pos < window
+        v = jnp.where(visible[:, None], v, jnp.zeros_like(v))
+        # Rounding points of the reference: fp32 dot -> q.dtype -> * scale -> q.dtype -> fp32.
+        scores = lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), precision=_precision(q.dtype), preferred_element_type=jnp.float32
+        )
+        scores = (scores.astype(q.dtype).astype(jnp.float32) * softmax_scale).astype(q.dtype).astype(jnp.float32)
+        scores = jnp.where(visible[None, :], scores, -jnp.inf)
+        m_next = jnp.maximum(m_prev, scores.max(axis=-1))
+        correction = jnp.exp(m_prev - m_next)
+        probs = jnp.exp(scores - m_next[:, None])  # masked keys: exp(-inf) = 0
+        pv = lax.dot_general(
+            probs.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+            precision=_precision(v.dtype), preferred_element_type=jnp.float32,
+        )
+        return correction[:, None] * acc + pv, m_next, correction * l_prev + probs.sum(axis=-1)
+
+    acc = jnp.zeros((rows, head_dim), jnp.float32)
+    m = jnp.full((rows,), _M_INIT, jnp.float32)
+    l = jnp.zeros((rows,), jnp.float32)
+    acc, m, l = lax.fori_loop(0, num_steps, body, (acc, m, l))
+    o_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _decode_combine_kernel(token_row_ref, o_ref, m_ref, l_ref, out_ref, *, splits_per_step: int):
+    """One (token, kv head, head_dim block): the weighted sum of its sequence's split partials, or
+    zeros for a token that is not a decode. The partials are read `splits_per_step` splits at a time
+    (a batch-1 decode at 128K has hundreds of splits: all at once would not fit in registers)."""
+    row = token_row_ref[jnp.asarray(pl.program_id(0))]
+    source = jnp.maximum(row, 0)
+    num_splits = m_ref.shape[1]
+    m = m_ref[source]  # [splits, rows]; empty splits: m = _M_INIT, l = 0, o = 0
+    m_all = m.max(axis=0)
+    total = (jnp.exp(m - m_all[None]) * l_ref[source]).sum(axis=0)
+
+    def body(step, acc):
+        chunk = pl.ds(step * splits_per_step, splits_per_step)
+        weight = jnp.exp(m_ref[source, chunk] - m_all[None])  # [splits_per_step, rows]
+        return acc + (weight[:, :, None] * o_ref[source, chunk]).sum(axis=0)
+
+    acc = jnp.zeros(out_ref.shape, jnp.float32)
+    acc = lax.fori_loop(0, num_splits // splits_per_step, body, acc)
+    keep = (total > 0) & (row >= 0)  # a query with no visible key gets zeros
+    out = jnp.where(keep[:, None], acc / jnp.where(total > 0, total, 1.0)[:, None], 0.0)
+    out_ref[...] = out.astype(out_ref.dtype)
+
+
+def paged_decode_attention_kernel(
+    queries: Float[Array, "tokens heads d"],
+    k_pages: Float[Array, "pages page_size kv_heads d"],
+    v_pages: Float[Array, "pages page_size kv_heads d"],
+    query_start: Int[Array, " batch_plus_1"],
+    seq_lens: Int[Array, " batch"],
+    page_table: Int[Array, "batch max_pages"],
+    *,
+    window: int | None = None,
+    softmax_scale: float | None = None,
+    metadata: DecodeMetadata | None = None,
+    blocks: DecodeBlocks | None = None,
+    interpret: bool = False,
+) -> tuple[Float[Array, "tokens heads d"], Int[Array, " tokens"]]:
+    """Attention of every decode token (sequences with q_len == 1) in the step; other tokens get
+    zeros. Returns (output, token_row): token_row[t] >= 0 marks the decode tokens. Pass `metadata`
+    (from `decode_metadata`, once per step) to keep its few small ops out of every layer.
+
+    Two Pallas calls: the split kernel, grid (sequence, kv head, split), then the combine, grid
+    (token, kv head). Triton needs power-of-two page_size and head_dim."""
+    tokens, heads, head_dim = queries.shape
+    num_pages, page_size, kv_heads, _ = k_pages.shape
+    batch, max_pages = page_table.shape
+    group = heads // kv_heads
+    rows = max(_DECODE_MIN_ROWS, 1 << (group - 1).bit_length())
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    if metadata is None:
+        metadata = decode_metadata(query_start, tokens)
+    if blocks is None:
+        blocks = decode_blocks(batch, kv_heads, max_pages, page_size, window)
+    splits = blocks.num_splits
+
+    # [tokens, kv_heads, rows, d]: pads a kv head's query heads to the kernel's rows (one small op
+    # that XLA fuses into whatever produced the queries).
+    q = jnp.pad(queries.reshape(tokens, kv_heads, group, head_dim), ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    split_kernel = functools.partial(
+        _decode_split_kernel, window=window, softmax_scale=scale,
+        pages_per_step=blocks.pages_per_step, num_splits=splits,
+    )
+    partial_shape = (batch, kv_heads, splits, rows)
+    o, m, l = pl.pallas_call(
+        split_kernel,
+        grid=(batch, kv_heads, splits),
+        in_specs=[
+            pl.BlockSpec((batch,), lambda b, h, s: (0,)),  # row_token
+            pl.BlockSpec((batch,), lambda b, h, s: (0,)),  # seq_lens
+            pl.BlockSpec((None, max_pages), lambda b, h, s: (b, 0)),  # the sequence's page table row
+            pl.BlockSpec((tokens, None, rows, head_dim), lambda b, h, s: (0, h, 0, 0)),  # queries
+            pl.BlockSpec((num_pages, page_size, None, head_dim), lambda b, h, s: (0, 0, h, 0)),  # k_pages
+            pl.BlockSpec((num_pages, page_size, None, head_dim), lambda b, h, s: (0, 0, h, 0)),  # v_pages
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+        ],
+        compiler_params=_triton_params(blocks.num_warps, blocks.num_stages),
+        interpret=interpret,
+        name=f"paged_decode_split_{splits=}_pages_per_step={blocks.pages_per_step}",
+    )(metadata.row_token, seq_lens, page_table, q, k_pages, v_pages)
+
+    # Few (token, kv head) pairs: split head_dim too, so that many SMs read the partials.
+    block_d = head_dim if tokens * kv_heads >= 64 or head_dim <= 16 else 16
+    combine = functools.partial(_decode_combine_kernel, splits_per_step=min(splits, 8))
+    out = pl.pallas_call(
+        combine,
+        grid=(tokens, kv_heads, head_dim // block_d),
+        in_specs=[
+            pl.BlockSpec((tokens,), lambda t, h, j: (0,)),  # token_row
+            pl.BlockSpec((batch, None, splits, rows, block_d), lambda t, h, j: (0, h, 0, 0, j)),
+            pl.BlockSpec((batch, None, splits, rows), lambda t, h, j: (0, h, 0, 0)),
+            pl.BlockSpec((batch, None, splits, rows), lambda t, h, j: (0, h, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, rows, block_d), lambda t, h, j: (t, h, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((tokens, kv_heads, rows, head_dim), v_pages.dtype),
+        compiler_params=_triton_params(4, 1),
+        interpret=interpret,
+        name=f"paged_decode_combine_{splits=}",
+    )(metadata.token_row, o, m, l)
+    return out[:, :, :group].reshape(tokens, heads, head_dim), metadata.token_row
+
+
+# --------------------------------------------------------------------------------------------------
 # The op
 # --------------------------------------------------------------------------------------------------
 
@@ -454,6 +726,9 @@ def ragged_paged_attention(
     use_kernel: bool = False,
     blocked: bool | None = None,
     block_q: int = 16,
+    decode_only: bool = False,
+    decode: DecodeMetadata | None = None,
+    decode_block_sizes: DecodeBlocks | None = None,
     interpret: bool = False,
 ) -> Float[Array, "tokens heads d"]:
     """Ragged paged attention (see the module docstring for the layout and rounding).
@@ -463,12 +738,25 @@ def ragged_paged_attention(
     forces it). Both have the same rounding points, so the choice, static per shape bucket, shows
     only as fp32 summation order. The Pallas kernel (`use_kernel=True`; `interpret=True` on CPU)
     matches them but is not yet benchmarked against the HBM floor; switch the GPU default to it once
-    the issue-5 benchmarks say it is the faster path. `block_q` is the kernel's."""
+    the issue-5 benchmarks say it is the faster path. `block_q` is the kernel's.
+
+    With the kernels, decode tokens (sequences with q_len == 1) go to the split decode kernel and
+    everything else to the general kernel, whose blocks skip the decodes; the two outputs are merged
+    per token. `decode_only=True` (static: the caller promises no sequence has q_len > 1) runs only
+    the decode kernel. `decode` is the step's `decode_metadata`, shared by all layers (built here when
+    None); `decode_block_sizes` overrides the decode kernel's block sizes."""
     if use_kernel:
-        return ragged_paged_attention_kernel(
-            queries, k_pages, v_pages, query_start, seq_lens, page_table,
-            window=window, softmax_scale=softmax_scale, block_q=block_q, interpret=interpret,
+        decoded, token_row = paged_decode_attention_kernel(
+            queries, k_pages, v_pages, query_start, seq_lens, page_table, window=window,
+            softmax_scale=softmax_scale, metadata=decode, blocks=decode_block_sizes, interpret=interpret,
         )
+        if decode_only:
+            return decoded
+        general = ragged_paged_attention_kernel(
+            queries, k_pages, v_pages, query_start, seq_lens, page_table,
+            window=window, softmax_scale=softmax_scale, block_q=block_q, interpret=interpret, skip_decodes=True,
+        )
+        return jnp.where((token_row >= 0)[:, None, None], decoded, general)
     if blocked is None:
         blocked = reference_gather_size(queries, k_pages, page_table) > REFERENCE_MAX_GATHER
     attend = ragged_paged_attention_blocked if blocked else ragged_paged_attention_reference

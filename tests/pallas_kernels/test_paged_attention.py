@@ -440,3 +440,148 @@ def test_kernel_compiled_matches_reference_on_gpu(dtype, group, page_size, windo
     tol = dict(atol=2e-6, rtol=2e-6) if dtype == jnp.float32 else dict(atol=2e-2, rtol=2e-2)
     expected = reference(*args, window=window)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32), **tol)
+
+
+# --- The split decode kernels (flash-decoding), in interpret mode, against the dense check and the reference ---
+
+decode_op = jax.jit(
+    pa.ragged_paged_attention,
+    static_argnames=("window", "softmax_scale", "use_kernel", "block_q", "decode_only", "decode_block_sizes", "interpret"),
+)
+
+# Decodes at and around page (16, 64) and window (17, 64) boundaries, a one-token context, empty
+# entries (no context; a context but no query this step) and a long one.
+DECODES = [(1, 1), (15, 1), (16, 1), (17, 1), (63, 1), (64, 1), (65, 1), (0, 0), (129, 1), (40, 0), (300, 1)]
+
+DECODE_CASES = [
+    # dtype, group, page_size, window, release, pages_per_step, num_splits
+    (jnp.float32, 1, 16, None, "none", 1, 1),
+    (jnp.float32, 6, 16, None, "none", 2, 4),
+    (jnp.float32, 8, 64, None, "none", 2, 8),  # more splits than most sequences have pages: empty splits
+    (jnp.float32, 6, 16, 17, "hole", 4, 2),
+    (jnp.float32, 8, 16, 64, "before_window", 2, 4),
+    (jnp.float32, 1, 64, 64, "before_window", 1, 2),
+    (jnp.bfloat16, 6, 64, None, "hole", 2, 16),
+    (jnp.bfloat16, 8, 16, 17, "before_window", 2, 2),
+    (jnp.bfloat16, 1, 16, 1000, "hole", 4, 4),
+]
+
+
+@pytest.mark.parametrize("dtype, group, page_size, window, release, pages_per_step, num_splits", DECODE_CASES)
+def test_decode_kernel_interpret_matches_dense_and_reference(
+    dtype, group, page_size, window, release, pages_per_step, num_splits
+):
+    batch = make_batch(
+        91 + group + page_size, DECODES, page_size=page_size, kv_heads=2, group=group, dtype=dtype,
+        window=window, release=release, padding_tokens=3,
+    )
+    args = (batch.queries, batch.k_pages, batch.v_pages, batch.query_start, batch.seq_lens, batch.page_table)
+    blocks = pa.DecodeBlocks(pages_per_step=pages_per_step, num_splits=num_splits)
+    out = decode_op(*args, window=window, use_kernel=True, decode_only=True, decode_block_sizes=blocks, interpret=True)
+    assert out.shape == batch.queries.shape and out.dtype == dtype
+    check(batch, out, window, dtype)
+    expected = reference(*args, window=window)
+    # fp32: same math up to summation order. bf16: the kernel rounds unnormalized probabilities.
+    tol = {"atol": 2e-6, "rtol": 2e-6} if dtype == jnp.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32), **tol)
+
+
+def test_decode_kernel_never_reads_pages_out_of_the_window_past_the_query_or_unmapped():
+    """NaN in pages wholly before the window, in a mapped page past a sequence's last key, and in page 0
+    (which -1 entries and masked lanes read): if any leaked into the output, 0 * NaN would poison it."""
+    window, page_size = 20, 16
+    specs = [(200, 1), (150, 1), (97, 1), (33, 1)]
+    batch = make_batch(47, specs, page_size=page_size, kv_heads=1, group=6, dtype=jnp.float32, window=window)
+    table = np.array(batch.page_table)
+    extra = np.zeros((1 + len(specs), *batch.k_pages.shape[1:]), np.float32)
+    k_pages, v_pages = (np.concatenate([np.asarray(pages), extra]) for pages in (batch.k_pages, batch.v_pages))
+    spare = list(range(len(batch.k_pages), len(k_pages)))
+    moved = spare.pop()  # whatever lives in page 0 moves to a spare page; page 0 is poisoned
+    k_pages[moved], v_pages[moved] = k_pages[0], v_pages[0]
+    table[table == 0] = moved
+    poisoned = [0]
+    for b, (seq_len, _) in enumerate(specs):
+        poisoned += [table[b, page] for page in range((seq_len - window) // page_size)]
+        last = (seq_len - 1) // page_size
+        if last + 1 < table.shape[1]:
+            table[b, last + 1] = spare.pop()  # mapped, but past the sequence's last key
+            poisoned.append(table[b, last + 1])
+    k_pages[poisoned] = v_pages[poisoned] = np.nan
+    assert len(poisoned) >= 10
+    args = (batch.queries, jnp.asarray(k_pages), jnp.asarray(v_pages), batch.query_start, batch.seq_lens, jnp.asarray(table))
+    for pages_per_step, num_splits in [(1, 1), (4, 2), (2, 8)]:
+        blocks = pa.DecodeBlocks(pages_per_step=pages_per_step, num_splits=num_splits)
+        out = decode_op(*args, window=window, use_kernel=True, decode_only=True, decode_block_sizes=blocks, interpret=True)
+        check(batch, out, window, jnp.float32)
+
+
+def test_mixed_step_sends_decodes_to_the_decode_kernel():
+    """In a mixed step the decode tokens come from the decode kernel (equal to a decode-only call on
+    the same pages), everything else from the general kernel, and the whole matches the reference."""
+    batch = make_batch(57, MIXED, page_size=16, kv_heads=2, group=8, dtype=jnp.float32, padding_tokens=3)
+    args = (batch.queries, batch.k_pages, batch.v_pages, batch.query_start, batch.seq_lens, batch.page_table)
+    metadata = pa.decode_metadata(batch.query_start, batch.queries.shape[0])
+    token_row = np.asarray(metadata.token_row)
+    starts = np.asarray(batch.query_start)
+    decode_tokens = [starts[b] for b, (_, q_len) in enumerate(MIXED) if q_len == 1]
+    assert sorted(np.flatnonzero(token_row >= 0)) == decode_tokens and len(decode_tokens) == 3
+    mixed = kernel_op(*args, use_kernel=True, block_q=8, interpret=True)
+    check(batch, mixed, None, jnp.float32)
+    np.testing.assert_allclose(np.asarray(mixed), np.asarray(reference(*args)), atol=2e-6, rtol=2e-6)
+    decoded, _ = jax.jit(functools.partial(pa.paged_decode_attention_kernel, interpret=True))(*args, metadata=metadata)
+    np.testing.assert_array_equal(np.asarray(mixed)[decode_tokens], np.asarray(decoded)[decode_tokens])
+    np.testing.assert_array_equal(np.asarray(decoded)[token_row < 0], 0.0)  # non-decode tokens: zeros
+
+
+def test_decode_blocks_fill_the_gpu_and_stay_flat_for_windows():
+    # TP8 batch 1 at 128K: one kv head, so the context is split across many programs.
+    blocks = pa.decode_blocks(1, 1, 2048, 64, None)
+    assert blocks.num_splits >= 128 and blocks.pages_per_step == 2
+    # A window: the splits (and so the work) do not depend on the context.
+    sliding = {pa.decode_blocks(1, 1, max_pages, 64, 512) for max_pages in (16, 128, 2048, 16384)}
+    assert len(sliding) == 1 and sliding.pop().num_splits * 2 <= 16
+    # Enough sequences and heads: no split.
+    assert pa.decode_blocks(64, 8, 2048, 64, None).num_splits == 1
+    with pytest.raises(ValueError):
+        pa.decode_blocks(1, 1, 64, 64, None, num_splits=3)
+
+
+@pytest.mark.parametrize("heads, kv_heads, window", [(6, 1, None), (6, 1, 512), (48, 8, None), (8, 1, 512), (16, 16, None)])
+def test_decode_kernels_lower_for_the_gpu(monkeypatch, heads, kv_heads, window):
+    """The Triton lowering (power-of-two tensors, supported ops) runs on CPU when told the GPU is sm_90:
+    at the benchmark's shapes (head_dim 128, pages of 64, bf16), decode-only and mixed."""
+    import types
+
+    from jax._src.pallas.triton import pallas_call_registration
+
+    monkeypatch.setattr(
+        pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: types.SimpleNamespace(compute_capability=90)
+    )
+    shape = jax.ShapeDtypeStruct
+    for batch, context, tokens, decode_only in [(1, 131072, 1, True), (32, 8192, 32, True), (8, 8192, 64, False)]:
+        max_pages = context // 64
+        pages = shape((batch * max_pages, 64, kv_heads, 128), jnp.bfloat16)
+        args = (shape((tokens, heads, 128), jnp.bfloat16), pages, pages, shape((batch + 1,), jnp.int32),
+                shape((batch,), jnp.int32), shape((batch, max_pages), jnp.int32))
+        op = functools.partial(pa.ragged_paged_attention, window=window, use_kernel=True, decode_only=decode_only, block_q=2)
+        text = jax.jit(op).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("triton") >= (2 if decode_only else 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dtype, group, page_size, window, num_splits",
+    [(jnp.bfloat16, 6, 64, None, 8), (jnp.bfloat16, 8, 16, 17, 2), (jnp.float32, 1, 16, 64, 4)],
+)
+def test_decode_kernel_compiled_matches_reference_on_gpu(dtype, group, page_size, window, num_splits):
+    batch = make_batch(
+        67, DECODES, page_size=page_size, kv_heads=2, group=group, dtype=dtype,
+        window=window, release="hole", padding_tokens=3,
+    )
+    args = (batch.queries, batch.k_pages, batch.v_pages, batch.query_start, batch.seq_lens, batch.page_table)
+    blocks = pa.DecodeBlocks(pages_per_step=2, num_splits=num_splits)
+    out = decode_op(*args, window=window, use_kernel=True, decode_only=True, decode_block_sizes=blocks)
+    check(batch, out, window, dtype)
+    tol = {"atol": 2e-6, "rtol": 2e-6} if dtype == jnp.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    expected = reference(*args, window=window)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32), **tol)
