@@ -1,17 +1,23 @@
-"""Decode attention for one layer (issue 5): the Pallas ragged paged-attention kernel against a plain
-XLA gather implementation and against the HBM floor (KV bytes read at 4.2 TB/s).
+"""Decode attention for one layer (issue 5): the split decode kernel (flash-decoding), the general
+Pallas ragged paged-attention kernel and a plain XLA gather implementation, against the HBM floor
+(KV bytes read at 4.2 TB/s).
 
 Every sequence decodes one token at position ctx - 1 (seq_len = ctx). Shapes:
   tp8  : Beam's per-GPU TP8 shape, 6 query heads per 1 KV head, head_dim 128, bf16, page_size 64
-  full : the whole model's shape, 48 query heads / 8 KV heads (a few points only)
+  full : the whole model's shape, 48 query heads / 8 KV heads
 Kinds:
   full    : every page of the context is mapped and read
   sliding : window 512; only the pages holding in-window keys are allocated, the rest of the page
             table is -1 (released), as the serving cache does; so memory and cost do not grow with ctx
 
 Variants:
-  kernel : pallas_kernels.paged_attention.ragged_paged_attention_kernel (compiled through Triton);
-           it visits pages first_page .. last_page of the window/context only
+  decode<K>x<T> : ragged_paged_attention(use_kernel=True, decode_only=True), i.e.
+           paged_decode_attention_kernel (split kernel + combine kernel) with
+           decode_blocks(keys_per_step=K, target_programs=T); one variant per --decode-configs entry.
+           The step's DecodeMetadata is built once, outside the timed loop, as the engine builds it
+           once per step for all layers.
+  kernel : ragged_paged_attention_kernel, the general kernel (one program per (query block, kv head)
+           walking every visible page), block_q 2
   xla    : written here; gathers the sequence's pages through the page table (full: all max_pages;
            sliding: ONLY the window's ceil(512/64)+1 = 9 logical pages) into a dense [B, S, kvh, d]
            array, then masked dense attention with the module's rounding points, jitted
@@ -20,10 +26,10 @@ Timing: one jitted function runs the op `n` times in a lax.fori_loop (n is a tra
 one compile serves every n); each iteration's output becomes the next iteration's queries and a
 data-dependent zero is added to the page table, so XLA cannot hoist the op or the gather out of the
 loop. Per-iteration time = median over repeats of wall time(n iterations) / n, with n chosen so one
-repeat lasts ~target ms (host dispatch, 55-95 us, is amortized over n).
+repeat lasts ~target ms (host dispatch, 55-95 us, is amortized over n). --time-budget-s stops
+starting new configurations once spent (most important first: batch 1 and the largest batch).
 
-Usage (GPU):  python benchmarks/attention/decode.py --out decode.json
-              python benchmarks/attention/decode.py --quick --out decode.json   (fewer points)
+Usage (GPU):  python benchmarks/attention/decode.py --time-budget-s 200 --out decode.json
 Smoke (CPU):  python benchmarks/attention/decode.py --smoke   (tiny shapes, interpret=True)
 """
 
@@ -184,6 +190,10 @@ def time_loop(loop, q, page_table, rest, *, target_ms, repeats, max_iters):
 # --------------------------------------------------------------------------------------------------
 
 
+def decode_config_name(cfg):
+    return f"decode{cfg[0]}x{cfg[1]}"
+
+
 def run_config(ctx, batch, shape_name, kind, args, interpret):
     shape = SHAPES[shape_name]
     page_size = args.page_size
@@ -194,72 +204,90 @@ def run_config(ctx, batch, shape_name, kind, args, interpret):
     page_bytes = page_size * kvh * d * jnp.dtype(dtype).itemsize * 2  # K and V
     kernel_bytes = batch * kernel_pages_visited(ctx, kind, page_size) * page_bytes
     floor_us = kernel_bytes / HBM_BPS * 1e6
+    max_pages = table.shape[1]
+    # Built once per step by the engine and shared by every layer: outside the timed loop here too.
+    metadata = pa.decode_metadata(query_start, q.shape[0])
 
-    def kernel_step(qq, pt, k_pages, v_pages, query_start, seq_lens):
+    steps = {}
+    for keys_per_step, target_programs in args.decode_configs:
+        blocks = pa.decode_blocks(batch, kvh, max_pages, page_size, window, keys_per_step=keys_per_step,
+                                  target_programs=target_programs, num_warps=args.num_warps, num_stages=args.num_stages)
+
+        def decode_step(qq, pt, k_pages, v_pages, query_start, seq_lens, metadata, blocks=blocks):
+            return pa.ragged_paged_attention(
+                qq, k_pages, v_pages, query_start, seq_lens, pt, window=window, use_kernel=True, decode_only=True,
+                decode=metadata, decode_block_sizes=blocks, interpret=interpret,
+            )
+
+        steps[decode_config_name((keys_per_step, target_programs))] = (decode_step, blocks)
+
+    def kernel_step(qq, pt, k_pages, v_pages, query_start, seq_lens, metadata):
         return pa.ragged_paged_attention_kernel(
             qq, k_pages, v_pages, query_start, seq_lens, pt, window=window,
             block_q=args.block_q, num_warps=args.num_warps, num_stages=args.num_stages, interpret=interpret,
         )
 
-    def xla_step(qq, pt, k_pages, v_pages, query_start, seq_lens):
+    def xla_step(qq, pt, k_pages, v_pages, query_start, seq_lens, metadata):
         return xla_decode_attention(qq, k_pages, v_pages, seq_lens, pt, window=window)[0]
 
-    max_pages = table.shape[1]
+    if "kernel" in args.variants:
+        steps["kernel"] = (kernel_step, None)
+    steps["xla"] = (xla_step, None)  # always: the correctness baseline
+
     n_xla_pages = max_pages if window is None else min(pl_cdiv(window - 1, page_size) + 1, max_pages)
-    xla_bytes = batch * n_xla_pages * page_bytes
-
     row = dict(context=ctx, batch=batch, shape=shape_name, heads=shape["heads"], kv_heads=kvh, head_dim=d,
-               kind=kind, page_size=page_size, block_q=args.block_q, kernel_pages_per_seq=kernel_pages_visited(ctx, kind, page_size),
-               xla_pages_per_seq=n_xla_pages, kv_bytes_kernel=kernel_bytes, kv_bytes_xla=xla_bytes,
-               floor_us=floor_us)
+               kind=kind, page_size=page_size, block_q=args.block_q,
+               kernel_pages_per_seq=kernel_pages_visited(ctx, kind, page_size), xla_pages_per_seq=n_xla_pages,
+               kv_bytes_kernel=kernel_bytes, kv_bytes_xla=batch * n_xla_pages * page_bytes, floor_us=floor_us,
+               decode_blocks={name: vars(b) for name, (_, b) in steps.items() if b is not None})
 
+    rest = (k_pages, v_pages, query_start, seq_lens, metadata)
+    loops = {name: make_loop(step) for name, (step, _) in steps.items()}
     # Correctness: one iteration of each timing loop (the same executables that are timed).
-    rest = (k_pages, v_pages, query_start, seq_lens)
-    xla_loop, kernel_loop = make_loop(xla_step), make_loop(kernel_step)
-    xla_out = jax.block_until_ready(xla_loop(1, q, table, *rest)[0])
-    try:
-        ker_out = jax.block_until_ready(kernel_loop(1, q, table, *rest)[0])
-        row["max_abs_diff"] = float(jnp.max(jnp.abs(ker_out.astype(jnp.float32) - xla_out.astype(jnp.float32))))
-    except Exception as e:  # noqa: BLE001
-        row["kernel_error"] = f"{type(e).__name__}: {str(e)[:400]}"
-        traceback.print_exc()
+    xla_out = jax.block_until_ready(loops["xla"](1, q, table, *rest)[0])
     if args.smoke:  # also check the XLA baseline itself against the module's reference
         ref = pa.ragged_paged_attention_reference(q, k_pages, v_pages, query_start, seq_lens, table, window=window)
         row["xla_vs_reference"] = float(jnp.max(jnp.abs(ref.astype(jnp.float32) - xla_out.astype(jnp.float32))))
-
     tkw = dict(target_ms=args.target_ms, repeats=args.repeats, max_iters=args.max_iters)
-    try:
-        row["xla_us"], row["xla_iters"] = time_loop(xla_loop, q, table, rest, **tkw)
-    except Exception as e:  # noqa: BLE001
-        row["xla_error"] = f"{type(e).__name__}: {str(e)[:400]}"
-        traceback.print_exc()
-    if "kernel_error" not in row:
+    for name, loop in loops.items():
         try:
-            row["kernel_us"], row["kernel_iters"] = time_loop(kernel_loop, q, table, rest, **tkw)
+            if name != "xla":
+                out = jax.block_until_ready(loop(1, q, table, *rest)[0])
+                diff = jnp.abs(out.astype(jnp.float32) - xla_out.astype(jnp.float32))
+                row[f"{name}_max_abs_diff"] = float(jnp.max(diff))
+            row[f"{name}_us"], row[f"{name}_iters"] = time_loop(loop, q, table, rest, **tkw)
+            row[f"{name}_pct_floor"] = 100.0 * floor_us / row[f"{name}_us"]
         except Exception as e:  # noqa: BLE001
-            row["kernel_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
             traceback.print_exc()
-    for v in ("kernel", "xla"):
-        if f"{v}_us" in row:
-            row[f"{v}_pct_floor"] = 100.0 * floor_us / row[f"{v}_us"]
-    if "kernel_us" in row and "xla_us" in row:
-        row["speedup"] = row["xla_us"] / row["kernel_us"]
+    decodes = [n for n in steps if n.startswith("decode") and f"{n}_us" in row]
+    if decodes:
+        best = min(decodes, key=lambda n: row[f"{n}_us"])
+        row["decode_best"], row["decode_us"] = best, row[f"{best}_us"]
+        row["decode_pct_floor"] = row[f"{best}_pct_floor"]
+        if "xla_us" in row:
+            row["decode_speedup_vs_xla"] = row["xla_us"] / row["decode_us"]
+        if "kernel_us" in row:
+            row["decode_speedup_vs_kernel"] = row["kernel_us"] / row["decode_us"]
     del q, k_pages, v_pages, xla_out, rest
     return row
 
 
-def fmt(row):
+def fmt(row, names):
     def g(k, f="{:.1f}"):
-        return f.format(row[k]) if k in row else "ERR"
+        return f.format(row[k]) if k in row else "-"
 
-    return (f"{row['context']:>7} {row['batch']:>5} {row['shape']:>5} {row['kind']:>8} "
-            f"{g('kernel_us'):>10} {g('xla_us'):>10} {row['kv_bytes_kernel'] / 1e6:>10.2f} "
-            f"{row['kv_bytes_xla'] / 1e6:>9.2f} {row['floor_us']:>9.1f} {g('kernel_pct_floor'):>7} "
-            f"{g('xla_pct_floor'):>7} {g('speedup', '{:.2f}'):>7} {g('max_abs_diff', '{:.2e}'):>9}")
+    cells = "".join(f" {g(n + '_us'):>10} {g(n + '_pct_floor'):>6}" for n in names)
+    worst_diff = max((row[k] for k in row if k.endswith("_max_abs_diff")), default=float("nan"))
+    return (f"{row['context']:>7} {row['batch']:>5} {row['shape']:>5} {row['kind']:>8} {row['floor_us']:>8.1f}"
+            f"{cells} {g('decode_speedup_vs_xla', '{:.2f}'):>7} {g('decode_speedup_vs_kernel', '{:.2f}'):>7}"
+            f" {worst_diff:>9.2e}")
 
 
-HEADER = (f"{'context':>7} {'batch':>5} {'shape':>5} {'kind':>8} {'kernel_us':>10} {'xla_us':>10} "
-          f"{'KV_MB_ker':>10} {'KV_MB_xla':>9} {'floor_us':>9} {'ker%fl':>7} {'xla%fl':>7} {'speedup':>7} {'maxdiff':>9}")
+def header(names):
+    cells = "".join(f" {n + '_us':>10} {'%fl':>6}" for n in names)
+    return (f"{'context':>7} {'batch':>5} {'shape':>5} {'kind':>8} {'floor_us':>8}{cells} "
+            f"{'dec/xla':>7} {'dec/ker':>7} {'maxdiff':>9}")
 
 
 def main():
@@ -272,7 +300,10 @@ def main():
     p.add_argument("--kinds", default="full,sliding")
     p.add_argument("--no-full-shape", action="store_true", help="skip the 48/8-head points")
     p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--block-q", type=int, default=2, help="decode: 2 tokens x 8 padded heads = 16 rows, Triton's minimum")
+    p.add_argument("--block-q", type=int, default=2, help="general kernel: 2 tokens x 8 padded heads = 16 rows, Triton's minimum")
+    p.add_argument("--decode-configs", default="128x264",
+                   help="decode kernel block settings to time, comma list of KEYS_PER_STEPxTARGET_PROGRAMS")
+    p.add_argument("--variants", default="kernel", help="besides decode and xla: 'kernel' (the general kernel) or ''")
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--num-stages", type=int, default=2)
     p.add_argument("--target-ms", type=float, default=30.0, help="wall time of one timed repeat")
@@ -281,6 +312,8 @@ def main():
     p.add_argument("--max-kv-gb", type=float, default=20.0, help="skip configs whose K+V exceeds this")
     p.add_argument("--time-budget-s", type=float, default=220.0, help="stop starting new configs after this")
     args = p.parse_args()
+    args.decode_configs = [tuple(int(x) for x in c.split("x")) for c in args.decode_configs.split(",")]
+    args.variants = [v for v in args.variants.split(",") if v]
 
     interpret = args.smoke
     if args.smoke:
@@ -290,10 +323,10 @@ def main():
         full_points = [(700, 2)]
     elif args.quick:
         contexts, batches = [1024, 8192, 32768, 131072], [1, 32]
-        full_points = [(8192, 8)]
+        full_points = [(c, b) for b in batches for c in contexts]
     else:
         contexts, batches = [1024, 8192, 32768, 131072], [1, 8, 32]
-        full_points = [(8192, 8), (32768, 32), (131072, 1)]
+        full_points = [(c, b) for b in (1, 32, 8) for c in contexts]
     if args.contexts:
         contexts = [int(x) for x in args.contexts.split(",")]
     if args.batches:
@@ -302,6 +335,7 @@ def main():
     if args.no_full_shape:
         full_points = []
     if args.smoke:
+        full_points = [(700, 2), (100, 3)]
         global WINDOW
         WINDOW = 40  # small window so sliding actually releases pages at smoke sizes
         SHAPES["tp8"] = dict(heads=6, kv_heads=1, head_dim=32)
@@ -312,12 +346,14 @@ def main():
     first = [b for b in batches if b in (min(batches), max(batches))]
     order = first + [b for b in batches if b not in first]
     configs = [(c, b, "tp8", k) for b in order[:len(first)] for c in contexts for k in kinds]
+    configs += [(c, b, "full", k) for (c, b) in full_points if b in first for k in kinds]
     configs += [(c, b, "tp8", k) for b in order[len(first):] for c in contexts for k in kinds]
-    configs += [(c, b, "full", k) for (c, b) in full_points for k in kinds]
+    configs += [(c, b, "full", k) for (c, b) in full_points if b not in first for k in kinds]
 
     print(f"jax {jax.__version__} devices {jax.devices()} interpret={interpret}", flush=True)
     print(f"window {WINDOW}, page_size {args.page_size}, block_q {args.block_q}, floor at {HBM_BPS / 1e12} TB/s; "
           "XLA sliding gathers only the window's pages", flush=True)
+    names = [decode_config_name(c) for c in args.decode_configs] + args.variants + ["xla"]
     start = time.perf_counter()
     rows = []
     for ctx, batch, shape_name, kind in configs:
@@ -341,20 +377,24 @@ def main():
             continue
         row["config_wall_s"] = time.perf_counter() - t0
         rows.append(row)
-        print(f"done {label} in {row['config_wall_s']:.1f}s: kernel {row.get('kernel_us', 'ERR')} us, "
-              f"xla {row.get('xla_us', 'ERR')} us, floor {row['floor_us']:.1f} us, diff {row.get('max_abs_diff', 'ERR')}"
+        times = ", ".join(f"{k[:-3]} {row[k]:.1f} us" for k in row if k.endswith("_us") and k != "floor_us")
+        diffs = ", ".join(f"{k[:-13]} {row[k]:.1e}" for k in row if k.endswith("_max_abs_diff"))
+        errors = [k for k in row if k.endswith("_error")]
+        print(f"done {label} in {row['config_wall_s']:.1f}s: {times}, floor {row['floor_us']:.1f} us; "
+              f"diff vs xla: {diffs}" + (f"; ERRORS {errors}" if errors else "")
               + (f", xla_vs_reference {row['xla_vs_reference']:.2e}" if "xla_vs_reference" in row else ""), flush=True)
         if args.out:  # keep partial results if the run is cut short
             with open(args.out, "w") as f:
                 json.dump(rows, f, indent=1)
 
     print(f"\ntotal {time.perf_counter() - start:.1f}s\n")
-    print(HEADER)
+    print("us = microseconds per call; %fl = % of the HBM floor; dec/xla, dec/ker = speed-up of the best decode config")
+    print(header(names))
     for row in rows:
         if "error" in row:
             print(f"{row['context']:>7} {row['batch']:>5} {row['shape']:>5} {row['kind']:>8} FAILED {row['error'][:80]}")
         else:
-            print(fmt(row))
+            print(fmt(row, names))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
