@@ -138,12 +138,6 @@ def cmd_evaluate(args) -> int:
     return 0
 
 
-def cmd_compare(args) -> int:
-    from beam_jax.compare import main as compare_main
-
-    return compare_main(args.args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="beam-jax", description="Beam in JAX: generation and checkpoint tools")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -205,13 +199,17 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--json", default=None, help="also write the figures to this file")
     evaluate.set_defaults(run=cmd_evaluate)
 
-    compare = commands.add_parser("compare", help="JAX vs transformers' BeamForCausalLM (same as python -m beam_jax.compare)")
-    compare.add_argument("args", nargs=argparse.REMAINDER)
-    compare.set_defaults(run=cmd_compare)
+    # Listed for --help; main() hands `compare ...` to beam_jax.compare whole.
+    commands.add_parser("compare", help="JAX vs transformers' BeamForCausalLM (same as python -m beam_jax.compare)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["compare"]:  # its options are compare's own (argparse's REMAINDER drops leading --options)
+        from beam_jax.compare import main as compare_main
+
+        return compare_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.run(args)
 

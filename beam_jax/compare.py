@@ -23,7 +23,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 
-
+from beam_jax.api import checkpoint_dir
 from beam_jax.checkpoint import load_checkpoint
 from beam_jax.config import BeamConfig
 from beam_jax.model import jit_forward
@@ -142,14 +142,17 @@ def default_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m beam_jax.compare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="HF checkpoint directory (safetensors + config.json)")
+    parser.add_argument(
+        "--checkpoint", required=True, help="HF checkpoint directory (safetensors + config.json) or a shipped model's name"
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--prompt-lengths", default="1,37,300", help="comma-separated lengths of random prompts")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    config, params = load_checkpoint(args.checkpoint, dtype=DTYPES[args.dtype], progress=False)
-    reference = load_reference(args.checkpoint, args.dtype)
+    checkpoint = checkpoint_dir(args.checkpoint) or args.checkpoint  # a shipped model's name works too
+    config, params = load_checkpoint(checkpoint, dtype=DTYPES[args.dtype], progress=False)
+    reference = load_reference(checkpoint, args.dtype)
     lengths = [int(n) for n in args.prompt_lengths.split(",")]
     prompts = default_prompts(config.vocab_size, lengths, args.seed)
     result = compare_outputs([(run_jax(params, config, p), run_reference(reference, p)) for p in prompts])

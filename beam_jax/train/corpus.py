@@ -81,7 +81,9 @@ def chat_document(source: str) -> str | None:
     if len(lines) <= CHAT_PROMPT_LINES:
         return None
     head, rest = "".join(lines[:CHAT_PROMPT_LINES]), "".join(lines[CHAT_PROMPT_LINES:])
-    prompt = render_chat([{"role": "user", "content": f"Continue this Python file:\n{head}"}])
+    # Fenced, so that the user's turn ends after "```", never right after a line of code: plain
+    # code completions then have no reason to predict <|end|>.
+    prompt = render_chat([{"role": "user", "content": f"Continue this Python file:\n```python\n{head}```"}])
     return f"{prompt}<|channel|>final<|message|>{rest}<|return|>"
 
 
