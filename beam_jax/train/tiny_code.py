@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--seed", type=int, default=defaults.seed)
     run.add_argument("--compute-dtype", default=defaults.compute_dtype, choices=["bfloat16", "float32"])
     run.add_argument("--eval-every", type=int, default=250)
+    run.add_argument(
+        "--eval-tokens", type=int, default=None, help="evaluate on the first N held-out tokens (default: all)"
+    )
     run.add_argument("--time-limit-s", type=float, default=None, help="stop early (and say so) after this long")
     args = parser.parse_args(argv)
 
@@ -98,7 +101,10 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         compute_dtype=args.compute_dtype,
     )
-    train_stream, heldout_stream = np.load(args.data / "train.npy"), np.load(args.data / "heldout.npy")
+    train_stream, heldout_stream = (
+        np.load(args.data / "train.npy"),
+        np.load(args.data / "heldout.npy")[: args.eval_tokens],
+    )
     print(
         f"{parameter_count(config) / 1e6:.2f}M parameters; {train_stream.size} training tokens; "
         f"{train_config.batch_size * train_config.seq_len} tokens per step; device {jax.devices()[0].device_kind}"

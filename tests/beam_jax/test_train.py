@@ -182,7 +182,8 @@ def test_shipped_model_beats_the_unigram_baseline_on_heldout_code():
 
 def test_trained_model_reuses_names_from_the_prompt():
     beam = load("beam-tiny-code")
-    prompt = "def scale_vector(vector, factor):\n    result = []\n    for item in vector:\n"
+    # No final newline: the tokenizer merges a newline with the next line's indent.
+    prompt = "def scale_vector(vector, factor):\n    result = []\n    for item in vector:"
     continuation = beam.generate(prompt, max_new_tokens=24)
     assert "result" in continuation or "factor" in continuation or "item" in continuation, continuation
 
