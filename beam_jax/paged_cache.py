@@ -30,13 +30,19 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from beam_jax.config import BeamConfig
-from pallas_kernels.paged_attention import ragged_paged_attention, write_kv
+from pallas_kernels.paged_attention import (
+    DecodeMetadata,
+    decode_metadata,
+    default_use_kernel,
+    ragged_paged_attention,
+    write_kv,
+)
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=("query_start", "seq_lens", "page_tables", "slot_mappings"),
-    meta_fields=(),
+    data_fields=("query_start", "seq_lens", "page_tables", "slot_mappings", "decode"),
+    meta_fields=("decode_only",),
 )
 @dataclasses.dataclass(frozen=True)
 class PagedBatch:
@@ -46,10 +52,18 @@ class PagedBatch:
     seq_lens: Int[Array, " batch"]  # context length including this step's tokens
     page_tables: tuple[Int[Array, "batch max_pages"], ...]  # one per cache group; pool page ids, -1 = none
     slot_mappings: tuple[Int[Array, " total_tokens"], ...]  # one per cache group; page * page_size + offset, -1 = padding
+    # Which tokens are decodes (q_len == 1), for the decode kernel: `PagedKVCache.with_batch` builds it
+    # once per step when the cache runs that kernel, and every layer reuses it.
+    decode: DecodeMetadata | None = None
+    # Static: the caller promises every sequence has q_len <= 1, so a kernel mode runs only the decode
+    # kernel (a decode-only step is its own compiled program).
+    decode_only: bool = False
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass, data_fields=("k_pages", "v_pages", "batch"), meta_fields=("layer_group", "layer_slot")
+    jax.tree_util.register_dataclass,
+    data_fields=("k_pages", "v_pages", "batch"),
+    meta_fields=("layer_group", "layer_slot", "use_kernel", "interpret"),
 )
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
@@ -59,17 +73,30 @@ class PagedKVCache:
     layer_slot: tuple[int, ...]  # static: each layer's slot within its group's pages
     # The current step's metadata; set it with `with_batch` before each forward.
     batch: PagedBatch | None = None
+    # Static: the attention path, `ragged_paged_attention`'s `use_kernel` (False: plain jnp; "decode":
+    # the decode kernel for decodes; True: all kernels). `create` takes the backend's default.
+    use_kernel: bool | str = False
+    interpret: bool = False  # static: run the kernels in interpret mode (tests on CPU)
 
     @classmethod
     def create(
-        cls, config: BeamConfig, num_pages: int, page_size: int, layer_group: tuple[int, ...], dtype=jnp.bfloat16
+        cls, config: BeamConfig, num_pages: int, page_size: int, layer_group: tuple[int, ...], dtype=jnp.bfloat16,
+        *, use_kernel: bool | str | None = None, interpret: bool | None = None,
     ) -> PagedKVCache:
+        """`use_kernel=None`: `default_use_kernel()` ("decode" on GPU, plain jnp elsewhere).
+        `interpret=None`: kernels asked for off the GPU run in interpret mode (slow; for tests)."""
         if len(layer_group) != config.num_hidden_layers:
             raise ValueError(f"layer_group has {len(layer_group)} entries for {config.num_hidden_layers} layers")
         layer_slot = tuple(layer_group[:i].count(g) for i, g in enumerate(layer_group))
         slots = max(layer_slot) + 1
         shape = (num_pages * slots, page_size, config.num_key_value_heads, config.head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), tuple(layer_group), layer_slot)
+        use_kernel = default_use_kernel() if use_kernel is None else use_kernel
+        if interpret is None:
+            interpret = bool(use_kernel) and jax.default_backend() != "gpu"
+        return cls(
+            jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), tuple(layer_group), layer_slot,
+            use_kernel=use_kernel, interpret=interpret,
+        )
 
     @property
     def page_size(self) -> int:
@@ -80,6 +107,11 @@ class PagedKVCache:
         return max(self.layer_slot) + 1
 
     def with_batch(self, batch: PagedBatch | None) -> PagedKVCache:
+        """Sets the step's metadata; with a kernel path, also the step's decode metadata (once per
+        step here, not once per layer)."""
+        if batch is not None and self.use_kernel and batch.decode is None:
+            num_tokens = batch.slot_mappings[0].shape[0]
+            batch = dataclasses.replace(batch, decode=decode_metadata(batch.query_start, num_tokens))
         return dataclasses.replace(self, batch=batch)
 
     def attend(
@@ -100,5 +132,8 @@ class PagedKVCache:
         mapping = batch.slot_mappings[group]
         mapping = jnp.where(mapping >= 0, (mapping // size * slots + slot) * size + mapping % size, -1)
         k_pages, v_pages = write_kv(self.k_pages, self.v_pages, k, v, mapping)
-        out = ragged_paged_attention(q, k_pages, v_pages, batch.query_start, batch.seq_lens, table, window=window)
+        out = ragged_paged_attention(
+            q, k_pages, v_pages, batch.query_start, batch.seq_lens, table, window=window,
+            use_kernel=self.use_kernel, decode_only=batch.decode_only, decode=batch.decode, interpret=self.interpret,
+        )
         return out, dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)

@@ -17,7 +17,8 @@ mapped (page_table entry >= 0) and, when `window` is set, q_pos - k_pos < window
 
 Implementations: the plain-jnp reference (every token gathers its whole page-table span), a blocked
 plain-jnp form for long contexts (query blocks visit only the pages they can see), the general Pallas
-kernel, and the split decode kernels for q_len == 1 (flash-decoding). `ragged_paged_attention` picks. The jnp forms round where
+kernel, and the split decode kernels for q_len == 1 (flash-decoding). `ragged_paged_attention` picks
+(`use_kernel`; `default_use_kernel()` is the model's choice per backend). The jnp forms round where
 `beam_jax.layers.attention.attend` (the dense reference) rounds, so the paged and contiguous caches
 give the same numbers:
   1. scores = q . k accumulated in fp32 (fp32 inputs: Precision.HIGHEST), rounded to q.dtype;
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -159,6 +161,7 @@ def ragged_paged_attention_blocked(
     softmax_scale: float | None = None,
     block_q: int = 256,
     block_pages: int = 32,
+    skip_decodes: bool = False,
 ) -> Float[Array, "tokens heads d"]:
     """Plain jnp with the reference's rounding points, for long contexts: the reference gathers all
     `max_pages` pages for every token (a 4,096-token chunk over a 70K-token table is 68 GiB of fp32 keys and values).
@@ -169,7 +172,8 @@ def ragged_paged_attention_blocked(
     context. The softmax is taken in two passes (row max and sum, then the probabilities normalized
     and rounded to v.dtype, where the reference rounds them, times V); with fp32 pages that rounding
     is exact and one online pass gives the same rounding points. Either way it equals the reference
-    up to fp32 summation order. Memory: O(block_q * heads * block_pages * page_size) per step."""
+    up to fp32 summation order. Memory: O(block_q * heads * block_pages * page_size) per step.
+    `skip_decodes`: sequences with q_len == 1 get no block and zeros (the decode kernel serves them)."""
     tokens, heads, head_dim = queries.shape
     _, page_size, kv_heads, _ = k_pages.shape
     group = heads // kv_heads
@@ -179,7 +183,9 @@ def ragged_paged_attention_blocked(
     precision = _precision(queries.dtype)
     one_pass = jnp.dtype(v_pages.dtype) == jnp.float32
 
-    num_blocks, block_sequence, block_meta, blocks_start = _query_blocks(query_start, seq_lens, tokens, block_q)
+    num_blocks, block_sequence, block_meta, blocks_start = _query_blocks(
+        query_start, seq_lens, tokens, block_q, skip_decodes
+    )
     token_of_row = query_start[block_sequence][:, None] + block_meta[:, 2:3] + jnp.arange(block_q)[None, :]
     # [blocks, kv_heads, block_q * group, d]: one batched matmul per kv head, rows query-major.
     q_blocks = queries[jnp.minimum(token_of_row, tokens - 1)].reshape(num_blocks, block_q, kv_heads, group, head_dim)
@@ -245,6 +251,8 @@ def ragged_paged_attention_blocked(
 
     out = lax.map(attend_block, (q_blocks, block_meta, page_rows))  # [blocks, kv_heads, rows, d]
     sequence, _, valid = _token_sequence_and_position(query_start, seq_lens, tokens)
+    if skip_decodes:
+        valid &= query_start[sequence + 1] - query_start[sequence] != 1
     local = jnp.arange(tokens, dtype=jnp.int32) - query_start[sequence]
     block = jnp.where(valid, blocks_start[sequence] + local // block_q, 0)
     out = out.reshape(num_blocks, kv_heads, block_q, group, head_dim)[block, :, local % block_q]
@@ -723,7 +731,7 @@ def ragged_paged_attention(
     *,
     window: int | None = None,
     softmax_scale: float | None = None,
-    use_kernel: bool = False,
+    use_kernel: bool | Literal["decode"] = False,
     blocked: bool | None = None,
     block_q: int = 16,
     decode_only: bool = False,
@@ -733,33 +741,62 @@ def ragged_paged_attention(
 ) -> Float[Array, "tokens heads d"]:
     """Ragged paged attention (see the module docstring for the layout and rounding).
 
-    By default this runs plain jnp on every backend: the reference, or the blocked form when the
-    reference's gather would exceed `REFERENCE_MAX_GATHER` elements (`blocked=None`; True / False
-    forces it). Both have the same rounding points, so the choice, static per shape bucket, shows
-    only as fp32 summation order. The Pallas kernel (`use_kernel=True`; `interpret=True` on CPU)
-    matches them but is not yet benchmarked against the HBM floor; switch the GPU default to it once
-    the issue-5 benchmarks say it is the faster path. `block_q` is the kernel's.
+    `use_kernel` picks the path (static); `default_use_kernel()` is what the model runs:
+      False     plain jnp for every token: the reference, or the blocked form when the reference's
+                gather would exceed `REFERENCE_MAX_GATHER` elements (`blocked=None`; True / False
+                forces it). Both have the same rounding points, so the choice, static per shape
+                bucket, shows only as fp32 summation order.
+      "decode"  decode tokens (sequences with q_len == 1) go to the split decode kernel, every other
+                token to plain jnp as above; merged per token. The blocked form gives the decodes no
+                block (they cost nothing there); the reference computes them too and drops them.
+      True      decode tokens to the split decode kernel, the rest to the general Pallas kernel
+                (whose blocks skip the decodes). `block_q` is the general kernel's.
+    The kernels run through Triton on GPU, in interpret mode (`interpret=True`) on CPU.
 
-    With the kernels, decode tokens (sequences with q_len == 1) go to the split decode kernel and
-    everything else to the general kernel, whose blocks skip the decodes; the two outputs are merged
-    per token. `decode_only=True` (static: the caller promises no sequence has q_len > 1) runs only
-    the decode kernel. `decode` is the step's `decode_metadata`, shared by all layers (built here when
-    None); `decode_block_sizes` overrides the decode kernel's block sizes."""
-    if use_kernel:
-        decoded, token_row = paged_decode_attention_kernel(
-            queries, k_pages, v_pages, query_start, seq_lens, page_table, window=window,
-            softmax_scale=softmax_scale, metadata=decode, blocks=decode_block_sizes, interpret=interpret,
-        )
-        if decode_only:
-            return decoded
-        general = ragged_paged_attention_kernel(
+    `decode_only=True` (static: the caller promises no sequence has q_len > 1) runs only the decode
+    kernel, with either kernel mode. `decode` is the step's `decode_metadata`, shared by all layers
+    (built here when None); `decode_block_sizes` overrides the decode kernel's block sizes."""
+    if use_kernel not in (False, True, "decode"):
+        raise ValueError(f"use_kernel must be False, True or 'decode', got {use_kernel!r}")
+    if use_kernel is False:
+        return _plain_jnp(queries, k_pages, v_pages, query_start, seq_lens, page_table, window=window,
+                          softmax_scale=softmax_scale, blocked=blocked)
+    decoded, token_row = paged_decode_attention_kernel(
+        queries, k_pages, v_pages, query_start, seq_lens, page_table, window=window,
+        softmax_scale=softmax_scale, metadata=decode, blocks=decode_block_sizes, interpret=interpret,
+    )
+    if decode_only:
+        return decoded
+    if use_kernel == "decode":
+        rest = _plain_jnp(queries, k_pages, v_pages, query_start, seq_lens, page_table, window=window,
+                          softmax_scale=softmax_scale, blocked=blocked, skip_decodes=True)
+    else:
+        rest = ragged_paged_attention_kernel(
             queries, k_pages, v_pages, query_start, seq_lens, page_table,
             window=window, softmax_scale=softmax_scale, block_q=block_q, interpret=interpret, skip_decodes=True,
         )
-        return jnp.where((token_row >= 0)[:, None, None], decoded, general)
+    return jnp.where((token_row >= 0)[:, None, None], decoded, rest)
+
+
+def _plain_jnp(queries, k_pages, v_pages, query_start, seq_lens, page_table, *, window, softmax_scale, blocked,
+               skip_decodes=False):
     if blocked is None:
         blocked = reference_gather_size(queries, k_pages, page_table) > REFERENCE_MAX_GATHER
-    attend = ragged_paged_attention_blocked if blocked else ragged_paged_attention_reference
-    return attend(
+    if blocked:
+        return ragged_paged_attention_blocked(
+            queries, k_pages, v_pages, query_start, seq_lens, page_table, window=window,
+            softmax_scale=softmax_scale, skip_decodes=skip_decodes,
+        )
+    return ragged_paged_attention_reference(
         queries, k_pages, v_pages, query_start, seq_lens, page_table, window=window, softmax_scale=softmax_scale
     )
+
+
+def default_use_kernel(backend: str | None = None) -> bool | Literal["decode"]:
+    """The path the model runs (`use_kernel` of `ragged_paged_attention`), per backend. GPU: "decode".
+    On one H200 (benchmarks/attention/RESULTS.md) the split decode kernel beats XLA's plain-jnp
+    gather 1.2-2.8x on decode batches, while the general kernel is slower than XLA in most configs,
+    so prefill chunks stay in plain jnp. CPU and others: False (the kernels run there only in
+    interpret mode, in tests)."""
+    backend = jax.default_backend() if backend is None else backend
+    return "decode" if backend == "gpu" else False

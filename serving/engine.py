@@ -56,6 +56,10 @@ class EngineConfig:
     ep: int = 1
     # "fp8" or "nvfp4": quantize a bf16 model's experts as it loads (beam_jax.api.quantize); None: as stored.
     quantization: str | None = None
+    # The attention path, `pallas_kernels.paged_attention.ragged_paged_attention`'s `use_kernel`: False
+    # (plain jnp), "decode" (decode tokens on the split decode kernel), True (all kernels). None: the
+    # backend's default (`default_use_kernel`: "decode" on GPU, plain jnp on CPU; plain jnp on a mesh).
+    attention_kernel: bool | str | None = None
 
 
 def check_parallelism(model_config: BeamConfig, tp: int, ep: int, num_devices: int) -> None:
@@ -225,6 +229,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             dtype=flat_params(self.beam.params)["model.embed_tokens.weight"].dtype,  # the compute dtype
             mesh=mesh,
+            attention_kernel=config.attention_kernel,
         )
         self.tokenizer = self.beam.tokenizer
         self.eos_token_ids = tuple(self.beam.stop_token_ids)

@@ -58,9 +58,12 @@ class ModelRunner:
         max_model_len: int,
         dtype=jnp.float32,
         mesh: jax.sharding.Mesh | None = None,
+        attention_kernel: bool | str | None = None,
     ):
         """With a `mesh` (beam_jax.sharding.make_mesh), the parameters and the KV pages are split
-        over it and the step runs as one SPMD program on all its devices (of every process)."""
+        over it and the step runs as one SPMD program on all its devices (of every process).
+        `attention_kernel`: the attention path (`ragged_paged_attention`'s `use_kernel`); None: the
+        backend's default on one device, plain jnp on a mesh."""
         self.config = config
         self.mesh = mesh
         self.params = params if mesh is None else shard_params(params, mesh, config)
@@ -74,10 +77,18 @@ class ModelRunner:
         widest = bucket(min(max_model_len, config.vocab_size), PENALTY_WIDTH_MIN)
         self.penalty_widths = tuple(sorted({PENALTY_WIDTH_MIN, widest}))
 
+        # The attention path by default: the backend's (the decode kernel on GPU, plain jnp on CPU). On a
+        # mesh plain jnp: GSPMD does not split a pallas_call by KV head (that needs a shard_map).
+        use_kernel = attention_kernel if attention_kernel is not None else (None if mesh is None else False)
+
         def create_cache():
-            return PagedKVCache.create(config, pool.num_pages, pool.page_tokens, self.layer_group, dtype)
+            return PagedKVCache.create(
+                config, pool.num_pages, pool.page_tokens, self.layer_group, dtype, use_kernel=use_kernel
+            )
 
         self.cache = create_cache() if mesh is None else sharded_cache(create_cache, mesh, config)
+        # With a decode kernel, a step of decodes only is its own program (no plain-jnp pass at all).
+        self.decode_only_programs = bool(self.cache.use_kernel)
         self.compilations = 0
         self._step = jax.jit(self._step_impl, donate_argnums=(1,))
 
@@ -99,11 +110,13 @@ class ModelRunner:
         return min(token_bucket, self.max_num_seqs)
 
     def execute(
-        self, scheduled: Sequence[ScheduledRequest], sampling: SamplingBatch, *, num_tokens: int | None = None
+        self, scheduled: Sequence[ScheduledRequest], sampling: SamplingBatch, *, num_tokens: int | None = None,
+        decode_only: bool | None = None,
     ) -> SamplerOutput:
         """Runs the step; row i of the result belongs to `scheduled[i]` (rows past it are padding).
         `sampling` must have `rows_for(bucket(tokens))` rows and pinned widths (`sampling_widths`).
-        `num_tokens` pads the step to at least that many tokens (warm-up)."""
+        `num_tokens` pads the step to at least that many tokens (warm-up). `decode_only` (default:
+        whether every sequence has one token) picks the decode-only program where there is one."""
         total = max(sum(s.num_tokens for s in scheduled), num_tokens or 0)
         size = self.bucket(total)
         rows = self.rows_for(size)
@@ -138,6 +151,8 @@ class ModelRunner:
             seq_lens=jnp.asarray(seq_lens),
             page_tables=tuple(jnp.asarray(t) for t in tables),
             slot_mappings=tuple(jnp.asarray(s) for s in slots),
+            decode_only=self.decode_only_programs
+            and (all(item.num_tokens == 1 for item in scheduled) if decode_only is None else decode_only),
         )
         with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
             self.cache, out = self._step(
@@ -147,19 +162,20 @@ class ModelRunner:
         return SamplerOutput(*(np.asarray(a) for a in out))
 
     def warmup(self) -> None:
-        """Compiles every token bucket at every penalty width with an all-padding step (nothing is
-        written to the cache)."""
+        """Compiles every token bucket at every penalty width (and, with a decode kernel, as a mixed
+        and a decode-only step) with an all-padding step (nothing is written to the cache)."""
         for size in self.buckets:
             for width in self.penalty_widths:
-                empty = SamplingBatch.build(
-                    [],
-                    request_ids=[],
-                    num_output_tokens=[],
-                    vocab_size=self.config.vocab_size,
-                    pad_to=self.rows_for(size),
-                    **self.sampling_widths(width),
-                )
-                self.execute([], empty, num_tokens=size)
+                for decode_only in (False, True) if self.decode_only_programs else (False,):
+                    empty = SamplingBatch.build(
+                        [],
+                        request_ids=[],
+                        num_output_tokens=[],
+                        vocab_size=self.config.vocab_size,
+                        pad_to=self.rows_for(size),
+                        **self.sampling_widths(width),
+                    )
+                    self.execute([], empty, num_tokens=size, decode_only=decode_only)
 
     def sampling_widths(self, penalty_history: int = 0) -> dict:
         """The pinned widths (`SamplingBatch.build` kwargs) of a step whose longest penalty history

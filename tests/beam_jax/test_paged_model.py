@@ -79,26 +79,30 @@ def truth(params, prompts):
     return out
 
 
-def garbage_cache(groups: tuple[int, ...]) -> PagedKVCache:
-    cache = PagedKVCache.create(CONFIG, NUM_PAGES, PAGE, groups, jnp.float32)
+def garbage_cache(groups: tuple[int, ...], use_kernel=False) -> PagedKVCache:
+    cache = PagedKVCache.create(
+        CONFIG, NUM_PAGES, PAGE, groups, jnp.float32, use_kernel=use_kernel, interpret=bool(use_kernel)
+    )
     rng = np.random.default_rng(2)
     noise = lambda pages: jnp.asarray(10 * rng.standard_normal(pages.shape), jnp.float32)
     return dataclasses.replace(cache, k_pages=noise(cache.k_pages), v_pages=noise(cache.v_pages))
 
 
-def run_paged(params, prompts, chunk: int, step_tokens: int):
-    """Feed every prompt `chunk` tokens per step, all sequences in one ragged step padded to
-    `step_tokens` flat tokens. Returns each prompt's logits `[length, vocab]` and the number of
-    released (-1) page-table entries seen before a live entry."""
+def run_paged(params, prompts, chunk: int | tuple[int, ...], step_tokens: int, use_kernel=False):
+    """Feed prompt s `chunk[s]` tokens per step (an int: the same for all), all sequences in one
+    ragged step padded to `step_tokens` flat tokens. With `use_kernel` (interpret mode), a step whose
+    sequences all have one token or none is marked `decode_only`. Returns each prompt's logits
+    `[length, vocab]` and the number of released (-1) page-table entries seen before a live entry."""
+    chunks = (chunk,) * len(prompts) if isinstance(chunk, int) else chunk
     pool = KVPool.from_config(CONFIG, NUM_PAGES, page_tokens=PAGE)
     groups = layer_groups(pool, CONFIG.num_hidden_layers)
     seq_ids = list(range(len(prompts)))
-    cache = garbage_cache(groups)
+    cache = garbage_cache(groups, use_kernel)
     done = [0] * len(prompts)
     logits = [[] for _ in prompts]
     holes = 0
     while any(d < len(p) for d, p in zip(done, prompts)):
-        q_lens = [min(chunk, len(p) - d) for d, p in zip(done, prompts)]
+        q_lens = [min(c, len(p) - d) for c, d, p in zip(chunks, done, prompts)]
         for s, (d, q) in enumerate(zip(done, q_lens)):
             pool.allocate(s, d + q)
         pool.check_invariants()
@@ -128,6 +132,7 @@ def run_paged(params, prompts, chunk: int, step_tokens: int):
             seq_lens=jnp.asarray([d + q for d, q in zip(done, q_lens)], jnp.int32),
             page_tables=tuple(jnp.asarray(t) for t in tables),
             slot_mappings=tuple(jnp.asarray(s) for s in slots),
+            decode_only=bool(use_kernel) and max(q_lens) <= 1,
         )
         tokens, positions = jnp.asarray(tokens)[None], jnp.asarray(positions)[None]
         out = FORWARD(params, tokens, positions, cache.with_batch(batch), config=CONFIG)
@@ -169,6 +174,23 @@ def test_two_sequences_in_one_ragged_batch(params, prompts, truth, chunk):
     assert_logits_match(first, truth[0], f"sequence 0, chunk {chunk}")
     assert_logits_match(second, truth[1], f"sequence 1, chunk {chunk}")
     if chunk < 64:
+        assert holes > 0
+
+
+@pytest.mark.parametrize(
+    "chunks, step_tokens",
+    [((7, 1), 11), ((1, 1), 5), ((64, 64), 80)],
+    ids=["prefill_chunks_beside_decodes", "decodes_only", "one_chunk_each"],
+)
+def test_decode_kernel_path_matches_contiguous_cache(params, prompts, truth, chunks, step_tokens):
+    """The GPU's attention path (`use_kernel="decode"`: decode tokens on the split decode kernel, in
+    interpret mode here; prefill chunks in plain jnp) gives the contiguous cache's logits. Chunks (7, 1):
+    sequence 0 (50 tokens) runs in chunks of 7 beside sequence 1 (23 tokens) fed one token per step:
+    7 mixed steps, then decode-only steps (sequence 0's last token, then its row empty)."""
+    (first, second), holes = run_paged(params, prompts, chunks, step_tokens, use_kernel="decode")
+    assert_logits_match(first, truth[0], f"sequence 0, chunks {chunks}")
+    assert_logits_match(second, truth[1], f"sequence 1, chunks {chunks}")
+    if chunks[0] < 64:
         assert holes > 0
 
 

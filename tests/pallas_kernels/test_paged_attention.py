@@ -533,6 +533,68 @@ def test_mixed_step_sends_decodes_to_the_decode_kernel():
     np.testing.assert_array_equal(np.asarray(decoded)[token_row < 0], 0.0)  # non-decode tokens: zeros
 
 
+# --- use_kernel="decode" (the GPU's default): decodes on the decode kernel, the rest in plain jnp ---
+
+decode_jnp_op = jax.jit(
+    pa.ragged_paged_attention, static_argnames=("window", "use_kernel", "blocked", "decode_only", "interpret")
+)
+
+# Prefill chunks, decodes at page and window edges, an empty entry, a long chunk, and a whole prompt.
+DECODE_AND_PREFILL = [(37, 37), (63, 1), (1, 1), (200, 16), (0, 0), (65, 1), (150, 40), (129, 1), (30, 30), (300, 1)]
+
+DECODE_JNP_CASES = [
+    # dtype, group, page_size, window, release, blocked
+    (jnp.float32, 1, 16, None, "none", False),
+    (jnp.float32, 6, 16, 17, "hole", False),
+    (jnp.float32, 8, 64, 64, "before_window", False),
+    (jnp.float32, 6, 64, None, "none", True),
+    (jnp.float32, 1, 16, 64, "hole", True),
+    (jnp.float32, 8, 16, 1000, "before_window", True),
+    (jnp.bfloat16, 6, 16, 17, "before_window", False),
+    (jnp.bfloat16, 8, 64, None, "hole", True),
+]
+
+
+@pytest.mark.parametrize("dtype, group, page_size, window, release, blocked", DECODE_JNP_CASES)
+def test_decode_kernel_beside_plain_jnp_matches_dense_and_reference(dtype, group, page_size, window, release, blocked):
+    batch = make_batch(
+        701 + 3 * group + page_size + int(blocked), DECODE_AND_PREFILL, page_size=page_size, kv_heads=2,
+        group=group, dtype=dtype, window=window, release=release, padding_tokens=5,
+    )
+    args = (batch.queries, batch.k_pages, batch.v_pages, batch.query_start, batch.seq_lens, batch.page_table)
+    out = decode_jnp_op(*args, window=window, use_kernel="decode", blocked=blocked, interpret=True)
+    assert out.shape == batch.queries.shape and out.dtype == dtype
+    check(batch, out, window, dtype)
+    expected = reference(*args, window=window)
+    # fp32: same math up to summation order. bf16: the decode kernel rounds unnormalized probabilities.
+    tol = {"atol": 2e-6, "rtol": 2e-6} if dtype == jnp.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32), **tol)
+    np.testing.assert_array_equal(np.asarray(out, np.float32)[int(batch.query_start[-1]) :], 0.0)  # padding
+
+
+def test_decode_mode_runs_the_decode_kernel_and_no_general_kernel():
+    batch = make_batch(77, DECODE_AND_PREFILL[:4], page_size=16, kv_heads=2, group=6, dtype=jnp.float32)
+    args = (batch.queries, batch.k_pages, batch.v_pages, batch.query_start, batch.seq_lens, batch.page_table)
+    text = str(jax.make_jaxpr(functools.partial(pa.ragged_paged_attention, use_kernel="decode", interpret=True))(*args))
+    assert "paged_decode_split" in text and "paged_decode_combine" in text and "ragged_paged_attention_block" not in text
+    assert "pallas_call" not in str(jax.make_jaxpr(pa.ragged_paged_attention)(*args))
+    assert pa.default_use_kernel("gpu") == "decode" and pa.default_use_kernel("cpu") is False
+    with pytest.raises(ValueError):
+        pa.ragged_paged_attention(*args, use_kernel="general")
+
+
+def test_blocked_skip_decodes_gives_decodes_zeros():
+    batch = make_batch(79, DECODE_AND_PREFILL, page_size=16, kv_heads=2, group=6, dtype=jnp.float32, window=64)
+    args = (batch.queries, batch.k_pages, batch.v_pages, batch.query_start, batch.seq_lens, batch.page_table)
+    blocked = jax.jit(pa.ragged_paged_attention_blocked, static_argnames=("window", "block_q", "skip_decodes"))
+    out = np.asarray(blocked(*args, window=64, block_q=16, skip_decodes=True))
+    full = np.asarray(blocked(*args, window=64, block_q=16))
+    is_decode = np.asarray(pa.decode_metadata(batch.query_start, out.shape[0]).token_row) >= 0
+    assert is_decode.sum() == 5
+    np.testing.assert_array_equal(out[is_decode], 0.0)
+    np.testing.assert_array_equal(out[~is_decode], full[~is_decode])
+
+
 def test_decode_blocks_fill_the_gpu_and_stay_flat_for_windows():
     # TP8 batch 1 at 128K: one kv head, so the context is split across many programs.
     blocks = pa.decode_blocks(1, 1, 2048, 64, None)
