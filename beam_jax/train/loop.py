@@ -111,6 +111,11 @@ def balance_correction_bias(
     return updated
 
 
+def global_norm(tree) -> jax.Array:
+    """The L2 norm over every leaf (optax renamed its helper between versions; this one is stable)."""
+    return jnp.sqrt(sum(jnp.sum(jnp.square(leaf.astype(jnp.float32))) for leaf in jax.tree.leaves(tree)))
+
+
 def make_train_step(config: BeamConfig, train: TrainConfig, tx: optax.GradientTransformation) -> Callable:
     dtype = jnp.dtype(train.compute_dtype)
 
@@ -125,7 +130,7 @@ def make_train_step(config: BeamConfig, train: TrainConfig, tx: optax.GradientTr
         updates, opt_state = tx.update(grads, state.opt_state, state.master)
         master = optax.apply_updates(state.master, updates)
         master = balance_correction_bias(config, master, routing, train.bias_update_rate)
-        metrics = {"loss": loss, "accuracy": accuracy, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": loss, "accuracy": accuracy, "grad_norm": global_norm(grads)}
         return TrainState(master, opt_state, state.step + 1), metrics
 
     return jax.jit(step, donate_argnums=0)
