@@ -45,6 +45,14 @@ def parser() -> argparse.ArgumentParser:
         help="serve on a tensor-parallel mesh of this many local devices (default: 1)",
     )
     p.add_argument(
+        "--expert-parallel-size",
+        "--ep",
+        dest="ep",
+        type=int,
+        default=1,
+        help="split the experts over this many devices (the mesh has tp x ep devices; default: 1)",
+    )
+    p.add_argument(
         "--quantization",
         "--quant",
         "-q",
@@ -68,6 +76,7 @@ def engine_config(args: argparse.Namespace):
         num_pages=args.num_pages,
         enable_prefix_caching=args.enable_prefix_caching,
         tp=args.tp,
+        ep=args.ep,
         quantization=args.quantization,
     )
 
@@ -102,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     app = build_server(args)
-    where = f" on {args.tp} devices (tensor parallel)" if args.tp > 1 else ""
+    where = f" on {args.tp * args.ep} devices (tp={args.tp}, ep={args.ep})" if args.tp * args.ep > 1 else ""
     print(f"beam-serve: serving {args.model}{where} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -62,6 +62,13 @@ def test_tp2_gives_the_tokens_of_one_device():
     assert (out["2"]["param_devices"], out["2"]["cache_devices"]) == (2, 2)
 
 
+def test_ep2_and_tp2_ep2_give_the_tokens_of_one_device():
+    one, ep2, both = (run_worker("1", *SMALL)["1"], run_worker("1", *SMALL, "--ep", "2")["1"],
+                      run_worker("2", *SMALL, "--ep", "2")["2"])
+    assert ep2["tokens"] == one["tokens"] and both["tokens"] == one["tokens"]
+    assert (ep2["param_devices"], both["param_devices"]) == (2, 4)
+
+
 def test_tp_errors_name_the_problem():
     tiny = preset("beam-tiny")  # 4 query heads, 2 KV heads, 16 experts of intermediate 32
     with pytest.raises(ValueError, match=r"tp=4 x ep=1 needs 4 devices, JAX sees 2"):
