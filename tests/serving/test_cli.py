@@ -63,8 +63,11 @@ def test_tp2_gives_the_tokens_of_one_device():
 
 
 def test_ep2_and_tp2_ep2_give_the_tokens_of_one_device():
-    one, ep2, both = (run_worker("1", *SMALL)["1"], run_worker("1", *SMALL, "--ep", "2")["1"],
-                      run_worker("2", *SMALL, "--ep", "2")["2"])
+    one, ep2, both = (
+        run_worker("1", *SMALL)["1"],
+        run_worker("1", *SMALL, "--ep", "2")["1"],
+        run_worker("2", *SMALL, "--ep", "2")["2"],
+    )
     assert ep2["tokens"] == one["tokens"] and both["tokens"] == one["tokens"]
     assert (ep2["param_devices"], both["param_devices"]) == (2, 4)
 
