@@ -48,7 +48,6 @@ class TrainConfig:
 class TrainState:
     master: dict[str, jax.Array]  # fp32, by HF name
     opt_state: optax.OptState
-    step: jax.Array
 
 
 def learning_rate(train: TrainConfig) -> optax.Schedule:
@@ -131,7 +130,7 @@ def make_train_step(config: BeamConfig, train: TrainConfig, tx: optax.GradientTr
         master = optax.apply_updates(state.master, updates)
         master = balance_correction_bias(config, master, routing, train.bias_update_rate)
         metrics = {"loss": loss, "accuracy": accuracy, "grad_norm": global_norm(grads)}
-        return TrainState(master, opt_state, state.step + 1), metrics
+        return TrainState(master, opt_state), metrics
 
     return jax.jit(step, donate_argnums=0)
 
@@ -183,7 +182,7 @@ def train(
         n: a.astype(jnp.float32) for n, a in flat_params(init_params(config, train_config.seed, jnp.float32)).items()
     }
     tx = optimizer(train_config, list(master))
-    state = TrainState(master, tx.init(master), jnp.zeros((), jnp.int32))
+    state = TrainState(master, tx.init(master))
     step_fn, evaluate = make_train_step(config, train_config, tx), make_eval(config, train_config)
     stream = jnp.asarray(train_stream.astype(np.int32))
     key = jax.random.key(train_config.seed)

@@ -99,7 +99,7 @@ def test_a_step_moves_the_bias_by_the_rate_and_is_reproducible():
     results = []
     for _ in range(2):  # the same key gives the same step (fresh copies: the step donates its state)
         copy = {n: jnp.array(a, copy=True) for n, a in master.items()}
-        state = TrainState(copy, tx.init(copy), jnp.zeros((), jnp.int32))
+        state = TrainState(copy, tx.init(copy))
         state, metrics = step(state, stream, jax.random.key(7))
         results.append((state, float(metrics["loss"])))
     assert results[0][1] == results[1][1]
