@@ -26,7 +26,8 @@ def prepare(out_dir: Path, root: Path | None = None, *, write_list: bool = False
         corpus.write_heldout_list(heldout_paths, root)
     else:
         heldout_paths = corpus.read_heldout_list()
-        train_paths = [p for p in paths if p not in set(heldout_paths)]
+        heldout = set(heldout_paths)
+        train_paths = [p for p in paths if p not in heldout]
     train_sources = corpus.read_sources(root, train_paths)
     heldout_sources = corpus.read_sources(root, heldout_paths)
 
