@@ -68,6 +68,12 @@ def write_heldout_list(paths: list[str], root: Path, path: Path = HELDOUT_LIST) 
     path.write_text(header + "".join(p + "\n" for p in paths))
 
 
+def training_paths(paths: list[str]) -> list[str]:
+    """`paths` less the committed held-out list."""
+    heldout = set(read_heldout_list())
+    return [p for p in paths if p not in heldout]
+
+
 def read_sources(root: Path, paths: list[str]) -> list[str]:
     missing = [p for p in paths if not (root / p).is_file()]
     if missing:

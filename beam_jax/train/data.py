@@ -25,9 +25,7 @@ def prepare(out_dir: Path, root: Path | None = None, *, write_list: bool = False
     if write_list:
         corpus.write_heldout_list(heldout_paths, root)
     else:
-        heldout_paths = corpus.read_heldout_list()
-        heldout = set(heldout_paths)
-        train_paths = [p for p in paths if p not in heldout]
+        heldout_paths, train_paths = corpus.read_heldout_list(), corpus.training_paths(paths)
     train_sources = corpus.read_sources(root, train_paths)
     heldout_sources = corpus.read_sources(root, heldout_paths)
 

@@ -98,12 +98,10 @@ def training_stream(tokenizer, max_files: int | None = None, seed: int = 0, root
     """The token stream of (a seeded sample of) the corpus's training files: the committed held-out
     files are never read."""
     root = corpus.stdlib_dir() if root is None else Path(root)
-    heldout = set(corpus.read_heldout_list())
-    paths = [p for p in corpus.source_files(root) if p not in heldout]
+    paths = corpus.training_paths(corpus.source_files(root))
     if max_files is not None and max_files < len(paths):
         pick = np.random.default_rng(seed).choice(len(paths), max_files, replace=False)
         paths = [paths[i] for i in sorted(pick)]
-    assert not heldout & set(paths)
     return corpus.token_stream(tokenizer, corpus.read_sources(root, paths))
 
 
@@ -343,10 +341,6 @@ def measure_acceptance(
     }
 
 
-def heldout_stream(beam) -> np.ndarray:
-    return data.load_heldout_tokens(beam.tokenizer)
-
-
 # ---- CLI -------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -414,7 +408,12 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(f"wrote {args.out}")
     result = measure_acceptance(
-        beam, config, params, heldout_stream(beam), num_prompts=args.eval_prompts, prefix_len=args.prefix_len
+        beam,
+        config,
+        params,
+        data.load_heldout_tokens(beam.tokenizer),
+        num_prompts=args.eval_prompts,
+        prefix_len=args.prefix_len,
     )
     print(json.dumps(result))
     print(f"mean accept length (held-out, greedy, block {config.block_size}): {result['mean_accept_length']:.3f}")
