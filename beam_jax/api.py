@@ -37,6 +37,8 @@ def checkpoint_dir(model: str | Path) -> Path | None:
         return SHIPPED_MODELS[str(model)]
     path = Path(model)
     return path if str(model) not in PRESETS and path.is_dir() else None
+
+
 # Load-time quantization of bf16 experts (`load(..., quantization=)`, `beam-serve --quantization`):
 # the method -> the expert format it makes (as `beam-jax quantize --format`: fp8 is compressed-tensors'
 # per-channel FP8_DYNAMIC), and the stored formats that already are that method.

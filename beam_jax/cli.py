@@ -8,6 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from beam_jax.api import QUANTIZATIONS
 from beam_jax.config import PRESETS
 
 
@@ -61,7 +62,7 @@ def cmd_to_orbax(args) -> int:
 
 
 # `quantize --format` choices -> expert formats (fp8: compressed-tensors FP8_DYNAMIC, per channel).
-QUANTIZE_FORMATS = {"nvfp4": "nvfp4", "fp8": "fp8_channel", "fp8-tensor": "fp8_tensor"}
+QUANTIZE_FORMATS = {**QUANTIZATIONS, "fp8-tensor": "fp8_tensor"}  # load-time methods, plus ModelOpt's per-tensor FP8
 # Files beside the weights that a quantized copy should keep (tokenizer, generation defaults).
 SIDE_FILES = (
     "tokenizer.json",
