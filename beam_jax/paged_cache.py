@@ -83,9 +83,11 @@ class PagedKVCache:
         cls, config: BeamConfig, num_pages: int, page_size: int, layer_group: tuple[int, ...], dtype=jnp.bfloat16,
         *, use_kernel: bool | str | None = None, interpret: bool | None = None,
     ) -> PagedKVCache:
-        """`use_kernel=None`: `default_use_kernel()` ("decode" on GPU, plain jnp elsewhere).
+        """`layer_group` maps every cached layer to its group: the model's layers first, then any
+        drafter layers (serving.speculative), which share the pages and so the K/V shape.
+        `use_kernel=None`: `default_use_kernel()` ("decode" on GPU, plain jnp elsewhere).
         `interpret=None`: kernels asked for off the GPU run in interpret mode (slow; for tests)."""
-        if len(layer_group) != config.num_hidden_layers:
+        if len(layer_group) < config.num_hidden_layers:
             raise ValueError(f"layer_group has {len(layer_group)} entries for {config.num_hidden_layers} layers")
         layer_slot = tuple(layer_group[:i].count(g) for i, g in enumerate(layer_group))
         slots = max(layer_slot) + 1
@@ -123,17 +125,48 @@ class PagedKVCache:
         window: int | None,
     ) -> tuple[Float[Array, "tokens heads d"], PagedKVCache]:
         """Write this step's K/V of `layer` into its rows of the pages, then ragged paged attention."""
-        batch = self.batch
-        if batch is None:
-            raise ValueError("PagedKVCache.attend needs the step's PagedBatch (cache.with_batch(batch))")
+        batch = self._step_batch()
+        written = self.write(layer, k, v)
+        out = ragged_paged_attention(
+            q, written.k_pages, written.v_pages, batch.query_start, batch.seq_lens, self._layer_table(layer),
+            window=window, use_kernel=self.use_kernel, decode_only=batch.decode_only, decode=batch.decode,
+            interpret=self.interpret,
+        )
+        return out, written
+
+    def write(self, layer: int, k: Float[Array, "tokens kv_heads d"], v: Float[Array, "tokens kv_heads d"]) -> PagedKVCache:
+        """Write the step's K/V of `layer` (one row per flat token) into its rows of the pages."""
         group, slot, slots, size = self.layer_group[layer], self.layer_slot[layer], self.slots, self.page_size
-        table = batch.page_tables[group]
-        table = jnp.where(table >= 0, table * slots + slot, -1)
-        mapping = batch.slot_mappings[group]
+        mapping = self._step_batch().slot_mappings[group]
         mapping = jnp.where(mapping >= 0, (mapping // size * slots + slot) * size + mapping % size, -1)
         k_pages, v_pages = write_kv(self.k_pages, self.v_pages, k, v, mapping)
-        out = ragged_paged_attention(
-            q, k_pages, v_pages, batch.query_start, batch.seq_lens, table, window=window,
-            use_kernel=self.use_kernel, decode_only=batch.decode_only, decode=batch.decode, interpret=self.interpret,
-        )
-        return out, dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
+        return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
+
+    def window_context(
+        self, layer: int, end: Int[Array, " batch"], num_pages: int
+    ) -> tuple[Float[Array, "batch c kv_heads d"], Float[Array, "batch c kv_heads d"], Int[Array, "batch c"]]:
+        """Each sequence's cached K/V of `layer` over the `num_pages` logical pages that end with the
+        one holding position `end - 1`, contiguous (`c = num_pages * page_size` rows), with each row's
+        position; -1 marks rows at or past `end` and pages the sequence does not hold (released or
+        never written). For a reader that attends over a window of the context (the drafter)."""
+        size = self.page_size
+        table = self._layer_table(layer)  # [batch, max_pages]
+        first = jnp.maximum((end - 1) // size - (num_pages - 1), 0)
+        logical = first[:, None] + jnp.arange(num_pages)[None, :]
+        rows = jnp.take_along_axis(table, jnp.minimum(logical, table.shape[1] - 1), axis=1)
+        rows = jnp.where(logical < table.shape[1], rows, -1)
+        batch = end.shape[0]
+        gather = lambda pages: pages[jnp.maximum(rows, 0)].reshape(batch, num_pages * size, *pages.shape[2:])
+        positions = (logical[:, :, None] * size + jnp.arange(size)[None, None, :]).reshape(batch, -1)
+        held = jnp.repeat(rows >= 0, size, axis=1)
+        return gather(self.k_pages), gather(self.v_pages), jnp.where(held & (positions < end[:, None]), positions, -1)
+
+    def _step_batch(self) -> PagedBatch:
+        if self.batch is None:
+            raise ValueError("the paged cache needs the step's PagedBatch (cache.with_batch(batch))")
+        return self.batch
+
+    def _layer_table(self, layer: int) -> Int[Array, "batch max_pages"]:
+        """The step's page table of `layer`'s group, as rows of the page arrays (-1 stays -1)."""
+        table = self._step_batch().page_tables[self.layer_group[layer]]
+        return jnp.where(table >= 0, table * self.slots + self.layer_slot[layer], -1)

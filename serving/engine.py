@@ -25,6 +25,7 @@ from jax.sharding import AbstractMesh
 import beam_jax
 from beam_jax.api import Beam, checkpoint_dir, quantize, quantized_expert_format
 from beam_jax.config import PRESETS, BeamConfig, preset
+from beam_jax.drafter import load_drafter
 from beam_jax.model import flat_params
 from beam_jax.quant.convert import quantization_config_for
 from beam_jax.sharding import AXES, check_mesh, make_mesh
@@ -32,8 +33,9 @@ from serving.grammar import GrammarBackend, Matcher
 from serving.kv_cache import KVPool
 from serving.prefix_cache import PrefixCache
 from serving.runner import ModelRunner
-from serving.sampling import SamplingBatch, SamplingParams, StopChecker, TokenHistory, full_bitmask
+from serving.sampling import SamplerOutput, SamplingBatch, SamplingParams, StopChecker, TokenHistory, full_bitmask
 from serving.scheduler import Request, Scheduler, SchedulerOutput
+from serving.speculative_step import SPECULATIVE_METHODS, SpecOutput, check_drafter, drafter_memory_spec
 
 DEFAULT_PAGE_TOKENS = 16
 log = logging.getLogger(__name__)
@@ -60,6 +62,15 @@ class EngineConfig:
     # (plain jnp), "decode" (decode tokens on the split decode kernel), True (all kernels). None: the
     # backend's default (`default_use_kernel`: "decode" on GPU, plain jnp on CPU; plain jnp on a mesh).
     attention_kernel: bool | str | None = None
+    # Speculative decoding (serving/speculative_step.py): "dflash" with a DFlash / DFlash2 drafter
+    # checkpoint (`draft_model`, a directory or a shipped name) verifying `num_speculative_tokens`
+    # drafts per step (default: the drafter's block size - 1). `simulated_accept_length` (benchmarks
+    # only) accepts that many tokens per step on average whatever the target says: its text is not
+    # the model's, and its acceptance is reported as simulated.
+    speculative: str | None = None
+    draft_model: str | None = None
+    num_speculative_tokens: int | None = None
+    simulated_accept_length: float | None = None
 
 
 def check_parallelism(model_config: BeamConfig, tp: int, ep: int, num_devices: int) -> None:
@@ -167,11 +178,47 @@ class _Tracked:
 
 
 @dataclasses.dataclass
+class SpecMetrics:
+    """Speculative decoding acceptance: per verified block, and per draft position."""
+
+    simulated: bool = False  # the figures are the simulated acceptance (benchmark mode), not the drafter's
+    blocks: int = 0  # verify blocks (speculating rows of steps)
+    draft_tokens: int = 0  # drafts verified
+    accepted_tokens: int = 0  # drafts accepted
+    proposed_at: list[int] = dataclasses.field(default_factory=list)  # blocks with a draft at position j
+    accepted_at: list[int] = dataclasses.field(default_factory=list)  # ... whose draft j was accepted
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        grow = max(0, num_drafts - len(self.proposed_at))
+        self.proposed_at += [0] * grow
+        self.accepted_at += [0] * grow
+        self.blocks += 1
+        self.draft_tokens += num_drafts
+        self.accepted_tokens += num_accepted
+        for j in range(num_drafts):
+            self.proposed_at[j] += 1
+            self.accepted_at[j] += j < num_accepted
+
+    def snapshot(self) -> dict:
+        return {
+            "spec_simulated": self.simulated,
+            "spec_blocks": self.blocks,
+            "spec_draft_tokens": self.draft_tokens,
+            "spec_accepted_tokens": self.accepted_tokens,
+            "spec_acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
+            # Tokens emitted per verify block: accepted drafts plus the target's own token.
+            "spec_mean_accept_length": (self.accepted_tokens + self.blocks) / self.blocks if self.blocks else 0.0,
+            "spec_acceptance_by_position": [a / p for a, p in zip(self.accepted_at, self.proposed_at)],
+        }
+
+
+@dataclasses.dataclass
 class EngineMetrics:
     steps: int = 0
     prompt_tokens: int = 0  # computed (not served by the cache)
     generated_tokens: int = 0
     busy_seconds: float = 0.0
+    spec: SpecMetrics | None = None  # with a drafter
 
     def snapshot(self, engine: LLMEngine) -> dict:
         pool = engine.pool
@@ -188,7 +235,7 @@ class EngineMetrics:
             "generated_tokens": self.generated_tokens,
             "tokens_per_second": (self.generated_tokens + self.prompt_tokens) / self.busy_seconds if self.busy_seconds else 0.0,
             "compilations": engine.runner.compilations,
-        }
+        } | (self.spec.snapshot() if self.spec is not None else {})
 
 
 class LLMEngine:
@@ -209,11 +256,14 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len={self.max_model_len} exceeds the model's {model_config.max_position_embeddings} positions"
             )
+        compute_dtype = flat_params(self.beam.params)["model.embed_tokens.weight"].dtype
+        drafter = self._load_drafter(config, model_config, compute_dtype)
+        drafter_spec = None if drafter is None else drafter_memory_spec(*drafter)
         pages_per_seq = -(-self.max_model_len // config.page_tokens)
         num_pages = config.num_pages or config.max_num_seqs * pages_per_seq * len(
-            KVPool.from_config(model_config, 0, page_tokens=config.page_tokens).groups
+            KVPool.from_config(model_config, 0, page_tokens=config.page_tokens, drafter=drafter_spec).groups
         )
-        self.pool = KVPool.from_config(model_config, num_pages, page_tokens=config.page_tokens)
+        self.pool = KVPool.from_config(model_config, num_pages, page_tokens=config.page_tokens, drafter=drafter_spec)
         self.prefix_cache = PrefixCache(self.pool) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(
             self.pool,
@@ -227,9 +277,12 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
-            dtype=flat_params(self.beam.params)["model.embed_tokens.weight"].dtype,  # the compute dtype
+            dtype=compute_dtype,
             mesh=mesh,
             attention_kernel=config.attention_kernel,
+            drafter=drafter,
+            num_speculative_tokens=config.num_speculative_tokens,
+            simulated_accept_length=config.simulated_accept_length,
         )
         self.tokenizer = self.beam.tokenizer
         self.eos_token_ids = tuple(self.beam.stop_token_ids)
@@ -237,7 +290,28 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._key_ids = 0
         self.metrics = EngineMetrics()
+        if drafter is not None:
+            self.metrics.spec = SpecMetrics(simulated=config.simulated_accept_length is not None)
         self._grammar_backend: GrammarBackend | None = None
+
+    @staticmethod
+    def _load_drafter(config: EngineConfig, model_config: BeamConfig, dtype):
+        """The drafter (config, params) that `config` asks for, checked against the model; None without."""
+        if config.speculative is None:
+            for name in ("draft_model", "num_speculative_tokens", "simulated_accept_length"):
+                if getattr(config, name) is not None:
+                    raise ValueError(f"{name} is set but speculative decoding is not (speculative='dflash')")
+            return None
+        if config.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"unknown speculative method {config.speculative!r}; known: {', '.join(SPECULATIVE_METHODS)}")
+        if config.draft_model is None:
+            raise ValueError(f"speculative={config.speculative!r} needs a draft_model (a drafter checkpoint directory)")
+        path = checkpoint_dir(config.draft_model)
+        if path is None:
+            raise FileNotFoundError(f"draft model {config.draft_model!r} is not a directory")
+        drafter_config, params = load_drafter(path, dtype=dtype)
+        check_drafter(drafter_config, model_config)
+        return drafter_config, params
 
     @property
     def grammar_backend(self) -> GrammarBackend:
@@ -293,9 +367,9 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         outputs = [self._finish(self._tracked.pop(r.request_id), "length") for r in plan.finished]
         if plan.scheduled:
-            sampled = self.runner.execute(plan.scheduled, self._sampling_batch(plan))
-            self.scheduler.update(plan)
-            outputs += self._consume(plan, sampled)
+            result = self.runner.execute(plan.scheduled, self._sampling_batch(plan))
+            self.scheduler.update(plan, getattr(result, "num_accepted", None))
+            outputs += self._consume(plan, result)
             self.metrics.steps += 1
             self.metrics.prompt_tokens += sum(s.num_tokens for s in plan.scheduled if not s.samples or s.num_tokens > 1)
         self.metrics.busy_seconds += time.monotonic() - started
@@ -326,40 +400,76 @@ class LLMEngine:
                 t.matcher.fill(bitmask, row)
         return bitmask
 
-    def _consume(self, plan: SchedulerOutput, sampled) -> list[RequestOutput]:
+    def _consume(self, plan: SchedulerOutput, result: SamplerOutput | SpecOutput) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()
         for row, item in enumerate(plan.scheduled):
             tracked = self._tracked.get(item.request.request_id)
             if tracked is None or not item.samples:
                 continue
-            request = tracked.request
-            token = int(sampled.tokens[row])
-            request.output_ids.append(token)
-            self.metrics.generated_tokens += 1
             if tracked.first_token_time is None:
                 tracked.first_token_time = now
-            if tracked.history is not None:
-                tracked.history.append(token)
-            completion = tracked.completion
-            completion.token_ids.append(token)
-            completion.logprobs.append(float(sampled.logprobs[row]))
-            if (k := request.params.logprobs) is not None:
-                completion.top_logprobs.append(
-                    [(int(i), float(v)) for i, v in zip(sampled.top_token_ids[row][:k], sampled.top_logprobs[row][:k])]
-                )
-            delta = tracked.stop.append(token, tracked.detokenizer.add(token))
-            if tracked.matcher is not None and not tracked.stop.finished and self._grammar_done(tracked, token):
-                delta += tracked.stop.finish("stop")
-            if not tracked.stop.finished and request.num_tokens >= self.max_model_len:
-                delta += tracked.stop.finish("length")
+            delta, new_ids = "", []
+            for token, logprob, top in self._emitted(result, row, item):
+                new_ids.append(token)
+                delta += self._append_token(tracked, token, logprob, top)
+                if tracked.stop.finished:  # a stop inside a block: the tokens after it are dropped
+                    break
+            request, completion = tracked.request, tracked.completion
             if tracked.stop.finished:
                 self._tracked.pop(request.request_id)
                 self.scheduler.finish(request, tracked.stop.finish_reason)
                 completion.finish_reason, completion.stop_reason = tracked.stop.finish_reason, tracked.stop.stop_reason
+            elif isinstance(result, SpecOutput):
+                request.draft_tokens = self._next_drafts(tracked, result.drafts[row])
             completion.text += delta
-            outputs.append(self._output(tracked, delta, [token]))
+            outputs.append(self._output(tracked, delta, new_ids))
         return outputs
+
+    def _emitted(self, result: SamplerOutput | SpecOutput, row: int, item) -> list[tuple[int, float, list | None]]:
+        """The row's new tokens with their logprobs (and top logprobs, for rows that asked: those
+        never speculate)."""
+        sampled = result.sampled if isinstance(result, SpecOutput) else result
+        top = None
+        if item.request.params.logprobs is not None:
+            top = [(int(i), float(v)) for i, v in zip(sampled.top_token_ids[row], sampled.top_logprobs[row])]
+        if not isinstance(result, SpecOutput) or not item.num_drafts:
+            return [(int(sampled.tokens[row]), float(sampled.logprobs[row]), top)]
+        accepted = int(result.num_accepted[row])
+        self.metrics.spec.record(item.num_drafts, accepted)
+        return [(int(result.tokens[row, j]), float(result.logprobs[row, j]), None) for j in range(accepted + 1)]
+
+    def _append_token(self, tracked: _Tracked, token: int, logprob: float, top: list | None) -> str:
+        """One new token of a request: its output, history, grammar and stop checks. The new text."""
+        request, completion = tracked.request, tracked.completion
+        request.output_ids.append(token)
+        self.metrics.generated_tokens += 1
+        if tracked.history is not None:
+            tracked.history.append(token)
+        completion.token_ids.append(token)
+        completion.logprobs.append(logprob)
+        if (k := request.params.logprobs) is not None:
+            completion.top_logprobs.append(top[:k])
+        delta = tracked.stop.append(token, tracked.detokenizer.add(token))
+        if tracked.matcher is not None and not tracked.stop.finished and self._grammar_done(tracked, token):
+            delta += tracked.stop.finish("stop")
+        if not tracked.stop.finished and request.num_tokens >= self.max_model_len:
+            delta += tracked.stop.finish("length")
+        return delta
+
+    def _next_drafts(self, tracked: _Tracked, drafts) -> list[int]:
+        """The drafts the request verifies next step: none for rows that need the full sampler
+        (penalties, grammar, logprobs, min_tokens still pending), and no more than it can use (its
+        max_tokens, the context)."""
+        request, params = tracked.request, tracked.request.params
+        if params.has_penalties or tracked.matcher is not None or params.logprobs is not None:
+            return []
+        if len(request.output_ids) < params.min_tokens:
+            return []
+        room = self.max_model_len - request.num_tokens  # positions left after the next block's anchor
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - len(request.output_ids) - 1)
+        return [int(t) for t in drafts[: max(room, 0)]]
 
     @staticmethod
     def _grammar_done(tracked: _Tracked, token: int) -> bool:

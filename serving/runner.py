@@ -23,20 +23,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from beam_jax.config import BeamConfig
+from beam_jax.drafter import DrafterConfig
 from beam_jax.model import Params, forward
 from beam_jax.paged_cache import PagedBatch, PagedKVCache
 from beam_jax.sharding import constrain_cache, replicate, shard_params, sharded_cache
 from serving.kv_cache import KVPool
 from serving.sampling import MAX_LOGPROBS, PENALTY_WIDTH_MIN, SamplerOutput, SamplingBatch, bucket, sample
 from serving.scheduler import ScheduledRequest
+from serving.speculative_step import SpecInputs, SpecOutput, Speculation, speculative_step
 
 MIN_TOKEN_BUCKET = 16
 
 
-def layer_groups(pool: KVPool, num_layers: int) -> tuple[int, ...]:
-    """Cache group of each target layer, from the planner's layer labels `L{i}`."""
+def layer_groups(pool: KVPool, num_layers: int, num_drafter_layers: int = 0) -> tuple[int, ...]:
+    """Cache group of each target layer, then of each drafter layer, from the planner's layer labels
+    (`L{i}`, `D{j}`)."""
     by_label = {label: g for g, group in enumerate(pool.groups) for label in group.labels}
-    return tuple(by_label[f"L{i}"] for i in range(num_layers))
+    labels = [f"L{i}" for i in range(num_layers)] + [f"D{j}" for j in range(num_drafter_layers)]
+    return tuple(by_label[label] for label in labels)
 
 
 def token_buckets(max_num_batched_tokens: int) -> list[int]:
@@ -59,11 +63,17 @@ class ModelRunner:
         dtype=jnp.float32,
         mesh: jax.sharding.Mesh | None = None,
         attention_kernel: bool | str | None = None,
+        drafter: tuple[DrafterConfig, Params] | None = None,
+        num_speculative_tokens: int | None = None,
+        simulated_accept_length: float | None = None,
     ):
         """With a `mesh` (beam_jax.sharding.make_mesh), the parameters and the KV pages are split
         over it and the step runs as one SPMD program on all its devices (of every process).
         `attention_kernel`: the attention path (`ragged_paged_attention`'s `use_kernel`); None: the
-        backend's default on one device, plain jnp on a mesh."""
+        backend's default on one device, plain jnp on a mesh.
+        `drafter` (its config and parameters): every step is the speculative program
+        (serving/speculative_step.py) with `num_speculative_tokens` drafts per block (default: the
+        drafter's block size - 1); the pool must have the drafter's layers (`D{j}` labels)."""
         self.config = config
         self.mesh = mesh
         self.params = params if mesh is None else shard_params(params, mesh, config)
@@ -72,7 +82,9 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_pages = -(-max_model_len // pool.page_tokens)
         self.buckets = token_buckets(max_num_batched_tokens)
-        self.layer_group = layer_groups(pool, config.num_hidden_layers)
+        self.speculation = None if drafter is None else self._speculation(drafter[0], num_speculative_tokens, simulated_accept_length)
+        self.drafter_params = None if drafter is None else drafter[1]
+        self.layer_group = layer_groups(pool, config.num_hidden_layers, 0 if drafter is None else drafter[0].num_hidden_layers)
         # A penalty history holds distinct tokens of one sequence: at most max_model_len, and the vocabulary.
         widest = bucket(min(max_model_len, config.vocab_size), PENALTY_WIDTH_MIN)
         self.penalty_widths = tuple(sorted({PENALTY_WIDTH_MIN, widest}))
@@ -91,6 +103,29 @@ class ModelRunner:
         self.decode_only_programs = bool(self.cache.use_kernel)
         self.compilations = 0
         self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+        self._spec_step = jax.jit(self._spec_step_impl, donate_argnums=(2,))
+
+    def _speculation(self, drafter: DrafterConfig, num_drafts: int | None, simulated: float | None) -> Speculation:
+        num_drafts = drafter.num_drafts if num_drafts is None else num_drafts
+        if not 1 <= num_drafts <= drafter.num_drafts:
+            raise ValueError(f"num_speculative_tokens must be in [1, {drafter.num_drafts}] (the drafter's block), got {num_drafts}")
+        if simulated is not None and not 1 <= simulated <= num_drafts + 1:
+            raise ValueError(f"a simulated accept length must be in [1, {num_drafts + 1}], got {simulated}")
+        windows = {drafter.window(i) for i in range(drafter.num_hidden_layers)}
+        # The drafter reads keys with q - k < window for queries up to anchor + K: the pages holding
+        # the window before the anchor (all of the table when a layer keeps the full history).
+        pages = self.max_pages if None in windows else min(self.max_pages, -(-max(windows) // self.page_tokens) + 1)
+        return Speculation(drafter, num_drafts, self.config.num_hidden_layers, pages, simulated)
+
+    def _spec_step_impl(self, params, drafter_params, cache, tokens, positions, batch, logits_at, sampling, spec_inputs):
+        self.compilations += 1
+        cache, out = speculative_step(
+            params, drafter_params, cache, tokens, positions, batch, logits_at, sampling, spec_inputs,
+            config=self.config, spec=self.speculation,
+        )
+        if self.mesh is not None:
+            cache, out = constrain_cache(cache, self.config), replicate(out)
+        return cache, out
 
     def _step_impl(self, params, cache, tokens, positions, batch, logits_at, sampling):
         self.compilations += 1  # runs only when jit traces: one per new shape bucket
@@ -112,29 +147,36 @@ class ModelRunner:
     def execute(
         self, scheduled: Sequence[ScheduledRequest], sampling: SamplingBatch, *, num_tokens: int | None = None,
         decode_only: bool | None = None,
-    ) -> SamplerOutput:
+    ) -> SamplerOutput | SpecOutput:
         """Runs the step; row i of the result belongs to `scheduled[i]` (rows past it are padding).
         `sampling` must have `rows_for(bucket(tokens))` rows and pinned widths (`sampling_widths`).
         `num_tokens` pads the step to at least that many tokens (warm-up). `decode_only` (default:
-        whether every sequence has one token) picks the decode-only program where there is one."""
+        whether every sequence has one token) picks the decode-only program where there is one.
+        With a drafter the result is a `SpecOutput` (a speculating item's drafts are the request's
+        `draft_tokens[:item.num_drafts]`, computed after its last token)."""
         total = max(sum(s.num_tokens for s in scheduled), num_tokens or 0)
         size = self.bucket(total)
         rows = self.rows_for(size)
         if len(scheduled) > rows:
             raise ValueError(f"{len(scheduled)} sequences in a step of at most {rows}")
         groups = len(self.pool.groups)
+        block = 1 if self.speculation is None else self.speculation.block
         tokens = np.zeros(size, np.int32)
         positions = np.zeros(size, np.int32)
         slots = np.full((groups, size), -1, np.int32)
         query_start = np.zeros(rows + 1, np.int32)
         seq_lens = np.zeros(rows, np.int32)
-        logits_at = np.zeros(rows, np.int32)
+        logits_at = np.zeros((rows, block), np.int32)
+        draft_tokens = np.full((rows, block - 1), -1, np.int32)
+        num_drafts = np.zeros(rows, np.int32)
         tables = [np.full((rows, self.max_pages), -1, np.int32) for _ in range(groups)]
         at = 0
         for row, item in enumerate(scheduled):
-            request, start, count = item.request, item.start, item.num_tokens
+            request, start, count, drafts = item.request, item.start, item.num_tokens, item.num_drafts
             span = slice(at, at + count)
-            tokens[span] = request.token_ids[start : start + count]
+            known = count - drafts  # tokens of the request; the rest of the span is its drafts
+            tokens[at : at + known] = request.token_ids[start : start + known]
+            tokens[at + known : at + count] = request.draft_tokens[:drafts]
             positions[span] = np.arange(start, start + count)
             for g in range(groups):
                 table = self.pool.page_table(request.seq_id, g)
@@ -142,10 +184,14 @@ class ModelRunner:
                 slots[g, span] = table[positions[span] // self.page_tokens] * self.page_tokens + (
                     positions[span] % self.page_tokens
                 )
+            # A speculating row's logits at t0 and each draft; any row's last index fills the rest.
+            logits_at[row] = at + count - 1
+            logits_at[row, : drafts + 1] = np.arange(at + known - 1, at + count)
+            draft_tokens[row, :drafts] = request.draft_tokens[:drafts]
+            num_drafts[row] = drafts
             at += count
             query_start[row + 1 :] = at
             seq_lens[row] = start + count
-            logits_at[row] = at - 1
         batch = PagedBatch(
             query_start=jnp.asarray(query_start),
             seq_lens=jnp.asarray(seq_lens),
@@ -154,12 +200,25 @@ class ModelRunner:
             decode_only=self.decode_only_programs
             and (all(item.num_tokens == 1 for item in scheduled) if decode_only is None else decode_only),
         )
+        flat = jnp.asarray(tokens)[None], jnp.asarray(positions)[None], batch
+        if self.speculation is None:
+            out = self.call_step((*flat, jnp.asarray(logits_at[:, 0]), sampling))
+        else:
+            spec_inputs = SpecInputs(jnp.asarray(draft_tokens), jnp.asarray(num_drafts))
+            out = self.call_step((*flat, jnp.asarray(logits_at), sampling, spec_inputs))
+        return jax.tree.map(np.asarray, out)
+
+    def call_step(self, inputs: tuple):
+        """The one compiled call of a step: `inputs` are the program's arguments after the
+        parameters and the cache (a pytree of arrays; static flags in its structure). Every compiled
+        call goes through here, so that on several processes rank 0 can hand the same inputs to the
+        others (serving/multihost.py replaces this on rank 0 and calls it on the rest)."""
         with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
-            self.cache, out = self._step(
-                self.params, self.cache, jnp.asarray(tokens)[None], jnp.asarray(positions)[None], batch,
-                jnp.asarray(logits_at), sampling,
-            )
-        return SamplerOutput(*(np.asarray(a) for a in out))
+            if self.speculation is None:
+                self.cache, out = self._step(self.params, self.cache, *inputs)
+            else:
+                self.cache, out = self._spec_step(self.params, self.drafter_params, self.cache, *inputs)
+        return out
 
     def warmup(self) -> None:
         """Compiles every token bucket at every penalty width (and, with a decode kernel, as a mixed

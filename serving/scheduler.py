@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from serving.kv_cache import KVPool, PoolExhausted
 from serving.prefix_cache import PrefixCache
@@ -53,6 +53,9 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    # Speculative decoding: tokens the drafter proposed after the last output token, verified by the
+    # request's next decode step (the engine sets them; they are never part of `token_ids`).
+    draft_tokens: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -71,12 +74,13 @@ class Request:
 class ScheduledRequest:
     request: Request
     start: int  # first position computed this step (= num_computed before the step)
-    num_tokens: int  # tokens computed this step
+    num_tokens: int  # tokens computed this step, the drafts included
+    num_drafts: int = 0  # the last `num_drafts` of them are drafts being verified (request.draft_tokens)
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the request's last known token, so its sample is the next token."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        return self.start + self.num_tokens - self.num_drafts == self.request.num_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +162,8 @@ class Scheduler:
             if budget == 0 or len(scheduled) == self.max_num_seqs:
                 break
             count = self._chunk(request, budget)
+            drafts = self._drafts(request, budget - count)
+            count += drafts
             while not self._grow(request, count):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -165,7 +171,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append(ScheduledRequest(request, request.num_computed, count))
+                scheduled.append(ScheduledRequest(request, request.num_computed, count, drafts))
                 budget -= count
 
         # New requests only when nothing had to give way this step (it would just thrash). A request
@@ -197,11 +203,16 @@ class Scheduler:
             budget -= count
         return SchedulerOutput(tuple(scheduled), tuple(preempted), tuple(finished))
 
-    def update(self, output: SchedulerOutput) -> None:
-        """After the step ran: the scheduled tokens now have their KV in the cache."""
-        for item in output.scheduled:
+    def update(self, output: SchedulerOutput, num_accepted: Sequence[int] | None = None) -> None:
+        """After the step ran: the scheduled tokens now have their KV in the cache, except rejected
+        drafts: item i kept `num_accepted[i]` of its drafts, and the sequence is cut after them
+        (their pages go back; the rest of the last page is overwritten before it is read)."""
+        for i, item in enumerate(output.scheduled):
             request = item.request
-            request.num_computed = item.start + item.num_tokens
+            kept = item.num_tokens - item.num_drafts + (num_accepted[i] if item.num_drafts else 0)
+            request.num_computed = item.start + kept
+            if kept < item.num_tokens:
+                self.pool.truncate(request.seq_id, request.num_computed)
             if self.prefix_cache is not None and request.num_computed == len(request.prompt_ids):
                 self.prefix_cache.insert(request.seq_id, request.prompt_ids)
 
@@ -210,6 +221,12 @@ class Scheduler:
     def _chunk(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed
         return min(remaining, budget, self.max_prefill_chunk)
+
+    def _drafts(self, request: Request, budget: int) -> int:
+        """How many of its drafts a decoding request verifies this step (what the budget leaves)."""
+        if request.num_computed != request.num_tokens - 1:
+            return 0
+        return min(len(request.draft_tokens), budget)
 
     def _grow(self, request: Request, count: int) -> bool:
         try:
@@ -255,6 +272,7 @@ class Scheduler:
         self.running.remove(request)
         self._release(request, offer=True)
         request.num_computed = 0
+        request.draft_tokens = []  # recomputed from its tokens, it drafts again after its prompt
         request.status = Status.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1

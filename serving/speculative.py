@@ -75,7 +75,7 @@ class VerifyOutput(NamedTuple):
     num_accepted: Int[Array, " batch"]  # drafts accepted, in [0, num_draft_tokens]
 
 
-def _keys(key_data: UInt32[Array, "batch 2"], steps: Int[Array, "batch n"], stream: int | None = None):
+def request_keys(key_data: UInt32[Array, "batch 2"], steps: Int[Array, "batch n"], stream: int | None = None):
     """Typed threefry keys `fold_in(request key, step)` (then `fold_in(., stream)` if given),
     `[batch, n]`. One flat vmap: nested vmaps of threefry compile markedly slower on CPU."""
     batch, n = steps.shape
@@ -92,7 +92,7 @@ def stream_key_data(
     """Key data of `fold_in(fold_in(request key, step), stream)` for each row and output index: the
     acceptance uniforms use `ACCEPT_STREAM`; a drafter sampling draft j should use `DRAFT_STREAM` at
     index `steps + j`."""
-    return jax.random.key_data(_keys(rng_key_data, steps, stream))
+    return jax.random.key_data(request_keys(rng_key_data, steps, stream))
 
 
 def _draw(keys, draw):
@@ -148,7 +148,7 @@ def _accepted_count(accept: Bool[Array, "batch k"]) -> Int[Array, " batch"]:
     return jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
 
 
-def _emit(
+def emit_tokens(
     draft_tokens: Int[Array, "batch k"], target_tokens: Int[Array, "batch k1"], num_accepted: Int[Array, " batch"]
 ) -> Int[Array, "batch k1"]:
     """Accepted drafts, then the target's token at index `num_accepted`, then padding."""
@@ -174,11 +174,11 @@ def _verify_sampled(logits, draft_tokens, valid, rows, draft_probs):
     q_draft = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]
 
     steps = rows.steps[:, None] + jnp.arange(k1)[None, :]
-    uniform = _draw(_keys(rows.rng_key_data, steps[:, :-1], ACCEPT_STREAM), lambda key: jax.random.uniform(key))
+    uniform = _draw(request_keys(rows.rng_key_data, steps[:, :-1], ACCEPT_STREAM), lambda key: jax.random.uniform(key))
     # u < p/q without dividing: q(x) = 0 < p(x) accepts, p(x) = 0 always rejects.
     num_accepted = _accepted_count(valid & (uniform * q_draft < p_draft))
 
-    noise = _draw(_keys(rows.rng_key_data, steps), lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))
+    noise = _draw(request_keys(rows.rng_key_data, steps), lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))
     residual = residual_distribution(p[:, :-1], q)
     # A residual with no mass (p == q up to rounding) cannot be reached by a real rejection: use p.
     residual_log = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, jnp.log(residual), kept[:, :-1])
@@ -219,4 +219,4 @@ def verify(
         return (jnp.where(greedy[:, None], greedy_final, final), jnp.where(greedy, greedy_accepted, accepted))
 
     final, num_accepted = jax.lax.cond(jnp.all(greedy), lambda: (greedy_final, greedy_accepted), mixed)
-    return VerifyOutput(_emit(draft_tokens, final, num_accepted), num_accepted.astype(jnp.int32))
+    return VerifyOutput(emit_tokens(draft_tokens, final, num_accepted), num_accepted.astype(jnp.int32))

@@ -1,0 +1,178 @@
+"""Speculative decoding in the engine (serving/speculative_step.py) on fp32 beam-tiny with a random
+DFlash2 drafter: greedy outputs are token-identical to the plain engine, with the drafter's own
+drafts (which a random drafter almost never gets right) and with oracle drafts (the plain engine's
+continuation, corrupted at random points) that get whole blocks accepted and rolled back, through
+chunked prefill, prompts past the sliding window, prefix hits, preemption, max_tokens and stop
+tokens inside a block; the drafts the step proposes from its paged context equal the drafter run on
+the contiguous context; simulated acceptance hits the set length and says it is simulated; bad
+speculative settings are refused."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import beam_jax
+from beam_jax import drafter as D
+from beam_jax.model import forward
+from serving.engine import EngineConfig, LLMEngine
+from serving.sampling import SamplingParams
+from serving.speculative_step import target_embedding_and_head
+from tests.serving.test_engine import random_prompts, run
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+DRAFTER = D.drafter_tiny()  # block 4: 3 drafts; window 24 (shorter than the prompts)
+SMALL = dict(max_num_seqs=6, max_num_batched_tokens=64, max_prefill_chunk=16, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def beam():
+    return beam_jax.load("beam-tiny", dtype=jnp.float32, seed=4)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("drafter")
+    D.save_drafter(path, DRAFTER, D.init_drafter_params(DRAFTER, seed=3, dtype=jnp.float32))
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(0)
+
+
+@pytest.fixture(scope="module")
+def expected(beam, prompts):
+    return run(LLMEngine(beam, config=EngineConfig(**SMALL)), prompts)
+
+
+def speculative_engine(beam, draft_dir, **overrides) -> LLMEngine:
+    return LLMEngine(beam, config=EngineConfig(**(SMALL | overrides), speculative="dflash", draft_model=str(draft_dir)))
+
+
+def feed_oracle_drafts(engine: LLMEngine, continuations: dict[str, list[int]], seed: int) -> None:
+    """Replace the drafter's proposals by the plain engine's continuation, each draft corrupted with
+    probability 0.3 (so blocks are accepted whole, in part, or not at all)."""
+    rng = np.random.default_rng(seed)
+    choose = engine._next_drafts
+
+    def oracle(tracked, drafts):
+        done = len(tracked.request.output_ids)
+        truth = continuations[tracked.request.request_id][done : done + len(drafts)]
+        truth = truth + [7] * (len(drafts) - len(truth))
+        noisy = [t if rng.random() > 0.3 else (t + 1) % engine.vocab_size for t in truth]
+        return choose(tracked, np.asarray(noisy))
+
+    engine._next_drafts = oracle
+
+
+def test_random_drafter_is_lossless(beam, draft_dir, prompts, expected):
+    engine = speculative_engine(beam, draft_dir)
+    assert run(engine, prompts) == expected
+    stats = engine.stats()
+    assert stats["spec_blocks"] > 0 and stats["spec_draft_tokens"] > 0
+    assert not stats["spec_simulated"]
+
+
+def test_accepted_blocks_are_lossless_through_preemption_and_prefix_hits(beam, draft_dir, prompts, expected):
+    # 60 pages force preemption (test_engine: 54 for 3 cache groups; the drafter adds a fourth).
+    engine = speculative_engine(beam, draft_dir, num_pages=60)
+    feed_oracle_drafts(engine, expected, seed=0)
+    assert run(engine, prompts) == expected
+    stats = engine.stats()
+    assert stats["spec_accepted_tokens"] > 0.4 * stats["spec_draft_tokens"], stats
+    assert 0 < stats["spec_acceptance_by_position"][-1] < 1
+    assert stats["preemptions"] > 0 and engine.prefix_cache.stats.hit_tokens > 0
+    engine.pool.check_invariants()
+    assert engine.pool.seq_ids == []  # every sequence's pages went back (cached prefixes aside)
+
+
+def test_stop_token_and_max_tokens_inside_a_block(beam, draft_dir, prompts, expected):
+    long = {rid: expected[rid] for rid in ("r0", "r2")}
+    stop_at = long["r2"][6]  # r2 stops at the first occurrence of its 7th token
+    cut = long["r2"].index(stop_at) + 1
+    engine = speculative_engine(beam, draft_dir)
+    feed_oracle_drafts(engine, long, seed=1)
+    engine.add_request("r0", prompts[0], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
+    engine.add_request("r2", prompts[2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                         stop_token_ids=(stop_at,)))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({out.request_id: out.outputs[0] for out in engine.step() if out.finished})
+    assert finished["r0"].token_ids == long["r0"][:7] and finished["r0"].finish_reason == "length"
+    assert finished["r2"].token_ids == long["r2"][:cut] and finished["r2"].finish_reason == "stop"
+    assert engine.stats()["spec_accepted_tokens"] > 0
+
+
+def test_proposed_drafts_equal_the_drafter_on_the_contiguous_context(beam, draft_dir, prompts):
+    """After a prompt's last chunk, the drafts the step stored come from the paged drafter context:
+    the same as `propose` over `context_kv` of a plain forward of the whole prompt."""
+    engine = speculative_engine(beam, draft_dir)
+    prompt = prompts[2]  # 150 tokens: 3 chunks of up to 64, well past the drafter's window of 24
+    engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    while not engine.scheduler.running or engine.scheduler.running[0].output_ids == []:
+        engine.step()
+    request = engine.scheduler.running[0]
+    [anchor] = request.output_ids
+
+    config, params = D.load_drafter(draft_dir, dtype=jnp.float32)
+    tokens = jnp.asarray(prompt)[None]
+    positions = jnp.arange(len(prompt))[None]
+    hidden = forward(beam.params, tokens, positions, config=beam.config, hidden_layers=config.target_layer_ids)
+    context = D.context_kv(params, jnp.concatenate(hidden.hidden_states, -1), positions, config=config)
+    embed, head = target_embedding_and_head(beam.params, beam.config)
+    proposal = D.propose(
+        params, jnp.asarray([anchor]), jnp.asarray([len(prompt)]), context,
+        embed_weight=embed, lm_head_weight=head, config=config,
+    )
+    assert request.draft_tokens == proposal.tokens[0].tolist()
+
+
+def test_simulated_acceptance_hits_the_set_length(beam, draft_dir, prompts):
+    engine = LLMEngine(beam, config=EngineConfig(**SMALL, speculative="dflash", draft_model=str(draft_dir),
+                                                 simulated_accept_length=2.5))
+    run(engine, prompts[:4], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    stats = engine.stats()
+    assert stats["spec_simulated"]
+    assert stats["spec_blocks"] > 40
+    assert abs(stats["spec_mean_accept_length"] - 2.5) < 0.25, stats
+
+
+def test_sampling_requests_speculate_and_are_reproducible(beam, draft_dir, prompts):
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, ignore_eos=True, seed=11)
+    outputs = []
+    for _ in range(2):
+        engine = speculative_engine(beam, draft_dir)
+        outputs.append(run(engine, prompts[:3], params))
+        assert engine.stats()["spec_blocks"] > 0
+    assert outputs[0] == outputs[1]
+    assert all(len(tokens) == 16 for tokens in outputs[0].values())
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(speculative="medusa", draft_model="x"), "unknown speculative method 'medusa'"),
+        (dict(speculative="dflash"), "needs a draft_model"),
+        (dict(draft_model="x"), "draft_model is set but speculative decoding is not"),
+        (dict(speculative="dflash", draft_model="/nonexistent/drafter"), "is not a directory"),
+    ],
+)
+def test_bad_speculative_settings_are_refused(beam, settings, message):
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        LLMEngine(beam, config=EngineConfig(**SMALL, **settings))
+
+
+def test_incompatible_drafter_is_refused(beam, tmp_path):
+    wrong = DRAFTER.replace(num_key_value_heads=4, num_attention_heads=4, head_dim=8, target_layer_ids=(1, 9))
+    D.save_drafter(tmp_path, wrong, D.init_drafter_params(wrong, dtype=jnp.float32))
+    with pytest.raises(ValueError, match=r"target_layer_ids \[9\] are not layers.*KV heads x head_dim 4x8 != the target.s 2x16"):
+        LLMEngine(beam, config=EngineConfig(**SMALL, speculative="dflash", draft_model=str(tmp_path)))
+
+
+def test_num_speculative_tokens_beyond_the_block_is_refused(beam, draft_dir):
+    with pytest.raises(ValueError, match=r"num_speculative_tokens must be in \[1, 3\]"):
+        LLMEngine(beam, config=EngineConfig(**SMALL, speculative="dflash", draft_model=str(draft_dir),
+                                            num_speculative_tokens=4))
