@@ -25,8 +25,8 @@ from jax.sharding import AbstractMesh
 import beam_jax
 from beam_jax.api import Beam, checkpoint_dir, quantize, quantized_expert_format
 from beam_jax.config import PRESETS, BeamConfig, preset
-from beam_jax.drafter import load_drafter
-from beam_jax.model import flat_params
+from beam_jax.drafter import DrafterConfig, load_drafter
+from beam_jax.model import Params, flat_params
 from beam_jax.quant.convert import quantization_config_for
 from beam_jax.sharding import AXES, check_mesh, make_mesh
 from serving.grammar import GrammarBackend, Matcher
@@ -239,7 +239,12 @@ class EngineMetrics:
 
 
 class LLMEngine:
-    def __init__(self, model: str | Beam = "beam-tiny", *, config: EngineConfig | None = None, dtype=None, seed: int = 0):
+    def __init__(
+        self, model: str | Beam = "beam-tiny", *, config: EngineConfig | None = None, dtype=None, seed: int = 0,
+        drafter: tuple[DrafterConfig, Params] | None = None,
+    ):
+        """`drafter`: a drafter already in memory (its config and parameters), for
+        `config.speculative` instead of a `config.draft_model` checkpoint."""
         config = config or EngineConfig()
         served = _served_config(model, config.quantization)  # refuses what cannot be served before loading
         if (config.tp, config.ep) != (1, 1) and served is not None:
@@ -257,7 +262,7 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len} exceeds the model's {model_config.max_position_embeddings} positions"
             )
         compute_dtype = flat_params(self.beam.params)["model.embed_tokens.weight"].dtype
-        drafter = self._load_drafter(config, model_config, compute_dtype)
+        drafter = self._load_drafter(config, model_config, compute_dtype, drafter)
         drafter_spec = None if drafter is None else drafter_memory_spec(*drafter)
         pages_per_seq = -(-self.max_model_len // config.page_tokens)
         num_pages = config.num_pages or config.max_num_seqs * pages_per_seq * len(
@@ -295,23 +300,27 @@ class LLMEngine:
         self._grammar_backend: GrammarBackend | None = None
 
     @staticmethod
-    def _load_drafter(config: EngineConfig, model_config: BeamConfig, dtype):
+    def _load_drafter(config: EngineConfig, model_config: BeamConfig, dtype, drafter):
         """The drafter (config, params) that `config` asks for, checked against the model; None without."""
         if config.speculative is None:
             for name in ("draft_model", "num_speculative_tokens", "simulated_accept_length"):
                 if getattr(config, name) is not None:
                     raise ValueError(f"{name} is set but speculative decoding is not (speculative='dflash')")
+            if drafter is not None:
+                raise ValueError("a drafter is given but speculative decoding is not (speculative='dflash')")
             return None
         if config.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"unknown speculative method {config.speculative!r}; known: {', '.join(SPECULATIVE_METHODS)}")
-        if config.draft_model is None:
-            raise ValueError(f"speculative={config.speculative!r} needs a draft_model (a drafter checkpoint directory)")
-        path = checkpoint_dir(config.draft_model)
-        if path is None:
-            raise FileNotFoundError(f"draft model {config.draft_model!r} is not a directory")
-        drafter_config, params = load_drafter(path, dtype=dtype)
-        check_drafter(drafter_config, model_config)
-        return drafter_config, params
+        if (config.draft_model is None) == (drafter is None):
+            raise ValueError(f"speculative={config.speculative!r} needs a draft_model (a drafter checkpoint directory)"
+                             " or an in-memory drafter, not both")
+        if drafter is None:
+            path = checkpoint_dir(config.draft_model)
+            if path is None:
+                raise FileNotFoundError(f"draft model {config.draft_model!r} is not a directory")
+            drafter = load_drafter(path, dtype=dtype)
+        check_drafter(drafter[0], model_config)
+        return drafter
 
     @property
     def grammar_backend(self) -> GrammarBackend:

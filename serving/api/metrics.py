@@ -45,6 +45,10 @@ class Metrics:
                                            engine_stats["prefix_hit_rate"]),
             "beam_spec_decode_acceptance_rate": ("Accepted / proposed draft tokens (0 without a drafter).",
                                                  engine_stats.get("spec_acceptance_rate", 0.0)),
+            "beam_spec_decode_mean_accept_length": ("Tokens emitted per verified block (0 without a drafter).",
+                                                    engine_stats.get("spec_mean_accept_length", 0.0)),
+            "beam_spec_decode_simulated": ("1 if acceptance is simulated (benchmark mode, not the drafter's).",
+                                           int(engine_stats.get("spec_simulated", False))),
         }
         counters = {
             "beam_requests_started_total": ("Requests received.", self.requests_started),
@@ -56,4 +60,8 @@ class Metrics:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value}"]
         for name, (help_text, value) in counters.items():
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
+        if by_position := engine_stats.get("spec_acceptance_by_position"):
+            name = "beam_spec_decode_acceptance_by_position"
+            lines += [f"# HELP {name} Fraction of blocks whose draft at this position was accepted.", f"# TYPE {name} gauge"]
+            lines += [f'{name}{{position="{j}"}} {rate}' for j, rate in enumerate(by_position)]
         return "\n".join(lines) + "\n"
