@@ -60,6 +60,20 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="quantize a bf16 checkpoint's experts as it loads: fp8 (per channel) or nvfp4 (default: as stored)",
     )
+    # Several nodes (serving/multihost.py): named as SGLang's, which vLLM's multi-node flags follow.
+    p.add_argument(
+        "--nnodes", type=int, default=1, help="processes (one per node or tray) serving one mesh (default: 1)"
+    )
+    p.add_argument(
+        "--node-rank", type=int, default=0, help="this process's rank; rank 0 serves HTTP, the others follow it"
+    )
+    p.add_argument(
+        "--coordinator",
+        "--dist-init-addr",
+        dest="coordinator",
+        default=None,
+        help="HOST:PORT of rank 0's jax.distributed coordinator, the same on every node (default: $JAX_COORDINATOR_ADDRESS)",
+    )
     p.add_argument("--log-level", default="info")
     return p
 
@@ -92,12 +106,26 @@ def build_engine(args: argparse.Namespace):
         raise SystemExit(f"error: {error}") from None
 
 
-def build_server(args: argparse.Namespace):
-    """The FastAPI app around the warmed-up engine (every token bucket compiled)."""
+def start_processes(args: argparse.Namespace):
+    """With `--nnodes` > 1, joins the other nodes' processes (`jax.distributed`, before anything
+    touches a device); bad settings exit with the reason. Returns the `multihost.Launch`."""
+    from serving import multihost
+
+    try:
+        launch = multihost.launch_settings(args.nnodes, args.node_rank, args.coordinator)
+        multihost.initialize(launch, tp=args.tp, ep=args.ep)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+    return launch
+
+
+def build_server(args: argparse.Namespace, engine=None):
+    """The FastAPI app around the warmed-up engine (every token bucket compiled); `engine` defaults
+    to `build_engine(args)`."""
     from serving.api.app import build_app
     from serving.async_engine import AsyncEngine
 
-    engine = build_engine(args)
+    engine = engine or build_engine(args)
     print(f"beam-serve: compiling the step for {len(engine.runner.buckets)} token buckets...", file=sys.stderr)
     engine.warmup()
     return build_app(
@@ -105,15 +133,54 @@ def build_server(args: argparse.Namespace):
     )
 
 
+def follow(args: argparse.Namespace, launch) -> int:
+    """A rank > 0: load the model onto the shared mesh, then run the steps rank 0 sends until it stops."""
+    from serving import multihost
+
+    engine = build_engine(args)
+    print(f"beam-serve: node {launch.node_rank} of {launch.nnodes}: following node 0's steps", file=sys.stderr)
+    calls = multihost.follow(engine.runner)
+    print(f"beam-serve: node {launch.node_rank}: node 0 stopped after {calls} compiled calls", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    launch = start_processes(args)
+    return serve(args, launch) if launch.is_leader else follow(args, launch)
+
+
+def serve(args: argparse.Namespace, launch) -> int:
+    """Rank 0: the HTTP server. With other ranks, every compiled call is sent to them too (from
+    warm-up on, so that they compile the same programs), and they are released however it stops."""
+    import signal
+
     import uvicorn
 
-    app = build_server(args)
-    where = f" on {args.tp * args.ep} devices (tp={args.tp}, ep={args.ep})" if args.tp * args.ep > 1 else ""
-    print(f"beam-serve: serving {args.model}{where} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    from serving import multihost
+
+    engine = build_engine(args)
+    leader = multihost.Leader(engine.runner) if launch.nnodes > 1 else None
+    if leader is not None:
+        # uvicorn re-raises the signal that stopped it once it has shut down: SIGTERM as KeyboardInterrupt
+        # (as SIGINT already is) lets the `finally` below release the followers before the process ends.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+    app = None
+    try:
+        app = build_server(args, engine)
+        where = f" on {args.tp * args.ep} devices (tp={args.tp}, ep={args.ep})" if args.tp * args.ep > 1 else ""
+        where += f" of {launch.nnodes} nodes" if leader is not None else ""
+        print(f"beam-serve: serving {args.model}{where} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    except KeyboardInterrupt:
+        if leader is None:
+            raise
+    finally:
+        if leader is not None:
+            if app is not None:
+                app.state.server.engine.shutdown()  # the engine thread's last step ends before the STOP
+            leader.stop()
     return 0
 
 
