@@ -193,19 +193,20 @@ class ModelRunner:
             query_start[row + 1 :] = at
             seq_lens[row] = start + count
         batch = PagedBatch(
-            query_start=jnp.asarray(query_start),
-            seq_lens=jnp.asarray(seq_lens),
-            page_tables=tuple(jnp.asarray(t) for t in tables),
-            slot_mappings=tuple(jnp.asarray(s) for s in slots),
+            query_start=query_start,
+            seq_lens=seq_lens,
+            page_tables=tuple(tables),
+            slot_mappings=tuple(slots),
             decode_only=self.decode_only_programs
             and (all(item.num_tokens == 1 for item in scheduled) if decode_only is None else decode_only),
         )
-        flat = jnp.asarray(tokens)[None], jnp.asarray(positions)[None], batch
+        # Host arrays go to the program as numpy: jit moves them in one transfer each (a jnp.asarray
+        # per array costs more host time than the whole step of a small model).
+        flat = tokens[None], positions[None], batch
         if self.speculation is None:
-            out = self.call_step((*flat, jnp.asarray(logits_at[:, 0]), sampling))
+            out = self.call_step((*flat, logits_at[:, 0].copy(), sampling))
         else:
-            spec_inputs = SpecInputs(jnp.asarray(draft_tokens), jnp.asarray(num_drafts))
-            out = self.call_step((*flat, jnp.asarray(logits_at), sampling, spec_inputs))
+            out = self.call_step((*flat, logits_at, sampling, SpecInputs(draft_tokens, num_drafts)))
         return jax.tree.map(np.asarray, out)
 
     def call_step(self, inputs: tuple):

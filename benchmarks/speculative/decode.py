@@ -3,9 +3,9 @@ drafter and with a DFlash2 drafter at its measured acceptance and at simulated a
 (`EngineConfig.simulated_accept_length`: the SGLang report's way to show throughput at a fixed
 accept length; its text is not the model's), all in one run over the same target weights.
 
-Each run: `batch` requests with `--prompt` random prompt tokens, `--tokens` new tokens each (greedy,
-eos ignored). Timed from the step after every request has its first token to the last token, so
-prefill is left out: decode tokens / seconds. Before each timed run an identical short run compiles
+Each run: `batch` requests with `--prompt` random prompt tokens (greedy, eos ignored), timed in
+steady state: from the step after every request has its first token until each has `--tokens` more
+(prefill, admission and finishing are left out): decode tokens / seconds. Before each timed run an identical short run compiles
 the programs it uses. Random weights (target and drafter) are drawn on the device.
 
 Usage: python benchmarks/speculative/decode.py [--model beam-tp8-slice] [--layers 8] [--batch 1,8]
@@ -25,15 +25,15 @@ import numpy as np
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks", "engine"))
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from mixed import random_beam  # noqa: E402
+import jax
+import jax.numpy as jnp
+from mixed import random_beam
 
-from beam_jax import drafter as D  # noqa: E402
-from beam_jax.api import default_dtype  # noqa: E402
-from beam_jax.config import BeamConfig  # noqa: E402
-from serving.engine import EngineConfig, LLMEngine  # noqa: E402
-from serving.sampling import SamplingParams  # noqa: E402
+from beam_jax import drafter as D
+from beam_jax.api import default_dtype
+from beam_jax.config import BeamConfig
+from serving.engine import EngineConfig, LLMEngine
+from serving.sampling import SamplingParams
 
 
 def drafter_for(target: BeamConfig) -> D.DrafterConfig:
@@ -65,26 +65,35 @@ def random_drafter(config: D.DrafterConfig, seed: int = 1):
 
 
 def decode_run(engine: LLMEngine, batch: int, prompt: int, tokens: int, seed: int) -> dict:
+    """Steady-state decode: timed from the step after every request has its first token until each
+    has `tokens` more (no request finishes or starts inside the window, so every timed step is one
+    program at one shape); then the requests are aborted."""
     rng = np.random.default_rng(seed)
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"r{seed}-{i}", rng.integers(16, engine.vocab_size, prompt).tolist(), params)
-    while any(not r.output_ids for r in engine.scheduler.running + engine.scheduler.waiting):
+    params = SamplingParams(temperature=0, ignore_eos=True)  # runs until aborted (or the context ends)
+    ids = [f"r{seed}-{i}" for i in range(batch)]
+    for request_id in ids:
+        engine.add_request(request_id, rng.integers(16, engine.vocab_size, prompt).tolist(), params)
+    requests = lambda: engine.scheduler.running + engine.scheduler.waiting
+    while any(not r.output_ids for r in requests()):
         engine.step()
+    start_counts = {r.request_id: len(r.output_ids) for r in requests()}
     before = engine.metrics.generated_tokens
-    blocks_before = engine.metrics.spec.snapshot() if engine.metrics.spec else None
+    spec_before = engine.metrics.spec.snapshot() if engine.metrics.spec else None
     steps, started = 0, time.monotonic()
-    while engine.has_unfinished_requests():
-        engine.step()
+    while min(len(r.output_ids) - start_counts[r.request_id] for r in requests()) < tokens:
+        if any(out.finished for out in engine.step()):
+            raise RuntimeError("a request finished inside the timed window: raise --max-model-len")
         steps += 1
     seconds = time.monotonic() - started
     generated = engine.metrics.generated_tokens - before
+    for request_id in ids:
+        engine.abort_request(request_id)
     run = {"decode_tokens": generated, "decode_s": seconds, "steps": steps, "tokens_per_s": generated / seconds,
            "step_ms": 1e3 * seconds / steps}
-    if blocks_before is not None:
+    if spec_before is not None:
         after = engine.metrics.spec.snapshot()
-        blocks = after["spec_blocks"] - blocks_before["spec_blocks"]
-        accepted = after["spec_accepted_tokens"] - blocks_before["spec_accepted_tokens"]
+        blocks = after["spec_blocks"] - spec_before["spec_blocks"]
+        accepted = after["spec_accepted_tokens"] - spec_before["spec_accepted_tokens"]
         run |= {"accept_length": (accepted + blocks) / blocks if blocks else 0.0, "simulated": after["spec_simulated"]}
     return run
 
@@ -113,7 +122,7 @@ def main():
             spec = {} if name == "plain" else {"speculative": "dflash", "simulated_accept_length": simulated}
             budget = batch * drafter[0].block_size
             engine = LLMEngine(target, config=EngineConfig(
-                max_num_seqs=batch, max_num_batched_tokens=max(budget, 64), max_model_len=args.prompt + args.tokens + 64,
+                max_num_seqs=batch, max_num_batched_tokens=max(budget, 64), max_model_len=args.prompt + 16 * args.tokens,
                 **spec), drafter=drafter if spec else None)
             compile_started = time.monotonic()
             decode_run(engine, batch, args.prompt, 24, seed=1)  # compiles what the timed run uses

@@ -5,25 +5,30 @@ continuation, corrupted at random points) that get whole blocks accepted and rol
 chunked prefill, prompts past the sliding window, prefix hits, preemption, max_tokens and stop
 tokens inside a block; the drafts the step proposes from its paged context equal the drafter run on
 the contiguous context; simulated acceptance hits the set length and says it is simulated; bad
-speculative settings are refused."""
+speculative settings are refused, by the engine and by `beam-serve`'s flags; the server streams
+speculative output and reports acceptance in /metrics."""
 
 from __future__ import annotations
 
+import httpx
 import jax.numpy as jnp
 import numpy as np
+import openai
 import pytest
 
 import beam_jax
 from beam_jax import drafter as D
 from beam_jax.model import forward
+from serving.cli import build_engine, parser
 from serving.engine import EngineConfig, LLMEngine
 from serving.sampling import SamplingParams
 from serving.speculative_step import target_embedding_and_head
+from tests.serving.live_server import live_server, pool_is_free
 from tests.serving.test_engine import random_prompts, run
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 DRAFTER = D.drafter_tiny()  # block 4: 3 drafts; window 24 (shorter than the prompts)
-SMALL = dict(max_num_seqs=6, max_num_batched_tokens=64, max_prefill_chunk=16, max_model_len=256)
+SMALL = {"max_num_seqs": 6, "max_num_batched_tokens": 64, "max_prefill_chunk": 16, "max_model_len": 256}
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +57,18 @@ def speculative_engine(beam, draft_dir, **overrides) -> LLMEngine:
     return LLMEngine(beam, config=EngineConfig(**(SMALL | overrides), speculative="dflash", draft_model=str(draft_dir)))
 
 
+@pytest.fixture(scope="module")
+def engine(beam, draft_dir):
+    """One speculative engine for the tests that leave it idle (compiling is most of their time)."""
+    return speculative_engine(beam, draft_dir)
+
+
 def feed_oracle_drafts(engine: LLMEngine, continuations: dict[str, list[int]], seed: int) -> None:
     """Replace the drafter's proposals by the plain engine's continuation, each draft corrupted with
-    probability 0.3 (so blocks are accepted whole, in part, or not at all)."""
+    probability 0.3 (so blocks are accepted whole, in part, or not at all). Undone by deleting
+    `engine._next_drafts`."""
     rng = np.random.default_rng(seed)
-    choose = engine._next_drafts
+    choose = type(engine)._next_drafts.__get__(engine)
 
     def oracle(tracked, drafts):
         done = len(tracked.request.output_ids)
@@ -68,8 +80,7 @@ def feed_oracle_drafts(engine: LLMEngine, continuations: dict[str, list[int]], s
     engine._next_drafts = oracle
 
 
-def test_random_drafter_is_lossless(beam, draft_dir, prompts, expected):
-    engine = speculative_engine(beam, draft_dir)
+def test_random_drafter_is_lossless(engine, prompts, expected):
     assert run(engine, prompts) == expected
     stats = engine.stats()
     assert stats["spec_blocks"] > 0 and stats["spec_draft_tokens"] > 0
@@ -89,11 +100,11 @@ def test_accepted_blocks_are_lossless_through_preemption_and_prefix_hits(beam, d
     assert engine.pool.seq_ids == []  # every sequence's pages went back (cached prefixes aside)
 
 
-def test_stop_token_and_max_tokens_inside_a_block(beam, draft_dir, prompts, expected):
+def test_stop_token_and_max_tokens_inside_a_block(engine, prompts, expected):
     long = {rid: expected[rid] for rid in ("r0", "r2")}
     stop_at = long["r2"][6]  # r2 stops at the first occurrence of its 7th token
     cut = long["r2"].index(stop_at) + 1
-    engine = speculative_engine(beam, draft_dir)
+    accepted_before = engine.stats()["spec_accepted_tokens"]
     feed_oracle_drafts(engine, long, seed=1)
     engine.add_request("r0", prompts[0], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
     engine.add_request("r2", prompts[2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
@@ -103,13 +114,14 @@ def test_stop_token_and_max_tokens_inside_a_block(beam, draft_dir, prompts, expe
         finished.update({out.request_id: out.outputs[0] for out in engine.step() if out.finished})
     assert finished["r0"].token_ids == long["r0"][:7] and finished["r0"].finish_reason == "length"
     assert finished["r2"].token_ids == long["r2"][:cut] and finished["r2"].finish_reason == "stop"
-    assert engine.stats()["spec_accepted_tokens"] > 0
+    assert engine.stats()["spec_accepted_tokens"] > accepted_before
+    del engine._next_drafts
 
 
-def test_proposed_drafts_equal_the_drafter_on_the_contiguous_context(beam, draft_dir, prompts):
-    """After a prompt's last chunk, the drafts the step stored come from the paged drafter context:
-    the same as `propose` over `context_kv` of a plain forward of the whole prompt."""
-    engine = speculative_engine(beam, draft_dir)
+def test_proposed_drafts_equal_the_drafter_on_the_contiguous_context(engine, beam, draft_dir, prompts):
+    """After a prompt's last chunk, the drafts the step stored come from the paged drafter context
+    (partly written by earlier requests: the prompt hits the prefix cache): the same as `propose`
+    over `context_kv` of a plain forward of the whole prompt."""
     prompt = prompts[2]  # 150 tokens: 3 chunks of up to 64, well past the drafter's window of 24
     engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     while not engine.scheduler.running or engine.scheduler.running[0].output_ids == []:
@@ -128,6 +140,7 @@ def test_proposed_drafts_equal_the_drafter_on_the_contiguous_context(beam, draft
         embed_weight=embed, lm_head_weight=head, config=config,
     )
     assert request.draft_tokens == proposal.tokens[0].tolist()
+    engine.abort_request("p")
 
 
 def test_simulated_acceptance_hits_the_set_length(beam, draft_dir, prompts):
@@ -140,24 +153,23 @@ def test_simulated_acceptance_hits_the_set_length(beam, draft_dir, prompts):
     assert abs(stats["spec_mean_accept_length"] - 2.5) < 0.25, stats
 
 
-def test_sampling_requests_speculate_and_are_reproducible(beam, draft_dir, prompts):
+def test_sampling_requests_speculate_and_are_reproducible(engine, prompts):
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, ignore_eos=True, seed=11)
-    outputs = []
-    for _ in range(2):
-        engine = speculative_engine(beam, draft_dir)
-        outputs.append(run(engine, prompts[:3], params))
-        assert engine.stats()["spec_blocks"] > 0
-    assert outputs[0] == outputs[1]
-    assert all(len(tokens) == 16 for tokens in outputs[0].values())
+    blocks_before = engine.stats()["spec_blocks"]
+    first = run(engine, prompts[:3], params, ids=["s0", "s1", "s2"])
+    assert engine.stats()["spec_blocks"] > blocks_before
+    again = run(engine, prompts[:3], params, ids=["s0", "s1", "s2"])  # seeded: the same draws
+    assert first == again
+    assert all(len(tokens) == 16 for tokens in first.values())
 
 
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        (dict(speculative="medusa", draft_model="x"), "unknown speculative method 'medusa'"),
-        (dict(speculative="dflash"), "needs a draft_model"),
-        (dict(draft_model="x"), "draft_model is set but speculative decoding is not"),
-        (dict(speculative="dflash", draft_model="/nonexistent/drafter"), "is not a directory"),
+        ({"speculative": "medusa", "draft_model": "x"}, "unknown speculative method 'medusa'"),
+        ({"speculative": "dflash"}, "needs a draft_model"),
+        ({"draft_model": "x"}, "draft_model is set but speculative decoding is not"),
+        ({"speculative": "dflash", "draft_model": "/nonexistent/drafter"}, "is not a directory"),
     ],
 )
 def test_bad_speculative_settings_are_refused(beam, settings, message):
@@ -176,3 +188,43 @@ def test_num_speculative_tokens_beyond_the_block_is_refused(beam, draft_dir):
     with pytest.raises(ValueError, match=r"num_speculative_tokens must be in \[1, 3\]"):
         LLMEngine(beam, config=EngineConfig(**SMALL, speculative="dflash", draft_model=str(draft_dir),
                                             num_speculative_tokens=4))
+
+
+CLI_SMALL = ["--model", "beam-tiny", "--dtype", "float32", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
+             "--max-model-len", "64"]
+
+
+def test_beam_serve_flags_build_a_speculative_engine(draft_dir):
+    args = parser().parse_args(
+        CLI_SMALL + ["--speculative", "dflash", "--draft-model", str(draft_dir), "--num-speculative-tokens", "2"]
+    )
+    engine = build_engine(args)
+    assert engine.runner.speculation.num_drafts == 2
+    assert engine.stats()["spec_blocks"] == 0 and not engine.stats()["spec_simulated"]
+    with pytest.raises(SystemExit, match="unknown speculative method 'eagle'"):
+        build_engine(parser().parse_args(CLI_SMALL + ["--speculative", "eagle", "--draft-model", str(draft_dir)]))
+    with pytest.raises(SystemExit, match="draft_model is set but speculative decoding is not"):
+        build_engine(parser().parse_args(CLI_SMALL + ["--draft-model", str(draft_dir)]))
+
+
+def test_server_streams_speculative_output_and_reports_acceptance(draft_dir):
+    # One token bucket (16 = 4 rows of a 4-token block): warm-up compiles little.
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256, speculative="dflash",
+                          draft_model=str(draft_dir))
+    messages = [{"role": "user", "content": "def fib(n):"}]
+    with live_server(config, seed=2, model="beam-tiny", api_key="k") as (base, async_engine):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="k")
+        full = client.chat.completions.create(model="beam-tiny", messages=messages, temperature=0, max_tokens=20)
+        streamed = "".join(
+            chunk.choices[0].delta.content or ""
+            for chunk in client.chat.completions.create(
+                model="beam-tiny", messages=messages, temperature=0, max_tokens=20, stream=True
+            )
+            if chunk.choices
+        )
+        assert streamed == (full.choices[0].message.content or "")
+        metrics = httpx.get(base + "/metrics", headers={"Authorization": "Bearer k"}).text
+        assert 'beam_spec_decode_acceptance_by_position{position="2"}' in metrics
+        assert "beam_spec_decode_simulated 0" in metrics
+        assert async_engine.engine.stats()["spec_blocks"] > 0
+        assert pool_is_free(async_engine)
