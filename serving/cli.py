@@ -60,6 +60,36 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="quantize a bf16 checkpoint's experts as it loads: fp8 (per channel) or nvfp4 (default: as stored)",
     )
+    # Speculative decoding (serving/speculative_step.py), named as SGLang's with vLLM-style aliases.
+    p.add_argument(
+        "--speculative",
+        "--speculative-algorithm",
+        dest="speculative",
+        default=None,
+        help="speculative decoding: dflash (a DFlash / DFlash2 drafter, needs --draft-model)",
+    )
+    p.add_argument(
+        "--draft-model",
+        "--speculative-draft-model-path",
+        dest="draft_model",
+        default=None,
+        help="the drafter checkpoint directory (config.json with dflash_config, safetensors)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        "--speculative-num-draft-tokens",
+        dest="num_speculative_tokens",
+        type=int,
+        default=None,
+        help="drafts verified per step (default: the drafter's block size - 1)",
+    )
+    p.add_argument(
+        "--speculative-simulated-accept-length",
+        dest="simulated_accept_length",
+        type=float,
+        default=None,
+        help="BENCHMARKS ONLY: accept this many tokens per step on average whatever the model says (the text is not the model's)",
+    )
     # Several nodes (serving/multihost.py): named as SGLang's, which vLLM's multi-node flags follow.
     p.add_argument(
         "--nnodes", type=int, default=1, help="processes (one per node or tray) serving one mesh (default: 1)"
@@ -92,6 +122,10 @@ def engine_config(args: argparse.Namespace):
         tp=args.tp,
         ep=args.ep,
         quantization=args.quantization,
+        speculative=args.speculative,
+        draft_model=args.draft_model,
+        num_speculative_tokens=args.num_speculative_tokens,
+        simulated_accept_length=args.simulated_accept_length,
     )
 
 
