@@ -57,12 +57,17 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32,128")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--smoke", action="store_true", help="beam-tiny, CPU devices")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="float32: exact-math comparison (XLA matmuls at HIGHEST precision, not TF32)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    dtype = jnp.dtype(args.dtype)
+    if dtype == jnp.float32:
+        jax.config.update("jax_default_matmul_precision", "highest")  # the Pallas kernels use it for fp32 already
     if args.smoke:
         config, dtype = preset("beam-tiny").replace(num_key_value_heads=4, num_attention_heads=8), jnp.float32
     else:
-        config, dtype = preset("beam-tp8-slice", num_hidden_layers=args.layers), jnp.bfloat16
+        config = preset("beam-tp8-slice", num_hidden_layers=args.layers)
     params = random_params(config, dtype)
     n = len(jax.devices())
     layouts = {"1 device": None, f"tp{min(n, 2)}": make_mesh(tp=min(n, 2)), f"ep{min(n, 2)}": make_mesh(ep=min(n, 2))}
@@ -90,7 +95,8 @@ def main() -> None:
         print(f"| {r['batch']} | {r['layout']} | {r['step_ms']:.2f} | {r['logits_rel_err_vs_1']:.2e} | "
               f"{r['argmax_agreement_vs_1']:.3f} |")
     if args.out:
-        meta = {"devices": [d.device_kind for d in jax.devices()], "jax": jax.__version__, "layers": args.layers}
+        meta = {"devices": [d.device_kind for d in jax.devices()], "jax": jax.__version__, "layers": args.layers,
+                "dtype": dtype.name}
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
 
 
