@@ -1,21 +1,27 @@
 """Distilling a DFlash drafter for a target on the target's own greedy predictions, and measuring
 the drafter's offline acceptance.
 
-    python -m beam_jax.train.distill train --out DIR [--steps N ...]   # build data, train, save, measure
+    python -m beam_jax.train.distill train --out DIR [--data .traindata] [--steps N ...]
     python -m beam_jax.train.distill evaluate --drafter DIR            # mean accept length on held-out
 
-Data (`build_dataset`): windows of the target's training stream (the corpus's training files only,
-never the committed held-out list), each optionally extended by the target's own greedy generation
-(`greedy_tokens`); one target pass over every window gives the drafter's inputs, the residual stream
-after `config.target_layer_ids` concatenated, and the labels, the target's argmax next token at every
-position. On the greedy-generated part the labels are exactly the target's greedy chain; on the corpus
-part they are the target's greedy prediction after the corpus prefix.
+Data: windows of the target's training tokens (the corpus's training files only, never the
+committed held-out list): fresh corpus windows drawn every step, and optionally a fixed set of
+windows whose last `greedy_tokens` are the target's own greedy continuation (`greedy_windows`, built
+once; serving drafts over the target's greedy output, which is more repetitive than the corpus).
+Only tokens are stored: each training step runs the target over its windows (`target_features`) for
+the drafter's inputs, the residual stream after `config.target_layer_ids` concatenated, and the
+labels, the target's argmax next token at every position.
+
+Labels of a block are the target's greedy chain from the anchor: draft j learns `labels[a + j - 1]`,
+which is the chain's token j only if the window's tokens `a + 1 .. a + j - 1` are the chain's
+earlier tokens (`chain_targets`); elsewhere draft j is not trained. On greedy-generated tokens that
+always holds; on corpus tokens it holds where the target predicted the corpus.
 
 Training (`train_drafter`): an anchor at position a of a window, context = the target hidden states of
-positions < a, block `[token_a, mask, ...]` at positions a..a+N; draft j (1..N) learns
-`labels[a + j - 1]` with cross-entropy weighted by `exp(-(j - 1) / decay)` (early drafts matter most:
-a miss ends the block). AdamW (optax) on fp32 drafter weights; the target's embedding and lm_head are
-shared and frozen.
+positions < a, block `[token_a, mask, ...]` at positions a..a+N; cross-entropy of draft j weighted by
+`exp(-(j - 1) / decay)` (early drafts matter most: a miss ends the block). AdamW (optax) on fp32
+drafter weights, warm-up then cosine decay over the steps or the time limit, whichever ends first;
+the target's embedding and lm_head are shared and frozen.
 
 Acceptance (`measure_acceptance`): held-out prompts of `prefix_len` tokens; the target's greedy chain
 of N tokens after each prompt; the drafter proposes N drafts from the anchor (the prompt's last token)
@@ -26,8 +32,10 @@ equal to the chain, plus the bonus token (1..N+1), as greedy verification in ser
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
+import math
 import time
 from pathlib import Path
 
@@ -39,21 +47,25 @@ import optax
 import beam_jax
 from beam_jax import drafter as D
 from beam_jax.generate import greedy_generate
+from beam_jax.layers.moe import dense_experts_for_training
 from beam_jax.model import flat_params, forward
 from beam_jax.train import corpus, data
 
 MASK_TOKEN_ID = 8  # the project tokenizer's <|mask|>
 
 
-def drafter_tiny_code(block_size: int = 8) -> D.DrafterConfig:
-    """A DFlash drafter for `beam-tiny-code` (hidden 256, vocabulary 8192, 8 layers): 2 layers,
-    features from target layers 1, 4 and 7, block-local convolutions, no candidate selector (drafts
-    are the argmax; the selector is not trained here)."""
+def drafter_tiny_code(block_size: int = 8, num_layers: int = 2, intermediate_size: int = 512) -> D.DrafterConfig:
+    """A DFlash drafter for `beam-tiny-code` (hidden 256, vocabulary 8192, 8 layers): features from
+    target layers 1, 4 and 7, block-local convolutions, no candidate selector (drafts are the argmax;
+    the selector is not trained here). KV heads and head size are the target's, since the serving
+    engine keeps the drafter's context K/V in the target's page arrays. The shipped drafter
+    (assets/beam-tiny-code-dflash) is `num_layers=4, intermediate_size=768`; the defaults are small
+    for CPU runs."""
     return D.DrafterConfig(
         vocab_size=8192,
         hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
         num_attention_heads=8,
         num_key_value_heads=2,
         head_dim=32,
@@ -79,18 +91,15 @@ def target_head(beam) -> tuple[jax.Array, jax.Array]:
     return embed.astype(jnp.float32), head.astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "layer_ids"))
-def _target_pass(params, tokens, *, config, layer_ids):
+def target_features(target_params, tokens, *, target_config, layer_ids: tuple[int, ...]):
+    """`[B, T, hidden * len(layer_ids)]` hidden states (the target's dtype) and `[B, T]` argmax next
+    tokens of windows `tokens [B, T]` at positions 0..T-1. Traceable: the training step calls it.
+    Experts run dense (plain einsums, fast at training batch sizes on any backend)."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    out = forward(params, tokens, positions, config=config, hidden_layers=layer_ids)
-    hidden = jnp.concatenate(out.hidden_states, axis=-1).astype(jnp.bfloat16)
+    with dense_experts_for_training():
+        out = forward(target_params, tokens, positions, config=target_config, hidden_layers=layer_ids)
+    hidden = jax.lax.stop_gradient(jnp.concatenate(out.hidden_states, axis=-1))
     return hidden, jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
-
-
-def target_pass(beam, tokens: np.ndarray, layer_ids: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """`[B, T, hidden * len(layer_ids)]` bf16 hidden states and `[B, T]` argmax next tokens."""
-    hidden, greedy = _target_pass(beam.params, jnp.asarray(tokens, jnp.int32), config=beam.config, layer_ids=layer_ids)
-    return np.asarray(hidden), np.asarray(greedy)
 
 
 # ---- data ------------------------------------------------------------------------------------------
@@ -105,47 +114,87 @@ def training_stream(tokenizer, max_files: int | None = None, seed: int = 0, root
     return corpus.token_stream(tokenizer, corpus.read_sources(root, paths))
 
 
-def build_dataset(
+def greedy_windows(
     beam,
     stream: np.ndarray,
-    config: D.DrafterConfig,
     *,
     num_windows: int,
     window: int,
-    greedy_tokens: int = 0,
+    greedy_tokens: int,
     seed: int = 0,
     batch_size: int = 16,
-) -> dict[str, np.ndarray]:
-    """`tokens [n, window]`, `hidden [n, window, hidden * layers]` (bf16), `labels [n, window]` (the
-    target's argmax after each prefix) and `first_anchor`. With `greedy_tokens`, each window is its
-    first `window - greedy_tokens` corpus tokens followed by the target's greedy continuation, and
-    anchors start where the generation does (so labels are the greedy chain)."""
-    if not 0 <= greedy_tokens < window:
-        raise ValueError(f"greedy_tokens must be in [0, {window}), got {greedy_tokens}")
+    time_limit_s: float | None = None,
+) -> np.ndarray:
+    """`[n, window]` int32: the first `window - greedy_tokens` tokens of a random stretch of `stream`,
+    then the target's greedy continuation of them. Built in batches; stops early (fewer windows)
+    once `time_limit_s` has passed."""
+    if not 0 < greedy_tokens < window:
+        raise ValueError(f"greedy_tokens must be in (0, {window}), got {greedy_tokens}")
     rng = np.random.default_rng(seed)
-    starts = rng.integers(0, len(stream) - window, num_windows)
-    windows = np.stack([stream[s : s + window] for s in starts]).astype(np.int32)
-    if greedy_tokens:
-        prompts = windows[:, : window - greedy_tokens]
-        for i in range(0, num_windows, batch_size):
-            rows = [list(map(int, p)) for p in prompts[i : i + batch_size]]
-            generated = greedy_generate(beam.params, beam.config, rows, greedy_tokens)
-            windows[i : i + batch_size, window - greedy_tokens :] = np.asarray(generated, np.int32)
-    hidden, labels = [], []
-    for i in range(0, num_windows, batch_size):
-        h, g = target_pass(beam, windows[i : i + batch_size], config.target_layer_ids)
-        hidden.append(h)
-        labels.append(g)
-    first_anchor = max(1, window - greedy_tokens - 1) if greedy_tokens else 1
-    return {
-        "tokens": windows,
-        "hidden": np.concatenate(hidden),
-        "labels": np.concatenate(labels),
-        "first_anchor": np.int32(first_anchor),
-    }
+    prompt_len = window - greedy_tokens
+    starts = rng.integers(0, len(stream) - prompt_len, num_windows)
+    windows = np.zeros((num_windows, window), np.int32)
+    windows[:, :prompt_len] = np.stack([stream[s : s + prompt_len] for s in starts])
+    start, done = time.perf_counter(), 0
+    while done < num_windows:
+        rows = [list(map(int, p)) for p in windows[done : done + batch_size, :prompt_len]]
+        windows[done : done + len(rows), prompt_len:] = greedy_generate(beam.params, beam.config, rows, greedy_tokens)
+        done += len(rows)
+        if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
+            break
+    return windows[:done]
+
+
+def sample_windows(key, stream: jax.Array, count: int, window: int) -> jax.Array:
+    """`count` random windows of `window` tokens of a device-resident stream, int32."""
+    starts = jax.random.randint(key, (count,), 0, stream.shape[0] - window + 1)
+    return jax.vmap(lambda s: jax.lax.dynamic_slice(stream, (s,), (window,)))(starts).astype(jnp.int32)
+
+
+def chain_targets(tokens, labels, anchors, n: int):
+    """For anchors `[W, A]` of windows `tokens, labels [W, T]` (`anchors < T - n`): the targets
+    `labels[a + j - 1]` of drafts j = 1..n `[W, A, n]`, and where each is the target's greedy chain
+    from the anchor: draft j's target is the chain only if tokens `a + 1 .. a + j - 1` are the
+    chain's earlier tokens, i.e. `tokens[a + i] == labels[a + i - 1]` for every i < j."""
+    w = tokens.shape[0]
+    index = (anchors[:, :, None] + jnp.arange(n)[None, None]).reshape(w, -1)
+    targets = jnp.take_along_axis(labels, index, axis=1).reshape(*anchors.shape, n)
+    following = jnp.take_along_axis(tokens, index + 1, axis=1).reshape(*anchors.shape, n)
+    agrees = (following == targets).astype(jnp.float32)
+    valid = jnp.cumprod(jnp.concatenate([jnp.ones_like(agrees[..., :1]), agrees[..., :-1]], axis=-1), axis=-1)
+    return targets, valid
 
 
 # ---- training --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    """What a training run draws and how it steps. Each step: `corpus_windows` fresh windows of the
+    training stream (anchors from `min_anchor`) and `greedy_windows` rows of the greedy set (anchors
+    from the last prompt token, which is always one of them: the held-out measurement's anchor)."""
+
+    steps: int = 500
+    lr: float = 2e-3
+    warmup_steps: int = 50
+    final_lr_ratio: float = 0.1
+    window: int = 192
+    corpus_windows: int = 8
+    greedy_windows: int = 0
+    greedy_tokens: int = 64  # the greedy set's generated tail
+    anchors_per_window: int = 16
+    min_anchor: int = 16
+    decay: float = 4.0
+    seed: int = 0
+    time_limit_s: float | None = None  # the schedule then ends at the limit, if that comes first
+    compute_dtype: str | None = None  # default: the target's dtype (fp32 master weights either way)
+
+    def learning_rate(self, step: int, progress: float) -> float:
+        """Linear warm-up over `warmup_steps`, then cosine decay to `final_lr_ratio` as `progress`
+        (the fraction of steps or of the time limit done) goes 0 -> 1."""
+        warmup = min(1.0, step / max(self.warmup_steps, 1))
+        cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return self.lr * warmup * (self.final_lr_ratio + (1 - self.final_lr_ratio) * cosine)
+
+
 def block_logits(params, embed, head, hidden, tokens, anchors, *, config: D.DrafterConfig):
     """Draft logits `[W, A, N, vocab]` for anchors `[W, A]` of windows `hidden [W, T, .]`,
     `tokens [W, T]`: the context is the whole window (the block mask hides rows at or after the
@@ -154,7 +203,7 @@ def block_logits(params, embed, head, hidden, tokens, anchors, *, config: D.Draf
     a = anchors.shape[1]
     n = config.num_drafts
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (w, t))
-    context = D.context_kv(params, hidden.astype(jnp.float32), positions, config=config)
+    context = D.context_kv(params, hidden.astype(embed.dtype), positions, config=config)
     context = D.DraftContext(
         jnp.repeat(context.keys, a, axis=1), jnp.repeat(context.values, a, axis=1), jnp.repeat(positions, a, axis=0)
     )
@@ -173,40 +222,56 @@ def position_weights(n: int, decay: float) -> jax.Array:
 
 
 def distill_loss(flat, embed, head, hidden, tokens, labels, anchors, *, config: D.DrafterConfig, decay: float):
-    """Weighted cross-entropy of the drafts against `labels[anchor + j - 1]`; also per-position
-    accuracy `[N]`."""
+    """Weighted cross-entropy of the drafts against the target's greedy chain from each anchor
+    (`chain_targets`; each position averaged over the blocks where its target is the chain). Also
+    per-position accuracy `[N]` on those blocks and the fraction of them `[N]`. `flat`, `embed` and
+    `head` in the compute dtype."""
     params = D.params_from_flat(config, flat)
     logits = block_logits(params, embed, head, hidden, tokens, anchors, config=config)
-    n = config.num_drafts
-    targets = jnp.take_along_axis(
-        labels, (anchors[:, :, None] + jnp.arange(n)[None, None]).reshape(labels.shape[0], -1), 1
-    )
-    targets = targets.reshape(*anchors.shape, n)
+    targets, valid = chain_targets(tokens, labels, anchors, config.num_drafts)
     nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), targets[..., None], -1)[..., 0]
-    loss = (nll.mean(axis=(0, 1)) * position_weights(n, decay)).sum()
-    accuracy = (jnp.argmax(logits, -1) == targets).mean(axis=(0, 1))
-    return loss, accuracy
+    count = jnp.maximum(valid.sum(axis=(0, 1)), 1.0)
+    loss = ((nll * valid).sum(axis=(0, 1)) / count * position_weights(config.num_drafts, decay)).sum()
+    accuracy = ((jnp.argmax(logits, -1) == targets) * valid).sum(axis=(0, 1)) / count
+    return loss, {"accuracy": accuracy, "chain_fraction": valid.mean(axis=(0, 1))}
 
 
-def sample_anchors(key, batch: int, anchors: int, first: int, window: int, n: int) -> jax.Array:
-    return jax.random.randint(key, (batch, anchors), first, window - n)
+def make_step(config: D.DrafterConfig, target_config, tx, distill: DistillConfig, compute_dtype):
+    """One jitted step: draw windows and anchors, run the target over the windows (its hidden states
+    and labels are computed here, never stored), and update the drafter by `lr * adamw(grads)`."""
+    n = config.num_drafts
+    greedy_first_anchor = distill.window - distill.greedy_tokens - 1
+    if distill.greedy_windows and greedy_first_anchor < 0:
+        raise ValueError(f"greedy_tokens {distill.greedy_tokens} leaves no prompt in a window of {distill.window}")
 
-
-def make_step(config: D.DrafterConfig, tx, *, windows_per_step: int, anchors_per_window: int, decay: float):
-    loss_fn = functools.partial(distill_loss, config=config, decay=decay)
+    def loss_fn(flat, embed, head, hidden, tokens, labels, anchors):
+        flat = {k: v.astype(compute_dtype) for k, v in flat.items()}
+        return distill_loss(flat, embed, head, hidden, tokens, labels, anchors, config=config, decay=distill.decay)
 
     @jax.jit
-    def step(flat, opt_state, embed, head, dataset, key):
-        k1, k2 = jax.random.split(key)
-        rows = jax.random.randint(k1, (windows_per_step,), 0, dataset["tokens"].shape[0])
-        window = dataset["tokens"].shape[1]
-        anchors = sample_anchors(
-            k2, windows_per_step, anchors_per_window, dataset["first_anchor"], window, config.num_drafts
+    def step(flat, opt_state, lr, target_params, embed, head, stream, greedy, key):
+        corpus_key, greedy_key, anchor_key = jax.random.split(key, 3)
+        tokens, lowest = [], []
+        if distill.corpus_windows:
+            tokens.append(sample_windows(corpus_key, stream, distill.corpus_windows, distill.window))
+            lowest.append(jnp.full((distill.corpus_windows,), distill.min_anchor, jnp.int32))
+        if distill.greedy_windows:
+            tokens.append(greedy[jax.random.randint(greedy_key, (distill.greedy_windows,), 0, greedy.shape[0])])
+            lowest.append(jnp.full((distill.greedy_windows,), greedy_first_anchor, jnp.int32))
+        tokens, lowest = jnp.concatenate(tokens), jnp.concatenate(lowest)
+        anchors = jax.random.randint(
+            anchor_key, (len(tokens), distill.anchors_per_window), lowest[:, None], distill.window - n
         )
-        batch = [dataset[k][rows] for k in ("hidden", "tokens", "labels")]
-        (loss, accuracy), grads = jax.value_and_grad(loss_fn, has_aux=True)(flat, embed, head, *batch, anchors)
+        anchors = anchors.at[distill.corpus_windows :, 0].set(greedy_first_anchor)
+        hidden, labels = target_features(
+            target_params, tokens, target_config=target_config, layer_ids=config.target_layer_ids
+        )
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            flat, embed.astype(compute_dtype), head.astype(compute_dtype), hidden, tokens, labels, anchors
+        )
         updates, opt_state = tx.update(grads, opt_state, flat)
-        return optax.apply_updates(flat, updates), opt_state, loss, accuracy
+        updates = jax.tree.map(lambda u: lr * u, updates)
+        return optax.apply_updates(flat, updates), opt_state, loss, metrics
 
     return step
 
@@ -218,48 +283,55 @@ def init_flat(config: D.DrafterConfig, seed: int = 0) -> dict[str, jax.Array]:
 def train_drafter(
     beam,
     config: D.DrafterConfig,
-    dataset: dict[str, np.ndarray],
+    distill: DistillConfig,
+    stream: np.ndarray,
+    greedy: np.ndarray | None = None,
     *,
-    steps: int,
-    lr: float = 2e-3,
-    windows_per_step: int = 8,
-    anchors_per_window: int = 16,
-    decay: float = 4.0,
-    seed: int = 0,
     flat: dict[str, jax.Array] | None = None,
     log=print,
     log_every: int = 50,
-    time_limit_s: float | None = None,
 ) -> tuple[dict[str, jax.Array], list[dict]]:
-    """AdamW (optax) on the drafter's fp32 weights; returns the weights and the logged history."""
-    flat = init_flat(config, seed) if flat is None else flat
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(50, steps // 10 + 1), max(steps, 2), lr * 0.1)
+    """AdamW (optax) on the drafter's fp32 weights over windows of `stream` (and rows of `greedy`,
+    `[n, distill.window]`, when `distill.greedy_windows`); returns the weights and the logged history."""
+    if distill.greedy_windows and (greedy is None or greedy.shape[1] != distill.window):
+        raise ValueError(f"greedy_windows needs a greedy set of windows of {distill.window} tokens")
+    flat = init_flat(config, distill.seed) if flat is None else flat
+    # The learning rate is applied by the step (it follows the clock when there is a time limit).
     tx = optax.chain(
         optax.clip_by_global_norm(1.0),
-        optax.adamw(
-            schedule, b1=0.9, b2=0.95, weight_decay=0.01, mask=lambda p: {k: v.ndim >= 2 for k, v in p.items()}
-        ),
+        optax.adamw(1.0, b1=0.9, b2=0.95, weight_decay=0.01, mask=lambda p: {k: v.ndim >= 2 for k, v in p.items()}),
     )
     opt_state = tx.init(flat)
-    step = make_step(config, tx, windows_per_step=windows_per_step, anchors_per_window=anchors_per_window, decay=decay)
+    compute_dtype = jnp.dtype(distill.compute_dtype or beam.params["model"]["embed_tokens"]["weight"][...].dtype)
+    step = make_step(config, beam.config, tx, distill, compute_dtype)
     embed, head = target_head(beam)
-    device_data = {k: jnp.asarray(v) for k, v in dataset.items()}
-    key, history, start = jax.random.key(seed), [], time.perf_counter()
-    for i in range(1, steps + 1):
-        flat, opt_state, loss, accuracy = step(flat, opt_state, embed, head, device_data, jax.random.fold_in(key, i))
-        over = time_limit_s is not None and time.perf_counter() - start > time_limit_s
-        if i % log_every == 0 or i in (1, steps) or over:
+    device_stream = jnp.asarray(stream.astype(np.int32))
+    device_greedy = jnp.asarray(greedy if distill.greedy_windows else np.zeros((1, distill.window), np.int32))
+    key, history = jax.random.key(distill.seed), []
+    start = timed_from = time.perf_counter()
+    for i in range(1, distill.steps + 1):
+        elapsed = time.perf_counter() - timed_from
+        progress = max((i - 1) / distill.steps, elapsed / distill.time_limit_s if distill.time_limit_s else 0.0)
+        if progress >= 1.0:
+            log(f"time limit: stopped after {i - 1} of {distill.steps} steps")
+            break
+        lr = distill.learning_rate(i, progress)
+        flat, opt_state, loss, metrics = step(
+            flat, opt_state, lr, beam.params, embed, head, device_stream, device_greedy, jax.random.fold_in(key, i)
+        )
+        if i == 1:  # the clock of the time limit starts after the compile
+            loss.block_until_ready()
+            timed_from = time.perf_counter()
+        if i % log_every == 0 or i in (1, distill.steps):
             record = {
                 "step": i,
-                "loss": round(float(loss), 4),
-                "accuracy": [round(float(a), 3) for a in accuracy],
+                "lr": round(lr, 6),
+                "loss": round(float(loss), 4),  # also keeps the host within a log interval of the device
+                **{k: [round(float(x), 3) for x in v] for k, v in metrics.items()},
                 "elapsed_s": round(time.perf_counter() - start, 1),
             }
             history.append(record)
             log(json.dumps(record))
-        if over:
-            log(f"time limit: stopped after {i} of {steps} steps")
-            break
     return flat, history
 
 
@@ -341,66 +413,76 @@ def measure_acceptance(
     }
 
 
-# ---- CLI -------------------------------------------------------------------------------------------
+# ---- CLI ------------------------------------------------------------------------------------------
+def heldout_tokens(tokenizer, data_dir: Path | None) -> np.ndarray:
+    """The held-out stream: prepared data's `heldout.npy` (the same tokens, for machines without the
+    corpus), else the committed held-out files tokenized here."""
+    return np.load(data_dir / "heldout.npy") if data_dir else data.load_heldout_tokens(tokenizer)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("train", help="build the data, train a drafter, save it, measure acceptance")
+    run = commands.add_parser("train", help="train a drafter, save it (fp32), measure acceptance")
     run.add_argument("--target", default="beam-tiny-code")
     run.add_argument("--out", type=Path, required=True)
-    run.add_argument("--steps", type=int, default=500)
+    run.add_argument("--data", type=Path, default=None, help="prepared data (train.npy, heldout.npy) to read")
+    run.add_argument("--train-files", type=int, default=300, help="without --data: training files sampled")
+    run.add_argument("--init", type=Path, default=None, help="start from this drafter checkpoint")
     run.add_argument("--block-size", type=int, default=8)
-    run.add_argument("--train-files", type=int, default=300, help="training files sampled for the data")
-    run.add_argument("--windows", type=int, default=256)
-    run.add_argument("--window", type=int, default=192)
-    run.add_argument("--greedy-tokens", type=int, default=64, help="greedy tokens generated per window")
-    run.add_argument("--lr", type=float, default=2e-3)
-    run.add_argument("--windows-per-step", type=int, default=8)
-    run.add_argument("--anchors-per-window", type=int, default=16)
-    run.add_argument("--decay", type=float, default=4.0)
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--time-limit-s", type=float, default=None)
-    run.add_argument("--eval-prompts", type=int, default=64)
-    run.add_argument("--prefix-len", type=int, default=128)
+    run.add_argument("--layers", type=int, default=2)
+    run.add_argument("--intermediate-size", type=int, default=512)
+    defaults = DistillConfig()
+    for field in dataclasses.fields(DistillConfig):
+        kind = {"time_limit_s": float, "compute_dtype": str}.get(field.name, type(getattr(defaults, field.name)))
+        run.add_argument("--" + field.name.replace("_", "-"), type=kind, default=getattr(defaults, field.name))
+    run.add_argument("--greedy-set", type=int, default=0, help="windows in the greedy set (built first)")
+    run.add_argument("--greedy-set-time-limit-s", type=float, default=None)
+    run.add_argument("--greedy-batch", type=int, default=16)
+    run.add_argument("--log-every", type=int, default=50)
     ev = commands.add_parser("evaluate", help="mean accept length of a drafter checkpoint on held-out prompts")
     ev.add_argument("--target", default="beam-tiny-code")
     ev.add_argument("--drafter", type=Path, required=True)
-    ev.add_argument("--eval-prompts", type=int, default=64)
-    ev.add_argument("--prefix-len", type=int, default=128)
+    ev.add_argument("--data", type=Path, default=None, help="prepared data whose heldout.npy to read")
+    for command in (run, ev):
+        command.add_argument("--eval-prompts", type=int, default=64)
+        command.add_argument("--prefix-len", type=int, default=128)
+        command.add_argument("--eval-batch", type=int, default=16)
     args = parser.parse_args(argv)
 
     beam = beam_jax.load(args.target)
+    print(f"target {args.target} ({beam.params['model']['embed_tokens']['weight'][...].dtype}) on {jax.devices()[0]}")
     if args.command == "evaluate":
         config, params = D.load_drafter(args.drafter, dtype=jnp.float32)
     else:
-        config = drafter_tiny_code(args.block_size)
+        config = drafter_tiny_code(args.block_size, args.layers, args.intermediate_size)
+        distill = DistillConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DistillConfig)})
         start = time.perf_counter()
-        stream = training_stream(beam.tokenizer, args.train_files, args.seed)
-        dataset = build_dataset(
-            beam,
-            stream,
-            config,
-            num_windows=args.windows,
-            window=args.window,
-            greedy_tokens=args.greedy_tokens,
-            seed=args.seed,
-        )
+        if args.data:
+            stream = np.load(args.data / "train.npy")
+        else:
+            stream = training_stream(beam.tokenizer, args.train_files, distill.seed)
+        greedy = None
+        if args.greedy_set:
+            greedy = greedy_windows(
+                beam,
+                stream,
+                num_windows=args.greedy_set,
+                window=distill.window,
+                greedy_tokens=distill.greedy_tokens,
+                seed=distill.seed,
+                batch_size=args.greedy_batch,
+                time_limit_s=args.greedy_set_time_limit_s,
+            )
         print(
-            f"data: {stream.size} training tokens, {args.windows} windows of {args.window} "
-            f"({args.greedy_tokens} greedy), built in {time.perf_counter() - start:.1f}s"
+            f"data: {stream.size} training tokens; greedy set {0 if greedy is None else len(greedy)} windows of "
+            f"{distill.window} ({distill.greedy_tokens} generated), built in {time.perf_counter() - start:.1f}s"
         )
-        flat, history = train_drafter(
-            beam,
-            config,
-            dataset,
-            steps=args.steps,
-            lr=args.lr,
-            windows_per_step=args.windows_per_step,
-            anchors_per_window=args.anchors_per_window,
-            decay=args.decay,
-            seed=args.seed,
-            time_limit_s=args.time_limit_s,
-        )
+        flat = None
+        if args.init:
+            config, init_params = D.load_drafter(args.init, dtype=jnp.float32)
+            flat = flat_params(init_params)
+        flat, history = train_drafter(beam, config, distill, stream, greedy, flat=flat, log_every=args.log_every)
         params = D.params_from_flat(config, flat)
         D.save_drafter(args.out, config, params, dtype=jnp.float32)
         (args.out / "distill_log.json").write_text(
@@ -411,9 +493,10 @@ def main(argv: list[str] | None = None) -> None:
         beam,
         config,
         params,
-        data.load_heldout_tokens(beam.tokenizer),
+        heldout_tokens(beam.tokenizer, args.data),
         num_prompts=args.eval_prompts,
         prefix_len=args.prefix_len,
+        batch_size=args.eval_batch,
     )
     print(json.dumps(result))
     print(f"mean accept length (held-out, greedy, block {config.block_size}): {result['mean_accept_length']:.3f}")

@@ -1,9 +1,12 @@
-"""Drafter distillation (beam_jax/train/distill.py) for the trained target beam-tiny-code: the data's
-labels are the target's argmax (and the greedy part of a window is the target's greedy chain), a few
-AdamW steps lower the distillation loss, and the accept length is the longest matching prefix plus
-the bonus token."""
+"""Drafter distillation (beam_jax/train/distill.py) for the trained target beam-tiny-code: the step's
+features are the target's residual stream and its labels the target's argmax, a label counts only
+where it is the target's greedy chain from the anchor, a few AdamW steps lower the distillation loss,
+the accept length is the longest matching prefix plus the bonus token, and the shipped drafter
+(beam_jax/assets/beam-tiny-code-dflash) accepts >= 3 tokens per step on held-out code."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,10 +16,11 @@ import pytest
 import beam_jax
 from beam_jax import drafter as D
 from beam_jax.generate import greedy_generate
-from beam_jax.train import corpus
+from beam_jax.train import corpus, data
 from beam_jax.train import distill as S
 
 CONFIG = S.drafter_tiny_code(block_size=4)
+DRAFTER_DIR = Path(beam_jax.__file__).parent / "assets" / "beam-tiny-code-dflash"
 
 
 @pytest.fixture(scope="module")
@@ -30,32 +34,51 @@ def stream():
 
 
 @pytest.fixture(scope="module")
-def dataset(beam, stream):
-    return S.build_dataset(beam, stream, CONFIG, num_windows=4, window=40, greedy_tokens=12, seed=3, batch_size=4)
+def greedy(beam, stream):
+    return S.greedy_windows(beam, stream, num_windows=2, window=40, greedy_tokens=12, seed=3, batch_size=2)
 
 
 def test_config_matches_the_target(beam):
     assert CONFIG.hidden_size == beam.config.hidden_size and CONFIG.vocab_size == beam.config.vocab_size
     assert max(CONFIG.target_layer_ids) < beam.config.num_hidden_layers
     assert beam.tokenizer.token_to_id("<|mask|>") == CONFIG.mask_token_id
+    # The serving engine keeps the drafter's context K/V in the target's page arrays.
+    assert (CONFIG.num_key_value_heads, CONFIG.head_dim) == (beam.config.num_key_value_heads, beam.config.head_dim)
 
 
-def test_labels_are_the_targets_argmax_and_hidden_its_residual_stream(beam, dataset):
-    tokens = dataset["tokens"]
+def test_target_features_are_the_targets_argmax_and_residual_stream(beam, stream):
+    tokens = jnp.asarray(stream[:80].reshape(2, 40).astype(np.int32))
+    hidden, labels = jax.jit(
+        lambda t: S.target_features(beam.params, t, target_config=beam.config, layer_ids=CONFIG.target_layer_ids)
+    )(tokens)
     out = beam.forward(tokens, hidden_layers=CONFIG.target_layer_ids)
-    np.testing.assert_array_equal(dataset["labels"], np.asarray(jnp.argmax(out.logits, -1)))
-    np.testing.assert_allclose(
-        dataset["hidden"].astype(np.float32),
-        np.asarray(jnp.concatenate(out.hidden_states, -1).astype(jnp.bfloat16).astype(jnp.float32)),
-        rtol=0,
-        atol=1e-6,
+    np.testing.assert_array_equal(labels, np.asarray(jnp.argmax(out.logits, -1)))
+    np.testing.assert_allclose(hidden, jnp.concatenate(out.hidden_states, -1), rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_windows_end_in_the_targets_greedy_chain(beam, stream, greedy):
+    prompts = greedy[:, :28]
+    assert all(any((stream[s : s + 28] == p).all() for s in range(len(stream) - 27)) for p in prompts)
+    chains = greedy_generate(beam.params, beam.config, [list(map(int, p)) for p in prompts], 12)
+    np.testing.assert_array_equal(greedy[:, 28:], chains)
+    # So from every anchor in the generated part the labels are the chain, all of it.
+    _, labels = S.target_features(
+        beam.params, jnp.asarray(greedy), target_config=beam.config, layer_ids=CONFIG.target_layer_ids
     )
-    # On the generated part, every label is the next token: the target's own greedy chain.
-    first = int(dataset["first_anchor"])
-    assert first == 40 - 12 - 1
-    np.testing.assert_array_equal(dataset["labels"][:, first:-1], tokens[:, first + 1 :])
-    [continuation] = greedy_generate(beam.params, beam.config, [list(map(int, tokens[0, :28]))], 12)
-    np.testing.assert_array_equal(tokens[0, 28:], continuation)
+    anchors = jnp.broadcast_to(jnp.arange(27, 40 - 3), (len(greedy), 10))
+    targets, valid = S.chain_targets(jnp.asarray(greedy), labels, anchors, 3)
+    assert float(valid.min()) == 1.0
+    np.testing.assert_array_equal(targets[:, 0], greedy[:, 28:31])
+
+
+def test_chain_targets_stop_where_the_window_leaves_the_chain():
+    tokens = jnp.asarray([[10, 11, 12, 13, 14, 15]])
+    labels = jnp.asarray([[11, 12, 99, 14, 15, 16]])  # the target predicts 99 after 12, the window has 13
+    targets, valid = S.chain_targets(tokens, labels, jnp.asarray([[0, 2]]), 3)
+    np.testing.assert_array_equal(targets, [[[11, 12, 99], [99, 14, 15]]])
+    # From anchor 0: drafts 1..3 follow the chain 11, 12, 99 (tokens 1, 2 agree). From anchor 2: the
+    # chain starts 99, but the window goes on with 13, so labels after it are not the chain.
+    np.testing.assert_array_equal(valid, [[[1, 1, 1], [1, 0, 0]]])
 
 
 def test_training_stream_never_reads_heldout_files(beam, monkeypatch):
@@ -67,30 +90,24 @@ def test_training_stream_never_reads_heldout_files(beam, monkeypatch):
     assert not set(read) & set(corpus.read_heldout_list())
 
 
-def test_a_few_steps_lower_the_distillation_loss(beam, dataset):
+def test_a_few_steps_lower_the_distillation_loss(beam, stream, greedy):
     embed, head = S.target_head(beam)
-    data = {k: jnp.asarray(v) for k, v in dataset.items() if k != "first_anchor"}
-    anchors = jnp.asarray(np.random.default_rng(0).integers(int(dataset["first_anchor"]), 40 - 3, (4, 6)))
+    tokens = jnp.asarray(np.concatenate([greedy, stream[:160].reshape(4, 40).astype(np.int32)]))
+    hidden, labels = S.target_features(
+        beam.params, tokens, target_config=beam.config, layer_ids=CONFIG.target_layer_ids
+    )
+    anchors = jnp.asarray(np.random.default_rng(0).integers(8, 40 - 3, (len(tokens), 6)))
     loss_fn = jax.jit(
-        lambda flat: S.distill_loss(
-            flat, embed, head, data["hidden"], data["tokens"], data["labels"], anchors, config=CONFIG, decay=4.0
-        )
+        lambda flat: S.distill_loss(flat, embed, head, hidden, tokens, labels, anchors, config=CONFIG, decay=4.0)
     )
-    flat = S.init_flat(CONFIG)
-    before = float(loss_fn(flat)[0])
-    flat, history = S.train_drafter(
-        beam,
-        CONFIG,
-        dataset,
-        steps=6,
-        lr=3e-3,
-        windows_per_step=4,
-        anchors_per_window=6,
-        log=lambda _: None,
-        log_every=1,
-    )
+    distill = S.DistillConfig(
+        steps=6, lr=3e-3, warmup_steps=1, window=40, corpus_windows=2, greedy_windows=2, greedy_tokens=12,
+        anchors_per_window=6, min_anchor=8,
+    )  # fmt: skip
+    before = float(loss_fn(S.init_flat(CONFIG))[0])
+    flat, history = S.train_drafter(beam, CONFIG, distill, stream, greedy, log=lambda _: None, log_every=1)
     after = float(loss_fn(flat)[0])
-    assert after < before - 0.5, (before, after, history)
+    assert len(history) == 6 and after < before - 0.5, (before, after, history)
 
 
 def test_accept_length_is_matching_prefix_plus_bonus():
@@ -125,3 +142,14 @@ def test_measure_acceptance_with_a_drafter_that_copies_the_chain(beam, stream, m
             batch_size=2,
         )
         assert result["mean_accept_length"] == expected
+
+
+def test_shipped_drafter_accepts_three_tokens_per_step_on_heldout_code(beam):
+    """beam-tiny-code-dflash (benchmarks/train/RESULTS.md: 3.54 over 512 held-out prompts here, 3.56
+    on the GPU): the issue's bar of a mean accept length >= 3, greedy, on 32 held-out prompts."""
+    config, params = D.load_drafter(DRAFTER_DIR, dtype=jnp.float32)
+    assert (config.num_key_value_heads, config.head_dim) == (beam.config.num_key_value_heads, beam.config.head_dim)
+    assert config.block_size == 8 and (DRAFTER_DIR / "model.safetensors").stat().st_size < 8e6
+    heldout = data.load_heldout_tokens(beam.tokenizer)
+    result = S.measure_acceptance(beam, config, params, heldout, num_prompts=32, batch_size=32)
+    assert result["mean_accept_length"] >= 3.0, result
