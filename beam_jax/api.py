@@ -28,6 +28,9 @@ from beam_jax.tokenizer import STOP_TOKENS, load_tokenizer
 RANDOM_PRESET_LIMIT_BYTES = 16 * 2**30  # random weights are drawn on the host
 # Trained checkpoints that ship inside the package, loadable by name.
 SHIPPED_MODELS = {"beam-tiny-code": Path(__file__).parent / "assets" / "beam-tiny-code"}
+# Shipped speculative-decoding drafters by name (`beam-serve --draft-model NAME`): the DFlash drafter
+# distilled for beam-tiny-code (beam_jax/train/distill.py).
+SHIPPED_DRAFTERS = {"beam-tiny-code-dflash": Path(__file__).parent / "assets" / "beam-tiny-code-dflash"}
 
 
 def checkpoint_dir(model: str | Path) -> Path | None:

@@ -23,7 +23,7 @@ import jax
 from jax.sharding import AbstractMesh
 
 import beam_jax
-from beam_jax.api import Beam, checkpoint_dir, quantize, quantized_expert_format
+from beam_jax.api import SHIPPED_DRAFTERS, Beam, checkpoint_dir, quantize, quantized_expert_format
 from beam_jax.config import PRESETS, BeamConfig, preset
 from beam_jax.drafter import DrafterConfig, load_drafter
 from beam_jax.model import Params, flat_params
@@ -315,9 +315,10 @@ class LLMEngine:
             raise ValueError(f"speculative={config.speculative!r} needs a draft_model (a drafter checkpoint directory)"
                              " or an in-memory drafter, not both")
         if drafter is None:
-            path = checkpoint_dir(config.draft_model)
+            path = SHIPPED_DRAFTERS.get(config.draft_model) or checkpoint_dir(config.draft_model)
             if path is None:
-                raise FileNotFoundError(f"draft model {config.draft_model!r} is not a directory")
+                names = ", ".join(SHIPPED_DRAFTERS)
+                raise FileNotFoundError(f"draft model {config.draft_model!r} is neither a shipped drafter ({names}) nor a directory")
             drafter = load_drafter(path, dtype=dtype)
         check_drafter(drafter[0], model_config)
         return drafter
