@@ -4,6 +4,11 @@ the drafter's offline acceptance.
     python -m beam_jax.train.distill train --out DIR [--data .traindata] [--steps N ...]
     python -m beam_jax.train.distill evaluate --drafter DIR            # mean accept length on held-out
 
+`--target` is any model `beam_jax.load` takes (a shipped name, a preset, a directory); the drafter
+is shaped for it (`drafter_for`). Acceptance only means something for a trained target: on
+beam-tiny or beam-tp8-slice (random weights) the script runs (a CPU smoke test, a GPU timing), but
+nothing learnable links the target's greedy chain to its features.
+
 Data: windows of the target's training tokens (the corpus's training files only, never the
 committed held-out list): fresh corpus windows drawn every step, and optionally a fixed set of
 windows whose last `greedy_tokens` are the target's own greedy continuation (`greedy_windows`, built
@@ -46,40 +51,52 @@ import optax
 
 import beam_jax
 from beam_jax import drafter as D
+from beam_jax.config import BeamConfig
 from beam_jax.generate import greedy_generate
 from beam_jax.layers.moe import dense_experts_for_training
 from beam_jax.model import flat_params, forward
 from beam_jax.train import corpus, data
+from beam_jax.train.tiny_code import beam_tiny_code_config
 
 MASK_TOKEN_ID = 8  # the project tokenizer's <|mask|>
 
 
-def drafter_tiny_code(block_size: int = 8, num_layers: int = 2, intermediate_size: int = 512) -> D.DrafterConfig:
-    """A DFlash drafter for `beam-tiny-code` (hidden 256, vocabulary 8192, 8 layers): features from
-    target layers 1, 4 and 7, block-local convolutions, no candidate selector (drafts are the argmax;
-    the selector is not trained here). KV heads and head size are the target's, since the serving
-    engine keeps the drafter's context K/V in the target's page arrays. The shipped drafter
+def drafter_for(
+    target: BeamConfig, block_size: int = 8, num_layers: int = 2, intermediate_size: int = 512, num_features: int = 3
+) -> D.DrafterConfig:
+    """A DFlash drafter shaped for `target`: its width, vocabulary, window and attention heads (KV
+    heads and head size must be the target's: the serving engine keeps the drafter's context K/V in
+    the target's page arrays), features from `num_features` target layers spread from layer 1 to the
+    second last (beam-tiny-code: 1, 4, 7), block-local convolutions, no candidate selector (drafts are
+    the argmax; the selector is not trained here). The shipped drafter for beam-tiny-code
     (assets/beam-tiny-code-dflash) is `num_layers=4, intermediate_size=768`; the defaults are small
     for CPU runs."""
+    last = target.num_hidden_layers - 1
+    features = sorted({round(1 + i * (last - 1) / max(num_features - 1, 1)) for i in range(num_features)})
     return D.DrafterConfig(
-        vocab_size=8192,
-        hidden_size=256,
+        vocab_size=target.vocab_size,
+        hidden_size=target.hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=32,
-        sliding_window=128,
-        max_position_embeddings=8192,
+        num_attention_heads=target.num_attention_heads,
+        num_key_value_heads=target.num_key_value_heads,
+        head_dim=target.head_dim,
+        sliding_window=target.sliding_window,
+        max_position_embeddings=target.max_position_embeddings,
         block_size=block_size,
-        target_layer_ids=(1, 4, 7),
+        target_layer_ids=tuple(features),
         mask_token_id=MASK_TOKEN_ID,
         conv_kernel_size=2,
-        conv_group_size=32,
+        conv_group_size=target.hidden_size // 8,
         selector_rank=None,
         selector_top_k=None,
         final_logit_softcapping=30.0,
     )
+
+
+def drafter_tiny_code(block_size: int = 8, num_layers: int = 2, intermediate_size: int = 512) -> D.DrafterConfig:
+    """The drafter shape for `beam-tiny-code` (hidden 256, vocabulary 8192, 8 layers)."""
+    return drafter_for(beam_tiny_code_config(), block_size, num_layers, intermediate_size)
 
 
 # ---- the target ------------------------------------------------------------------------------------
@@ -455,7 +472,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "evaluate":
         config, params = D.load_drafter(args.drafter, dtype=jnp.float32)
     else:
-        config = drafter_tiny_code(args.block_size, args.layers, args.intermediate_size)
+        config = drafter_for(beam.config, args.block_size, args.layers, args.intermediate_size)
         distill = DistillConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DistillConfig)})
         start = time.perf_counter()
         if args.data:

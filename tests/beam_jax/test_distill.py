@@ -153,3 +153,16 @@ def test_shipped_drafter_accepts_three_tokens_per_step_on_heldout_code(beam):
     heldout = data.load_heldout_tokens(beam.tokenizer)
     result = S.measure_acceptance(beam, config, params, heldout, num_prompts=32, batch_size=32)
     assert result["mean_accept_length"] >= 3.0, result
+
+
+@pytest.mark.parametrize("name", ["beam-tiny", "beam-tiny-code", "beam-tp8-slice", "beam-501b"])
+def test_drafter_shape_suits_any_target_in_the_engine(name):
+    """`drafter_for` gives every target a drafter the serving engine takes (shared embedding width,
+    vocabulary, KV shape for the shared pages, feature layers inside the target)."""
+    from beam_jax.api import checkpoint_dir
+    from beam_jax.checkpoint import read_config
+    from beam_jax.config import PRESETS, preset
+    from serving.speculative_step import check_drafter
+
+    target = preset(name) if name in PRESETS else read_config(checkpoint_dir(name))
+    check_drafter(S.drafter_for(target), target)
