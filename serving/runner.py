@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from beam_jax.config import BeamConfig
 from beam_jax.drafter import DrafterConfig
@@ -84,6 +86,12 @@ class ModelRunner:
         self.buckets = token_buckets(max_num_batched_tokens)
         self.speculation = None if drafter is None else self._speculation(drafter[0], num_speculative_tokens, simulated_accept_length)
         self.drafter_params = None if drafter is None else drafter[1]
+        if drafter is not None and mesh is not None:  # small beside the target: every device holds it whole
+            self.drafter_params = jax.device_put(self.drafter_params, NamedSharding(mesh, P()))
+        # The program takes the parameters as flat leaves: flattening an nnx.State (a Python pytree)
+        # on every call costs host time that a list of arrays does not.
+        self._param_leaves, self._param_tree = jax.tree.flatten(self.params)
+        self._drafter_leaves, self._drafter_tree = jax.tree.flatten(self.drafter_params)
         self.layer_group = layer_groups(pool, config.num_hidden_layers, 0 if drafter is None else drafter[0].num_hidden_layers)
         # A penalty history holds distinct tokens of one sequence: at most max_model_len, and the vocabulary.
         widest = bucket(min(max_model_len, config.vocab_size), PENALTY_WIDTH_MIN)
@@ -119,6 +127,7 @@ class ModelRunner:
 
     def _spec_step_impl(self, params, drafter_params, cache, tokens, positions, batch, logits_at, sampling, spec_inputs):
         self.compilations += 1
+        params, drafter_params = self._param_tree.unflatten(params), self._drafter_tree.unflatten(drafter_params)
         cache, out = speculative_step(
             params, drafter_params, cache, tokens, positions, batch, logits_at, sampling, spec_inputs,
             config=self.config, spec=self.speculation,
@@ -129,6 +138,7 @@ class ModelRunner:
 
     def _step_impl(self, params, cache, tokens, positions, batch, logits_at, sampling):
         self.compilations += 1  # runs only when jit traces: one per new shape bucket
+        params = self._param_tree.unflatten(params)
         out = forward(params, tokens, positions, cache.with_batch(batch), config=self.config, logits_at=logits_at)
         cache, sampled = out.cache.with_batch(None), sample(out.logits[0], sampling)
         if self.mesh is not None:  # the cache stays split by KV head; every process reads the samples
@@ -216,9 +226,9 @@ class ModelRunner:
         others (serving/multihost.py replaces this on rank 0 and calls it on the rest)."""
         with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
             if self.speculation is None:
-                self.cache, out = self._step(self.params, self.cache, *inputs)
+                self.cache, out = self._step(self._param_leaves, self.cache, *inputs)
             else:
-                self.cache, out = self._spec_step(self.params, self.drafter_params, self.cache, *inputs)
+                self.cache, out = self._spec_step(self._param_leaves, self._drafter_leaves, self.cache, *inputs)
         return out
 
     def warmup(self) -> None:

@@ -25,6 +25,8 @@ from serving.engine import EngineConfig, LLMEngine
 from serving.sampling import SamplingParams
 from serving.speculative_step import target_embedding_and_head
 from tests.serving.live_server import live_server, pool_is_free
+from tests.serving.test_cli import SMALL as CLI_SMALL
+from tests.serving.test_cli import run_worker
 from tests.serving.test_engine import random_prompts, run
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -210,10 +212,6 @@ def test_num_speculative_tokens_beyond_the_block_is_refused(beam, draft_dir):
                                             num_speculative_tokens=4))
 
 
-CLI_SMALL = ["--model", "beam-tiny", "--dtype", "float32", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
-             "--max-model-len", "64"]
-
-
 def test_beam_serve_flags_build_a_speculative_engine(draft_dir):
     args = parser().parse_args(
         CLI_SMALL + ["--speculative", "dflash", "--draft-model", str(draft_dir), "--num-speculative-tokens", "2"]
@@ -265,3 +263,11 @@ def test_shipped_drafter_accepts_three_tokens_per_step_and_stays_lossless():
     engine = LLMEngine(beam, config=EngineConfig(**config, speculative="dflash", draft_model="beam-tiny-code-dflash"))
     assert run(engine, prompts, params) == run(LLMEngine(beam, config=EngineConfig(**config)), prompts, params)
     assert engine.stats()["spec_mean_accept_length"] >= 3, engine.stats()
+
+
+def test_speculative_engine_on_a_tp2_mesh_gives_the_tokens_of_one_device(draft_dir):
+    """The drafter's parameters replicated and its K/V in the KV-head-split pages (8 CPU devices in a
+    subprocess, as beam-serve --tp 2 --speculative dflash builds it)."""
+    out = run_worker("1,2", *CLI_SMALL, "--speculative", "dflash", "--draft-model", str(draft_dir))
+    assert out["2"]["tokens"] == out["1"]["tokens"]
+    assert (out["2"]["param_devices"], out["2"]["cache_devices"]) == (2, 2)
