@@ -1,24 +1,32 @@
 #!/usr/bin/env bash
-# AIPerf (PyPI `aiperf`) against `beam-serve --model beam-tiny`: one streamed chat run and one
-# streamed completions run. It starts the server, waits for it, runs both, stops the server, and
-# keeps the summaries (not the per-request logs) under $OUT.
+# AIPerf (PyPI `aiperf`) against `beam-serve --model $MODEL` (default beam-tiny-code, the shipped
+# trained model): one streamed chat run and one streamed completions run. It starts the server,
+# waits for it, runs both, stops the server, and keeps the summaries (not the per-request logs)
+# under $OUT.
 #
-#   AIPERF=/path/to/venv/bin/aiperf benchmarks/server/run_aiperf.sh [OUT]
+#   AIPERF=/path/to/venv/bin/aiperf [MODEL=beam-tiny-code] [TOKENIZER=DIR] benchmarks/server/run_aiperf.sh [OUT]
 #
 # AIPerf goes in its own virtualenv (`python -m venv V && V/bin/pip install aiperf`): it pins its
 # own versions of transformers and friends, which the project's venv should not take on.
-# The tokenizer is the shipped one (beam_jax/assets/tokenizer), read from disk, never from a hub.
+# The tokenizer is read from disk, never from a hub: the model's own asset directory
+# (beam_jax/assets/$MODEL) where it has a tokenizer.json, else the shared beam_jax/assets/tokenizer
+# (the presets with random weights, such as beam-tiny, have no directory of their own).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-benchmarks/server/results/$(date -u +%Y-%m-%dT%H%MZ)}
 AIPERF=${AIPERF:-aiperf}
 BEAM_SERVE=${BEAM_SERVE:-beam-serve}
 PORT=${PORT:-8123}
+MODEL=${MODEL:-beam-tiny-code}
+if [ -z "${TOKENIZER:-}" ]; then
+  TOKENIZER=beam_jax/assets/tokenizer
+  [ -e "beam_jax/assets/$MODEL/tokenizer.json" ] && TOKENIZER=beam_jax/assets/$MODEL
+fi
 URL=http://127.0.0.1:$PORT
 WORK=$(mktemp -d)
 mkdir -p "$OUT"
 
-"$BEAM_SERVE" --model beam-tiny --port "$PORT" --log-level warning > "$WORK/server.log" 2>&1 &
+"$BEAM_SERVE" --model "$MODEL" --port "$PORT" --log-level warning > "$WORK/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 600); do
@@ -29,9 +37,9 @@ done
 
 # The same load for both: 128-token synthetic prompts, 64 output tokens (ignore_eos), 8 concurrent
 # clients, 48 requests after 4 warm-up requests. Token counts are the server's (usage), so the
-# random-weight model's text need not tokenize back to 64 tokens. One AIPerf worker and one record
+# model's text need not tokenize back to 64 tokens. One AIPerf worker and one record
 # processor: on a 2-core machine AIPerf's own processes take CPU from the server.
-COMMON=(--model beam-tiny --url "$URL" --streaming --tokenizer beam_jax/assets/tokenizer
+COMMON=(--model "$MODEL" --url "$URL" --streaming --tokenizer "$TOKENIZER"
         --prompt-input-tokens-mean 128 --prompt-input-tokens-stddev 0
         --prompt-output-tokens-mean 64 --prompt-output-tokens-stddev 0 --extra-inputs ignore_eos:true
         --concurrency 8 --request-count 48 --warmup-request-count 4 --use-server-token-count
@@ -71,12 +79,13 @@ EOF
 # difference between two snapshots is that run's share, measured on the server.
 metrics() { curl -s "$URL/metrics" | grep -vE '^#|_bucket' | sed "s/^/$1 /" >> "$OUT/server-metrics.txt"; }
 : > "$OUT/server-metrics.txt"
-{ date -u; uname -m; nproc; grep -m1 "model name" /proc/cpuinfo; uptime; } > "$OUT/machine.txt"
+{ echo "beam-serve --model $MODEL; AIPerf tokenizer $TOKENIZER"; date -u; uname -m; nproc; grep -m1 "model name" /proc/cpuinfo; uptime; } > "$OUT/machine.txt"
 metrics before
 run chat chat
 metrics after-chat
 run completions completions
 metrics after-completions
 uptime >> "$OUT/machine.txt"  # the load average: other work on the machine slows the server
+tail -n 40 "$WORK/server.log" > "$OUT/server-log-tail.txt"  # warnings and errors only (--log-level)
 python3 benchmarks/server/summarize.py "$OUT" > "$OUT/summary.md"
 echo "results in $OUT; full logs in $WORK"

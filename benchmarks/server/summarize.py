@@ -43,21 +43,31 @@ def aiperf_figures(path: pathlib.Path) -> list[str]:
     out += ["", "| throughput | value |", "|---|---|",
             f"| output tokens/s | {data['output_token_throughput']['avg']:.2f} |",
             f"| requests/s | {data['request_throughput']['avg']:.3f} |",
-            (f"| requests (errors) | {data['request_count']['avg']:.0f} "
-             f"({len(data.get('error_summary') or [])} error kinds) |"),
+            f"| requests succeeded | {data['request_count']['avg']:.0f} |",
+            f"| requests failed | {(data.get('error_request_count') or {}).get('avg', 0):.0f} "
+            f"({len(data.get('error_summary') or [])} error kinds) |",
             f"| benchmark duration (s) | {data['benchmark_duration']['avg']:.1f} |"]
     return out
 
 
 def main(run: str) -> None:
     run_dir = pathlib.Path(run)
-    lines = [f"# AIPerf against beam-serve beam-tiny: {run_dir.name}", "",
-             "Machine (date, arch, cores, CPU, load average at the start and the end):", "", "```", (run_dir / "machine.txt").read_text().strip(), "```", ""]
-    report = run_dir / "completions-profile_export_aiperf.json"
-    if report.exists():
-        lines += ["## AIPerf, streamed completions", "", *aiperf_figures(report), ""]
-    lines += ["## AIPerf, streamed chat", "", "```", (run_dir / "chat-errors.txt").read_text().rstrip(), "```", "",
-              "## The server's /metrics, per run", "", *server_figures(run_dir / "server-metrics.txt"), ""]
+    machine = (run_dir / "machine.txt").read_text().strip()
+    # Runs from before run_aiperf.sh took MODEL have no "beam-serve --model" line: they were beam-tiny.
+    first = machine.splitlines()[0]
+    model = first.split()[2].rstrip(";") if first.startswith("beam-serve --model") else "beam-tiny"
+    lines = [f"# AIPerf against beam-serve {model}: {run_dir.name}", "",
+             "Machine (model, date, arch, cores, CPU, load average at the start and the end):", "",
+             "```", machine, "```", ""]
+    for name in ("completions", "chat"):
+        report = run_dir / f"{name}-profile_export_aiperf.json"
+        if report.exists():
+            lines += [f"## AIPerf, streamed {name}", "", *aiperf_figures(report), ""]
+        errors = run_dir / f"{name}-errors.txt"
+        if errors.exists():
+            lines += [f"Requests of the {name} run by outcome (warm-up included):", "",
+                      "```", errors.read_text().rstrip(), "```", ""]
+    lines += ["## The server's /metrics, per run", "", *server_figures(run_dir / "server-metrics.txt"), ""]
     print("\n".join(lines))
 
 
