@@ -32,6 +32,8 @@ from jaxtyping import Array, Float, Int
 from beam_jax.config import BeamConfig
 from pallas_kernels.paged_attention import (
     DecodeMetadata,
+    HeadPrologue,
+    OutputGate,
     decode_metadata,
     default_use_kernel,
     ragged_paged_attention,
@@ -63,7 +65,7 @@ class PagedBatch:
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=("k_pages", "v_pages", "batch"),
-    meta_fields=("layer_group", "layer_slot", "use_kernel", "interpret"),
+    meta_fields=("layer_group", "layer_slot", "use_kernel", "interpret", "fused"),
 )
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
@@ -77,11 +79,15 @@ class PagedKVCache:
     # the decode kernel for decodes; True: all kernels). `create` takes the backend's default.
     use_kernel: bool | str = False
     interpret: bool = False  # static: run the kernels in interpret mode (tests on CPU)
+    # Static: with a kernel path, the attention layer hands over raw projections (`fuses_attention`):
+    # the decode kernel applies the q norm and RoPE / SSMax and the output gate, the page write the k
+    # norm and RoPE. False keeps them in the layer (plain jnp), for comparisons.
+    fused: bool = True
 
     @classmethod
     def create(
         cls, config: BeamConfig, num_pages: int, page_size: int, layer_group: tuple[int, ...], dtype=jnp.bfloat16,
-        *, use_kernel: bool | str | None = None, interpret: bool | None = None,
+        *, use_kernel: bool | str | None = None, interpret: bool | None = None, fused: bool = True,
     ) -> PagedKVCache:
         """`layer_group` maps every cached layer to its group: the model's layers first, then any
         drafter layers (serving.speculative), which share the pages and so the K/V shape.
@@ -97,7 +103,7 @@ class PagedKVCache:
             interpret = bool(use_kernel) and jax.default_backend() != "gpu"
         return cls(
             jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), tuple(layer_group), layer_slot,
-            use_kernel=use_kernel, interpret=interpret,
+            use_kernel=use_kernel, interpret=interpret, fused=fused,
         )
 
     @property
@@ -107,6 +113,12 @@ class PagedKVCache:
     @property
     def slots(self) -> int:
         return max(self.layer_slot) + 1
+
+    @property
+    def fuses_attention(self) -> bool:
+        """Whether `attend` wants the layer's raw projections with its prologues and gate: when the
+        decode kernel runs (the GPU's path), which fuses them; plain jnp gains nothing from it."""
+        return bool(self.use_kernel) and self.fused
 
     def with_batch(self, batch: PagedBatch | None) -> PagedKVCache:
         """Sets the step's metadata; with a kernel path, also the step's decode metadata (once per
@@ -123,23 +135,37 @@ class PagedKVCache:
         k: Float[Array, "tokens kv_heads d"],
         v: Float[Array, "tokens kv_heads d"],
         window: int | None,
+        *,
+        query_prologue: HeadPrologue | None = None,
+        key_prologue: HeadPrologue | None = None,
+        output_gate: OutputGate | None = None,
     ) -> tuple[Float[Array, "tokens heads d"], PagedKVCache]:
-        """Write this step's K/V of `layer` into its rows of the pages, then ragged paged attention."""
+        """Write this step's K/V of `layer` into its rows of the pages, then ragged paged attention.
+        With `query_prologue` / `key_prologue`, `q` / `k` are raw projections that these normalize
+        and rotate / scale; with `output_gate` the output comes gated (see `fuses_attention`)."""
         batch = self._step_batch()
-        written = self.write(layer, k, v)
+        written = self.write(layer, k, v, key_prologue=key_prologue)
         out = ragged_paged_attention(
             q, written.k_pages, written.v_pages, batch.query_start, batch.seq_lens, self._layer_table(layer),
             window=window, use_kernel=self.use_kernel, decode_only=batch.decode_only, decode=batch.decode,
-            interpret=self.interpret,
+            query_prologue=query_prologue, output_gate=output_gate, interpret=self.interpret,
         )
         return out, written
 
-    def write(self, layer: int, k: Float[Array, "tokens kv_heads d"], v: Float[Array, "tokens kv_heads d"]) -> PagedKVCache:
-        """Write the step's K/V of `layer` (one row per flat token) into its rows of the pages."""
+    def write(
+        self, layer: int, k: Float[Array, "tokens kv_heads d"], v: Float[Array, "tokens kv_heads d"],
+        *, key_prologue: HeadPrologue | None = None,
+    ) -> PagedKVCache:
+        """Write the step's K/V of `layer` (one row per flat token) into its rows of the pages. With
+        `key_prologue`, `k` is the raw projection: normalized and rotated on the way in (in the write
+        kernel when the cache fuses attention)."""
         group, slot, slots, size = self.layer_group[layer], self.layer_slot[layer], self.slots, self.page_size
         mapping = self._step_batch().slot_mappings[group]
         mapping = jnp.where(mapping >= 0, (mapping // size * slots + slot) * size + mapping % size, -1)
-        k_pages, v_pages = write_kv(self.k_pages, self.v_pages, k, v, mapping)
+        k_pages, v_pages = write_kv(
+            self.k_pages, self.v_pages, k, v, mapping, key_prologue=key_prologue,
+            use_kernel=key_prologue is not None and self.fuses_attention, interpret=self.interpret,
+        )
         return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
 
     def window_context(

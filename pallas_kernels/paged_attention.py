@@ -26,6 +26,11 @@ give the same numbers:
   3. softmax in fp32 over visible keys (a query with no visible key gets zeros, not NaN);
   4. probabilities rounded to v.dtype; probs . v accumulated in fp32, rounded to v.dtype.
 
+The decode kernels can also take the layer's per-head work (the model's GPU path): raw q with its
+`HeadPrologue` (RMSNorm, then RoPE or the SSMax scale) applied in the split kernel's prologue, and the
+`OutputGate` applied in the combine's epilogue; `write_kv_kernel` writes raw k with its prologue. The
+references (`head_prologue_reference`, `output_gate_reference`) are the unfused math.
+
 Files in pallas_kernels import nothing from beam_jax or serving.
 """
 
@@ -39,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
 
@@ -58,9 +64,22 @@ def write_kv(
     new_k: Float[Array, "tokens kv_heads d"],
     new_v: Float[Array, "tokens kv_heads d"],
     slot_mapping: Int[Array, " tokens"],
+    *,
+    key_prologue: HeadPrologue | None = None,
+    use_kernel: bool = False,
+    interpret: bool = False,
 ) -> tuple[Float[Array, "pages page_size kv_heads d"], Float[Array, "pages page_size kv_heads d"]]:
     """Scatter each token's K/V to flat slot `page * page_size + offset`; slot -1 (padding) is skipped.
-    Returns the new page arrays (donate them under jit for an in-place update)."""
+    Returns the new page arrays (donate them under jit for an in-place update).
+
+    `key_prologue`: `new_k` is the raw projection; its norm and RoPE (`head_prologue_reference`) are
+    applied first. `use_kernel`: one Pallas call does prologue and write (`write_kv_kernel`), in place;
+    otherwise plain jnp (XLA's scatter)."""
+    if use_kernel:
+        return write_kv_kernel(k_pages, v_pages, new_k, new_v, slot_mapping, key_prologue=key_prologue,
+                               interpret=interpret)
+    if key_prologue is not None:
+        new_k = head_prologue_reference(new_k, key_prologue)
     num_pages, page_size, kv_heads, head_dim = k_pages.shape
     num_slots = num_pages * page_size
     # JAX wraps negative indices, so -1 must become an out-of-range index that mode="drop" discards.
@@ -72,6 +91,187 @@ def write_kv(
         return flat.reshape(pages.shape)
 
     return scatter(k_pages, new_k), scatter(v_pages, new_v)
+
+
+# --------------------------------------------------------------------------------------------------
+# What a layer does around attention, for the kernels to fuse: the q/k prologue and the output gate
+# --------------------------------------------------------------------------------------------------
+#
+# Beam's attention normalizes every q and k head (RMSNorm over head_dim), then rotates them (RoPE,
+# sliding layers) or scales q (SSMax, full layers), and gates the output per head. At batch 1 a
+# decode step is launch-bound, so the decode kernels take the raw projections and do these in their
+# prologue / epilogue, and the page write takes raw k. The references below are the model's math
+# with its rounding points (beam_jax.layers.norm / rope / attention; a test checks they agree bit for
+# bit): the fused paths round where they round.
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=("norm_weight", "rope_cos", "rope_sin", "ssmax_scale"),
+    meta_fields=("eps",),
+)
+@dataclasses.dataclass(frozen=True)
+class HeadPrologue:
+    """Per head, before attention: RMSNorm over head_dim (fp32 statistics, `weight * x`, rounded to the
+    input dtype), then RoPE (rotate-half layout, fp32, each product rounded to fp32, result rounded) if
+    `rope_cos`/`rope_sin` are set, then the SSMax scale (fp32, rounded) if `ssmax_scale` is set. The
+    position data is per flat token, computed once per step (all layers of a kind share it)."""
+
+    norm_weight: Float[Array, " d"]
+    eps: float
+    rope_cos: Float[Array, "tokens d"] | None = None
+    rope_sin: Float[Array, "tokens d"] | None = None
+    ssmax_scale: Float[Array, " tokens"] | None = None
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("gate", "bias"), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class OutputGate:
+    """The attention output gate: `out * sigmoid(gate + bias[head])`. The biased logits, the sigmoid and
+    the product are each rounded to `gate.dtype` (the model's activation dtype)."""
+
+    gate: Float[Array, "tokens heads d"]  # the gate projection, unbiased
+    bias: Float[Array, " heads"]
+
+
+def head_prologue_reference(x: Float[Array, "tokens heads d"], prologue: HeadPrologue) -> Float[Array, "tokens heads d"]:
+    """Plain jnp, with the model's rounding points."""
+    dtype = x.dtype
+    x32 = x.astype(jnp.float32)
+    normed = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + prologue.eps)
+    x = (prologue.norm_weight.astype(jnp.float32) * normed).astype(dtype)
+    if prologue.rope_cos is not None:
+        cos, sin = prologue.rope_cos[:, None, :], prologue.rope_sin[:, None, :]
+        x32 = x.astype(jnp.float32)
+        half = x.shape[-1] // 2
+        rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+        # Products rounded to fp32 before the add (no FMA), as the model rounds them.
+        direct, turned = lax.optimization_barrier((x32 * cos, rotated * sin))
+        x = (direct + turned).astype(dtype)
+    if prologue.ssmax_scale is not None:
+        x = (x.astype(jnp.float32) * prologue.ssmax_scale[:, None, None]).astype(dtype)
+    return x
+
+
+def output_gate_reference(out: Float[Array, "tokens heads d"], gate: OutputGate) -> Float[Array, "tokens heads d"]:
+    """Plain jnp, with the model's rounding points; the result has `gate.gate.dtype`."""
+    dtype = gate.gate.dtype
+    logits = (gate.gate.astype(jnp.float32) + gate.bias.astype(jnp.float32)[:, None]).astype(dtype)
+    weights = jax.nn.sigmoid(logits.astype(jnp.float32)).astype(dtype)
+    return (out.astype(jnp.float32) * weights.astype(jnp.float32)).astype(dtype)
+
+
+def _prologue_arrays(prologue: HeadPrologue | None, head_dim: int) -> tuple[list, list, tuple]:
+    """The prologue's arrays for a pallas_call, their block specs (whole arrays: a program indexes its
+    token's row) and the static description the kernel reads them with."""
+    if prologue is None:
+        return [], [], ()
+    arrays = [prologue.norm_weight.reshape(head_dim)]
+    has_rope, has_ssmax = prologue.rope_cos is not None, prologue.ssmax_scale is not None
+    if has_rope:
+        arrays += [prologue.rope_cos.astype(jnp.float32), prologue.rope_sin.astype(jnp.float32)]
+    if has_ssmax:
+        arrays.append(prologue.ssmax_scale.astype(jnp.float32))
+    specs = [pl.BlockSpec(a.shape, lambda *_, rank=a.ndim: (0,) * rank) for a in arrays]
+    return arrays, specs, (prologue.eps, has_rope, has_ssmax)
+
+
+def _rounded(x32, dtype):
+    """fp32 `x32` rounded to `dtype` and back, as a kernel's intermediate rounding point. For bf16 the
+    round-to-nearest-even is done on the bits: on the H200, Triton dropped a plain truncate-extend
+    pair (a third of a bf16 RoPE prologue's values came out unrounded-then-rounded), integer ops it
+    cannot drop. Finite values only (NaN may come out as inf)."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return x32
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        return x32.astype(dtype).astype(jnp.float32)
+    bits = lax.bitcast_convert_type(x32, jnp.uint32)
+    bits = bits + (jnp.uint32(0x7FFF) + ((bits >> jnp.uint32(16)) & jnp.uint32(1)))
+    return lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), jnp.float32)
+
+
+def _prologue_in_kernel(x, refs, token, spec):
+    """`head_prologue_reference` on one token's heads (`[rows, d]` or `[d]`) inside a kernel, with the
+    same rounding points (`_rounded`). `refs`/`spec` come from `_prologue_arrays`."""
+    eps, has_rope, has_ssmax = spec
+    weight_ref, *position_refs = refs
+    dtype = x.dtype
+    x32 = x.astype(jnp.float32)
+    normed = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    x32 = _rounded(weight_ref[...].astype(jnp.float32) * normed, dtype)
+    if has_rope:
+        cos_ref, sin_ref, *position_refs = position_refs
+        x32 = _rounded(x32 * cos_ref[token] + _rotate_half(x32) * sin_ref[token], dtype)
+    if has_ssmax:
+        (scale_ref,) = position_refs
+        x32 = _rounded(x32 * scale_ref[token], dtype)
+    return x32.astype(dtype)
+
+
+def _rotate_half(x):
+    """`concat(-x[..., half:], x[..., :half])` from the ops Triton lowers: an even split of the lanes,
+    and a join as stack + transpose + reshape (it has no lane slicing and no general concatenate)."""
+    low, high = jnp.split(x, 2, axis=-1)
+    joined = jnp.stack([-high, low], axis=-1)  # [..., half, 2]
+    joined = jnp.swapaxes(joined, -1, -2)  # [..., 2, half]
+    return joined.reshape(x.shape)
+
+
+def _write_kv_kernel(
+    slot_ref,  # [tokens] int32
+    k_ref,  # [tokens, kv_heads, d]: raw projections when there is a prologue
+    v_ref,  # [tokens, kv_heads, d]
+    k_pages_in_ref,  # aliased with k_pages_ref
+    v_pages_in_ref,  # aliased with v_pages_ref
+    *refs,  # the key prologue's arrays, then the outputs k_pages_ref, v_pages_ref
+    page_size: int,
+    prologue_spec: tuple,
+):
+    del k_pages_in_ref, v_pages_in_ref
+    *prologue_refs, k_pages_ref, v_pages_ref = refs
+    token, kv_head = pl.program_id(0), pl.program_id(1)
+    head_dim = k_ref.shape[-1]
+    slot = slot_ref[token]
+    live = jnp.broadcast_to(slot >= 0, (head_dim,))  # padding (slot -1) writes nothing
+    slot = jnp.maximum(slot, 0)
+    page, offset = slot // page_size, slot % page_size
+    k = k_ref[token, kv_head, :]
+    if prologue_spec:
+        k = _prologue_in_kernel(k, prologue_refs, token, prologue_spec)
+    pltriton.store(k_pages_ref.at[page, offset, kv_head, :], k.astype(k_pages_ref.dtype), mask=live)
+    v = v_ref[token, kv_head, :]
+    pltriton.store(v_pages_ref.at[page, offset, kv_head, :], v.astype(v_pages_ref.dtype), mask=live)
+
+
+def write_kv_kernel(
+    k_pages: Float[Array, "pages page_size kv_heads d"],
+    v_pages: Float[Array, "pages page_size kv_heads d"],
+    new_k: Float[Array, "tokens kv_heads d"],
+    new_v: Float[Array, "tokens kv_heads d"],
+    slot_mapping: Int[Array, " tokens"],
+    *,
+    key_prologue: HeadPrologue | None = None,
+    interpret: bool = False,
+) -> tuple[Float[Array, "pages page_size kv_heads d"], Float[Array, "pages page_size kv_heads d"]]:
+    """`write_kv` as one Pallas call, grid (token, kv head): the key prologue (norm, RoPE) on the raw
+    k, then both rows stored in place (the page arrays are aliased to the outputs). Replaces XLA's
+    norm, rotation and two scatters: at batch 1 each launch costs more than its work."""
+    _, page_size, kv_heads, head_dim = k_pages.shape
+    tokens = new_k.shape[0]
+    prologue, prologue_specs, prologue_spec = _prologue_arrays(key_prologue, head_dim)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda t, h, rank=a.ndim: (0,) * rank)
+    kernel = functools.partial(_write_kv_kernel, page_size=page_size, prologue_spec=prologue_spec)
+    return pl.pallas_call(
+        kernel,
+        grid=(tokens, kv_heads),
+        in_specs=[whole(slot_mapping), whole(new_k), whole(new_v), whole(k_pages), whole(v_pages), *prologue_specs],
+        out_specs=[whole(k_pages), whole(v_pages)],
+        out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+        input_output_aliases={3: 0, 4: 1},
+        compiler_params=_triton_params(1, 1),
+        interpret=interpret,
+        name="write_kv_norm_rope" if prologue_spec else "write_kv",
+    )(slot_mapping.astype(jnp.int32), new_k, new_v, k_pages, v_pages, *prologue)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -520,21 +720,24 @@ def _decode_split_kernel(
     row_token_ref,  # [batch] int32
     seq_lens_ref,  # [batch] int32
     page_row_ref,  # [max_pages] int32: this sequence's page table row
-    q_ref,  # [tokens, rows, head_dim]: this kv head's query heads, padded to `rows`
+    q_ref,  # [tokens, heads, head_dim]: all queries (raw projections when there is a prologue)
     k_pages_ref,  # [num_pages, page_size, head_dim] for this kv head
     v_pages_ref,  # [num_pages, page_size, head_dim] for this kv head
-    # outputs
-    o_ref,  # [rows, head_dim] fp32: unnormalized partial output of this split
-    m_ref,  # [rows] fp32: running max of this split
-    l_ref,  # [rows] fp32: running sum of this split
-    *,
+    *refs,  # the query prologue's arrays (`_prologue_arrays`), then the outputs:
+    # o_ref [rows, head_dim] fp32: unnormalized partial output of this split
+    # m_ref [rows] fp32: running max of this split
+    # l_ref [rows] fp32: running sum of this split
     window: int | None,
     softmax_scale: float,
     pages_per_step: int,
     num_splits: int,
+    group: int,
+    rows: int,
+    prologue_spec: tuple,
 ):
-    sequence, split = pl.program_id(0), pl.program_id(2)
-    rows, head_dim = q_ref.shape[1:]
+    *prologue_refs, o_ref, m_ref, l_ref = refs
+    sequence, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    head_dim = q_ref.shape[-1]
     page_size = k_pages_ref.shape[1]
     max_pages = page_row_ref.shape[0]
     keys = pages_per_step * page_size
@@ -551,7 +754,13 @@ def _decode_split_kernel(
     hi = jnp.minimum(lo + per_split, end_page)
     num_steps = (hi - lo + pages_per_step - 1) // pages_per_step
 
-    q = q_ref[jnp.maximum(token, 0)]  # [rows, head_dim]
+    # This kv head's `group` query heads as the first of `rows` rows (Triton's dot wants >= 16), the
+    # rest masked to zeros; then the layer's norm and RoPE / SSMax, if given.
+    token = jnp.maximum(token, 0)
+    head_rows = lax.broadcasted_iota(jnp.int32, (rows, head_dim), 0) < group
+    q = pltriton.load(q_ref.at[token, pl.ds(kv_head * group, rows), :], mask=head_rows, other=0)
+    if prologue_spec:
+        q = _prologue_in_kernel(q, prologue_refs, token, prologue_spec)
     step_page = lax.broadcasted_iota(jnp.int32, (pages_per_step,), 0)
     key_offset = lax.broadcasted_iota(jnp.int32, (keys,), 0)
 
@@ -595,11 +804,18 @@ def _decode_split_kernel(
     l_ref[...] = l
 
 
-def _decode_combine_kernel(token_row_ref, o_ref, m_ref, l_ref, out_ref, *, splits_per_step: int):
+def _decode_combine_kernel(
+    token_row_ref, o_ref, m_ref, l_ref, *refs, splits_per_step: int, group: int, attention_dtype, gated: bool
+):
     """One (token, kv head, head_dim block): the weighted sum of its sequence's split partials, or
-    zeros for a token that is not a decode. The partials are read `splits_per_step` splits at a time
-    (a batch-1 decode at 128K has hundreds of splits: all at once would not fit in registers)."""
-    row = token_row_ref[jnp.asarray(pl.program_id(0))]
+    zeros for a token that is not a decode, written to the kv head's `group` query heads of `out_ref`
+    ([tokens, heads, d]). The partials are read `splits_per_step` splits at a time (a batch-1 decode at
+    128K has hundreds of splits: all at once would not fit in registers). `gated`: `refs` starts with
+    the gate projection and bias, and the epilogue applies the output gate (`output_gate_reference`)."""
+    *gate_refs, out_ref = refs
+    token, kv_head, block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows, block_d = o_ref.shape[-2:]
+    row = token_row_ref[token]
     source = jnp.maximum(row, 0)
     num_splits = m_ref.shape[1]
     m = m_ref[source]  # [splits, rows]; empty splits: m = _M_INIT, l = 0, o = 0
@@ -611,11 +827,21 @@ def _decode_combine_kernel(token_row_ref, o_ref, m_ref, l_ref, out_ref, *, split
         weight = jnp.exp(m_ref[source, chunk] - m_all[None])  # [splits_per_step, rows]
         return acc + (weight[:, :, None] * o_ref[source, chunk]).sum(axis=0)
 
-    acc = jnp.zeros(out_ref.shape, jnp.float32)
+    acc = jnp.zeros((rows, block_d), jnp.float32)
     acc = lax.fori_loop(0, num_splits // splits_per_step, body, acc)
     keep = (total > 0) & (row >= 0)  # a query with no visible key gets zeros
     out = jnp.where(keep[:, None], acc / jnp.where(total > 0, total, 1.0)[:, None], 0.0)
-    out_ref[...] = out.astype(out_ref.dtype)
+    heads, lanes = pl.ds(kv_head * group, rows), pl.ds(block * block_d, block_d)
+    head_rows = lax.broadcasted_iota(jnp.int32, (rows, block_d), 0) < group
+    if gated:
+        gate_ref, bias_ref = gate_refs
+        gate_dtype = gate_ref.dtype
+        out = _rounded(out, attention_dtype)  # where the unfused attention output is rounded
+        gate = pltriton.load(gate_ref.at[token, heads, lanes], mask=head_rows, other=0).astype(jnp.float32)
+        bias_rows = lax.broadcasted_iota(jnp.int32, (rows,), 0) < group
+        bias = pltriton.load(bias_ref.at[heads], mask=bias_rows, other=0).astype(jnp.float32)
+        out = out * _rounded(jax.nn.sigmoid(_rounded(gate + bias[:, None], gate_dtype)), gate_dtype)
+    pltriton.store(out_ref.at[token, heads, lanes], out.astype(out_ref.dtype), mask=head_rows)
 
 
 def paged_decode_attention_kernel(
@@ -630,6 +856,8 @@ def paged_decode_attention_kernel(
     softmax_scale: float | None = None,
     metadata: DecodeMetadata | None = None,
     blocks: DecodeBlocks | None = None,
+    query_prologue: HeadPrologue | None = None,
+    output_gate: OutputGate | None = None,
     interpret: bool = False,
 ) -> tuple[Float[Array, "tokens heads d"], Int[Array, " tokens"]]:
     """Attention of every decode token (sequences with q_len == 1) in the step; other tokens get
@@ -637,7 +865,12 @@ def paged_decode_attention_kernel(
     (from `decode_metadata`, once per step) to keep its few small ops out of every layer.
 
     Two Pallas calls: the split kernel, grid (sequence, kv head, split), then the combine, grid
-    (token, kv head). Triton needs power-of-two page_size and head_dim."""
+    (token, kv head). Triton needs power-of-two page_size and head_dim.
+
+    Fused (the model's GPU path): with `query_prologue`, `queries` are the raw projections and the
+    split kernel applies the norm and RoPE / SSMax to its query rows first; with `output_gate`, the
+    combine gates its output, which then has the gate's dtype. Both round where the references do
+    (`head_prologue_reference`, `output_gate_reference`)."""
     tokens, heads, head_dim = queries.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     batch, max_pages = page_table.shape
@@ -650,12 +883,10 @@ def paged_decode_attention_kernel(
         blocks = decode_blocks(batch, kv_heads, max_pages, page_size, window)
     splits = blocks.num_splits
 
-    # [tokens, kv_heads, rows, d]: pads a kv head's query heads to the kernel's rows (one small op
-    # that XLA fuses into whatever produced the queries).
-    q = jnp.pad(queries.reshape(tokens, kv_heads, group, head_dim), ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    prologue, prologue_specs, prologue_spec = _prologue_arrays(query_prologue, head_dim)
     split_kernel = functools.partial(
         _decode_split_kernel, window=window, softmax_scale=scale,
-        pages_per_step=blocks.pages_per_step, num_splits=splits,
+        pages_per_step=blocks.pages_per_step, num_splits=splits, group=group, rows=rows, prologue_spec=prologue_spec,
     )
     partial_shape = (batch, kv_heads, splits, rows)
     o, m, l = pl.pallas_call(
@@ -665,9 +896,10 @@ def paged_decode_attention_kernel(
             pl.BlockSpec((batch,), lambda b, h, s: (0,)),  # row_token
             pl.BlockSpec((batch,), lambda b, h, s: (0,)),  # seq_lens
             pl.BlockSpec((None, max_pages), lambda b, h, s: (b, 0)),  # the sequence's page table row
-            pl.BlockSpec((tokens, None, rows, head_dim), lambda b, h, s: (0, h, 0, 0)),  # queries
+            pl.BlockSpec((tokens, heads, head_dim), lambda b, h, s: (0, 0, 0)),  # queries: rows picked in the kernel
             pl.BlockSpec((num_pages, page_size, None, head_dim), lambda b, h, s: (0, 0, h, 0)),  # k_pages
             pl.BlockSpec((num_pages, page_size, None, head_dim), lambda b, h, s: (0, 0, h, 0)),  # v_pages
+            *prologue_specs,
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
@@ -682,11 +914,20 @@ def paged_decode_attention_kernel(
         compiler_params=_triton_params(blocks.num_warps, blocks.num_stages),
         interpret=interpret,
         name=f"paged_decode_split_{splits=}_pages_per_step={blocks.pages_per_step}",
-    )(metadata.row_token, seq_lens, page_table, q, k_pages, v_pages)
+    )(metadata.row_token, seq_lens, page_table, queries, k_pages, v_pages, *prologue)
 
     # Few (token, kv head) pairs: split head_dim too, so that many SMs read the partials.
     block_d = head_dim if tokens * kv_heads >= 64 or head_dim <= 16 else 16
-    combine = functools.partial(_decode_combine_kernel, splits_per_step=min(splits, 8))
+    combine = functools.partial(
+        _decode_combine_kernel, splits_per_step=min(splits, 8), group=group, attention_dtype=v_pages.dtype,
+        gated=output_gate is not None,
+    )
+    gate, gate_specs = [], []
+    if output_gate is not None:
+        gate = [output_gate.gate, output_gate.bias]
+        gate_specs = [pl.BlockSpec((tokens, heads, head_dim), lambda t, h, j: (0, 0, 0)),
+                      pl.BlockSpec((heads,), lambda t, h, j: (0,))]
+    out_dtype = v_pages.dtype if output_gate is None else output_gate.gate.dtype
     out = pl.pallas_call(
         combine,
         grid=(tokens, kv_heads, head_dim // block_d),
@@ -695,14 +936,17 @@ def paged_decode_attention_kernel(
             pl.BlockSpec((batch, None, splits, rows, block_d), lambda t, h, j: (0, h, 0, 0, j)),
             pl.BlockSpec((batch, None, splits, rows), lambda t, h, j: (0, h, 0, 0)),
             pl.BlockSpec((batch, None, splits, rows), lambda t, h, j: (0, h, 0, 0)),
+            *gate_specs,
         ],
-        out_specs=pl.BlockSpec((None, None, rows, block_d), lambda t, h, j: (t, h, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((tokens, kv_heads, rows, head_dim), v_pages.dtype),
+        # The whole output: a program writes its kv head's query heads (masked rows), so no padded
+        # copy needs slicing afterwards.
+        out_specs=pl.BlockSpec((tokens, heads, head_dim), lambda t, h, j: (0, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((tokens, heads, head_dim), out_dtype),
         compiler_params=_triton_params(4, 1),
         interpret=interpret,
-        name=f"paged_decode_combine_{splits=}",
-    )(metadata.token_row, o, m, l)
-    return out[:, :, :group].reshape(tokens, heads, head_dim), metadata.token_row
+        name=f"paged_decode_combine_{splits=}" + ("_gated" if output_gate is not None else ""),
+    )(metadata.token_row, o, m, l, *gate)
+    return out, metadata.token_row
 
 
 # --------------------------------------------------------------------------------------------------
@@ -737,6 +981,8 @@ def ragged_paged_attention(
     decode_only: bool = False,
     decode: DecodeMetadata | None = None,
     decode_block_sizes: DecodeBlocks | None = None,
+    query_prologue: HeadPrologue | None = None,
+    output_gate: OutputGate | None = None,
     interpret: bool = False,
 ) -> Float[Array, "tokens heads d"]:
     """Ragged paged attention (see the module docstring for the layout and rounding).
@@ -755,26 +1001,34 @@ def ragged_paged_attention(
 
     `decode_only=True` (static: the caller promises no sequence has q_len > 1) runs only the decode
     kernel, with either kernel mode. `decode` is the step's `decode_metadata`, shared by all layers
-    (built here when None); `decode_block_sizes` overrides the decode kernel's block sizes."""
+    (built here when None); `decode_block_sizes` overrides the decode kernel's block sizes.
+
+    `query_prologue`: `queries` are the raw projections, normalized and rotated / scaled as it says
+    before attention; `output_gate`: the output is gated. With a kernel mode the decode kernel fuses
+    both (prologue in the split kernel, gate in the combine); other tokens and plain jnp take the
+    references (`head_prologue_reference`, `output_gate_reference`) around the unfused attention."""
     if use_kernel not in (False, True, "decode"):
         raise ValueError(f"use_kernel must be False, True or 'decode', got {use_kernel!r}")
+
+    def unfused(attention, **kwargs):
+        q = queries if query_prologue is None else head_prologue_reference(queries, query_prologue)
+        out = attention(q, k_pages, v_pages, query_start, seq_lens, page_table, window=window,
+                        softmax_scale=softmax_scale, **kwargs)
+        return out if output_gate is None else output_gate_reference(out, output_gate)
+
     if use_kernel is False:
-        return _plain_jnp(queries, k_pages, v_pages, query_start, seq_lens, page_table, window=window,
-                          softmax_scale=softmax_scale, blocked=blocked)
+        return unfused(_plain_jnp, blocked=blocked)
     decoded, token_row = paged_decode_attention_kernel(
         queries, k_pages, v_pages, query_start, seq_lens, page_table, window=window,
-        softmax_scale=softmax_scale, metadata=decode, blocks=decode_block_sizes, interpret=interpret,
+        softmax_scale=softmax_scale, metadata=decode, blocks=decode_block_sizes,
+        query_prologue=query_prologue, output_gate=output_gate, interpret=interpret,
     )
     if decode_only:
         return decoded
     if use_kernel == "decode":
-        rest = _plain_jnp(queries, k_pages, v_pages, query_start, seq_lens, page_table, window=window,
-                          softmax_scale=softmax_scale, blocked=blocked, skip_decodes=True)
+        rest = unfused(_plain_jnp, blocked=blocked, skip_decodes=True)
     else:
-        rest = ragged_paged_attention_kernel(
-            queries, k_pages, v_pages, query_start, seq_lens, page_table,
-            window=window, softmax_scale=softmax_scale, block_q=block_q, interpret=interpret, skip_decodes=True,
-        )
+        rest = unfused(ragged_paged_attention_kernel, block_q=block_q, interpret=interpret, skip_decodes=True)
     return jnp.where((token_row >= 0)[:, None, None], decoded, rest)
 
 

@@ -12,8 +12,9 @@ from beam_jax.config import BeamConfig
 from beam_jax.kv_cache import KVCache
 from beam_jax.layers.linear import Linear, matmul_precision
 from beam_jax.layers.norm import RMSNorm
-from beam_jax.layers.rope import apply_rope, apply_ssmax, rope_cos_sin
+from beam_jax.layers.rope import apply_rope, apply_ssmax, rope_cos_sin, ssmax_scale
 from beam_jax.paged_cache import PagedKVCache
+from pallas_kernels.paged_attention import HeadPrologue, OutputGate
 
 
 def visibility_mask(
@@ -81,6 +82,9 @@ class Attention(nnx.Module):
         """With a `PagedKVCache`, `h` is one flat ragged batch `[1, total_tokens, hidden]` described
         by the cache's `PagedBatch`; otherwise rows are sequences."""
         batch, t, _ = h.shape
+        if isinstance(cache, PagedKVCache) and cache.fuses_attention:
+            out, cache = self._fused_paged_attention(h, positions, cache)
+            return self.o_proj(out.reshape(batch, t, -1)), cache
         q = self.q_norm(self.q_proj(h).reshape(batch, t, -1, self.head_dim))
         k = self.k_norm(self.k_proj(h).reshape(batch, t, -1, self.head_dim))
         v = self.v_proj(h).reshape(batch, t, -1, self.head_dim)
@@ -111,3 +115,29 @@ class Attention(nnx.Module):
         gate = jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dtype)
         out = (out.astype(jnp.float32) * gate.astype(jnp.float32)).astype(dtype)
         return self.o_proj(out.reshape(batch, t, -1)), cache
+
+    def _fused_paged_attention(
+        self, h: Float[Array, "1 t hidden"], positions: Int[Array, "1 t"], cache: PagedKVCache
+    ) -> tuple[Float[Array, "t heads d"], PagedKVCache]:
+        """The same layer with the per-head work handed to the cache's kernels (GPU decode path): raw
+        q/k/gate projections go in; the decode kernel normalizes and rotates (or SSMax-scales) q in its
+        prologue and gates its output in the combine, the page write normalizes and rotates k. Each
+        step is the unfused math with the same rounding points (`pallas_kernels.paged_attention`'s
+        references), so only launches change. Position data is per token, shared by all layers."""
+        batch, t, _ = h.shape
+        if batch != 1:
+            raise ValueError(f"the paged path takes one flat ragged row [1, tokens], got batch {batch}")
+        d = self.head_dim
+        q = self.q_proj(h)[0].reshape(t, -1, d)
+        k = self.k_proj(h)[0].reshape(t, -1, d)
+        v = self.v_proj(h)[0].reshape(t, -1, d)
+        gate = OutputGate(self.gate_proj(h)[0].reshape(t, -1, d).astype(h.dtype), self.gate_bias[...])
+        q_weight, k_weight = self.q_norm.weight[...], self.k_norm.weight[...]
+        if self.rope_theta is not None:
+            cos, sin = rope_cos_sin(positions[0], d, self.rope_theta)
+            query = HeadPrologue(q_weight, self.q_norm.eps, rope_cos=cos, rope_sin=sin)
+            key = HeadPrologue(k_weight, self.k_norm.eps, rope_cos=cos, rope_sin=sin)
+        else:  # SSMax scales queries only
+            query = HeadPrologue(q_weight, self.q_norm.eps, ssmax_scale=ssmax_scale(positions[0]))
+            key = HeadPrologue(k_weight, self.k_norm.eps)
+        return cache.attend(self.layer, q, k, v, self.window, query_prologue=query, key_prologue=key, output_gate=gate)

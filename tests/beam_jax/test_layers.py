@@ -232,6 +232,47 @@ def test_apply_ssmax_scales_q_per_position(shape, seed):
     assert_close(apply_ssmax(jnp.asarray(q), jnp.asarray(positions)), expected, rtol=1e-6, what="apply_ssmax")
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("kind", ["sliding", "full"])
+def test_fused_kernels_references_are_the_layers_math(dtype, kind):
+    """The decode kernels fuse the layer's q/k prologue and output gate with the rounding points of
+    `pallas_kernels.paged_attention`'s references; those equal this package's norm, RoPE, SSMax and
+    the layer's gate bit for bit (each side one jitted program, as in the model)."""
+    from pallas_kernels.paged_attention import HeadPrologue, OutputGate, head_prologue_reference, output_gate_reference
+
+    rng = np.random.default_rng(7)
+    tokens, heads, d = 9, 6, 128
+    x = jnp.asarray(3 * rng.normal(size=(tokens, heads, d)), dtype)
+    weight = jnp.asarray(1 + 0.3 * rng.normal(size=d), dtype)
+    positions = jnp.asarray([0, 1, 63, 64, 511, 512, 4095, 32767, 131071], jnp.int32)
+
+    def model(x, weight, positions):
+        normed = rms_norm(x, weight, 1e-6)
+        if kind == "sliding":
+            cos, sin = rope_cos_sin(positions, d, 10000.0)
+            return apply_rope(normed, cos, sin)
+        return apply_ssmax(normed, positions)
+
+    def fused_reference(x, weight, positions):
+        if kind == "sliding":
+            cos, sin = rope_cos_sin(positions, d, 10000.0)
+            return head_prologue_reference(x, HeadPrologue(weight, 1e-6, rope_cos=cos, rope_sin=sin))
+        return head_prologue_reference(x, HeadPrologue(weight, 1e-6, ssmax_scale=ssmax_scale(positions)))
+
+    np.testing.assert_array_equal(f32(run(fused_reference, x, weight, positions)), f32(run(model, x, weight, positions)))
+
+    out, gate = (jnp.asarray(rng.normal(size=(tokens, heads, d)), dtype) for _ in range(2))
+    bias = jnp.asarray(rng.normal(size=heads), dtype)
+
+    def layer_gate(out, gate, bias):  # Attention.__call__'s gate, as written there
+        logits = (gate.astype(jnp.float32) + bias.astype(jnp.float32)[:, None]).astype(dtype)
+        weights = jax.nn.sigmoid(logits.astype(jnp.float32)).astype(dtype)
+        return (out.astype(jnp.float32) * weights.astype(jnp.float32)).astype(dtype)
+
+    fused_gate = run(lambda out, gate, bias: output_gate_reference(out, OutputGate(gate, bias)), out, gate, bias)
+    np.testing.assert_array_equal(f32(fused_gate), f32(run(layer_gate, out, gate, bias)))
+
+
 # ---- visibility mask ----------------------------------------------------------------------------
 @pytest.mark.parametrize("window", [None, 1, 3, 8])
 def test_visibility_mask(window):

@@ -79,25 +79,26 @@ def truth(params, prompts):
     return out
 
 
-def garbage_cache(groups: tuple[int, ...], use_kernel=False) -> PagedKVCache:
+def garbage_cache(groups: tuple[int, ...], use_kernel=False, fused=True) -> PagedKVCache:
     cache = PagedKVCache.create(
-        CONFIG, NUM_PAGES, PAGE, groups, jnp.float32, use_kernel=use_kernel, interpret=bool(use_kernel)
+        CONFIG, NUM_PAGES, PAGE, groups, jnp.float32, use_kernel=use_kernel, interpret=bool(use_kernel), fused=fused
     )
     rng = np.random.default_rng(2)
     noise = lambda pages: jnp.asarray(10 * rng.standard_normal(pages.shape), jnp.float32)
     return dataclasses.replace(cache, k_pages=noise(cache.k_pages), v_pages=noise(cache.v_pages))
 
 
-def run_paged(params, prompts, chunk: int | tuple[int, ...], step_tokens: int, use_kernel=False):
+def run_paged(params, prompts, chunk: int | tuple[int, ...], step_tokens: int, use_kernel=False, fused=True):
     """Feed prompt s `chunk[s]` tokens per step (an int: the same for all), all sequences in one
     ragged step padded to `step_tokens` flat tokens. With `use_kernel` (interpret mode), a step whose
-    sequences all have one token or none is marked `decode_only`. Returns each prompt's logits
-    `[length, vocab]` and the number of released (-1) page-table entries seen before a live entry."""
+    sequences all have one token or none is marked `decode_only`, and `fused` picks whether the layers
+    hand their per-head work to the kernels (`PagedKVCache.fuses_attention`). Returns each prompt's
+    logits `[length, vocab]` and the number of released (-1) page-table entries seen before a live entry."""
     chunks = (chunk,) * len(prompts) if isinstance(chunk, int) else chunk
     pool = KVPool.from_config(CONFIG, NUM_PAGES, page_tokens=PAGE)
     groups = layer_groups(pool, CONFIG.num_hidden_layers)
     seq_ids = list(range(len(prompts)))
-    cache = garbage_cache(groups, use_kernel)
+    cache = garbage_cache(groups, use_kernel, fused)
     done = [0] * len(prompts)
     logits = [[] for _ in prompts]
     holes = 0
@@ -177,21 +178,51 @@ def test_two_sequences_in_one_ragged_batch(params, prompts, truth, chunk):
         assert holes > 0
 
 
+@pytest.fixture(scope="module")
+def decode_path(params, prompts):
+    """`run_paged` on the GPU's attention path, each (chunks, step_tokens, fused) run once per module."""
+    runs = {}
+
+    def run(chunks, step_tokens, fused=True):
+        if (chunks, step_tokens, fused) not in runs:
+            runs[chunks, step_tokens, fused] = run_paged(
+                params, prompts, chunks, step_tokens, use_kernel="decode", fused=fused
+            )
+        return runs[chunks, step_tokens, fused]
+
+    return run
+
+
 @pytest.mark.parametrize(
     "chunks, step_tokens",
     [((7, 1), 11), ((1, 1), 5), ((64, 64), 80)],
     ids=["prefill_chunks_beside_decodes", "decodes_only", "one_chunk_each"],
 )
-def test_decode_kernel_path_matches_contiguous_cache(params, prompts, truth, chunks, step_tokens):
+def test_decode_kernel_path_matches_contiguous_cache(decode_path, truth, chunks, step_tokens):
     """The GPU's attention path (`use_kernel="decode"`: decode tokens on the split decode kernel, in
-    interpret mode here; prefill chunks in plain jnp) gives the contiguous cache's logits. Chunks (7, 1):
-    sequence 0 (50 tokens) runs in chunks of 7 beside sequence 1 (23 tokens) fed one token per step:
-    7 mixed steps, then decode-only steps (sequence 0's last token, then its row empty)."""
-    (first, second), holes = run_paged(params, prompts, chunks, step_tokens, use_kernel="decode")
+    interpret mode here, with the q/k norms, RoPE / SSMax and the output gate fused into the kernels;
+    prefill chunks in plain jnp) gives the contiguous cache's logits. Chunks (7, 1): sequence 0 (50
+    tokens) runs in chunks of 7 beside sequence 1 (23 tokens) fed one token per step: 7 mixed steps,
+    then decode-only steps (sequence 0's last token, then its row empty)."""
+    (first, second), holes = decode_path(chunks, step_tokens)
     assert_logits_match(first, truth[0], f"sequence 0, chunks {chunks}")
     assert_logits_match(second, truth[1], f"sequence 1, chunks {chunks}")
     if chunks[0] < 64:
         assert holes > 0
+
+
+def test_fused_attention_gives_the_unfused_logits(decode_path):
+    """On the decode kernel path, the layers handing raw projections to the kernels (q norm + RoPE /
+    SSMax in the decode kernel, k norm + RoPE in the page write, the gate in the combine) give the
+    logits of the layers doing that work in plain jnp around the same kernels: mixed and decode-only
+    steps, sliding and full layers. The same rounding points, so only fp32 summation-order noise (a
+    norm's sum in another order flips last bits; fp32 eps is 1.2e-7), well inside the paged-vs-contiguous
+    tolerance."""
+    fused, _ = decode_path((7, 1), 11, fused=True)
+    unfused, _ = decode_path((7, 1), 11, fused=False)
+    for s, (got, want) in enumerate(zip(fused, unfused)):
+        error = np.abs(got - want).max(-1) / np.abs(want).max(-1)
+        assert error.max() <= TOLERANCE / 4, f"sequence {s}: rel err {error.max():.2e} at position {error.argmax()}"
 
 
 def test_truth_is_not_trivial(truth):
