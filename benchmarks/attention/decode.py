@@ -22,6 +22,19 @@ Variants:
            sliding: ONLY the window's ceil(512/64)+1 = 9 logical pages) into a dense [B, S, kvh, d]
            array, then masked dense attention with the module's rounding points, jitted
 
+Layer mode (--layer): one attention layer's decode from the projections on, at the tp8 shape: raw
+q / k / v / gate projections of the step's decode tokens in, gated attention output out, the new
+token's K/V written to its page (the position of the decode) each iteration.
+  layer_unfused : what the model ran before the fusion: q and k RMSNorm + RoPE (sliding) or
+           + SSMax (full, q only) in plain jnp (XLA), XLA's scatter of K/V into the pages, the split
+           decode kernels on the normalized q, the output gate in plain jnp
+  layer_fused   : the model's GPU path now (PagedKVCache.fuses_attention): write_kv_kernel (k norm +
+           RoPE + both page rows, one Pallas call), the split decode kernel with the q norm + RoPE /
+           SSMax in its prologue, the combine with the output gate in its epilogue
+  The cos/sin tables and SSMax scale are built once per step outside the loop (the model builds them
+  once per step for all layers). Also reported: the compiled step's top-level XLA ops (fusions,
+  scatters, custom calls: about one launch each).
+
 Timing: one jitted function runs the op `n` times in a lax.fori_loop (n is a traced argument, so
 one compile serves every n); each iteration's output becomes the next iteration's queries and a
 data-dependent zero is added to the page table, so XLA cannot hoist the op or the gather out of the
@@ -144,6 +157,158 @@ def kernel_pages_visited(ctx, kind, page_size):
     """Pages the kernel's loop visits per (sequence, kv head) for one decode token at ctx - 1."""
     first_key = 0 if kind == "full" else max(ctx - WINDOW, 0)
     return (ctx - 1) // page_size + 1 - first_key // page_size
+
+
+def make_layer_inputs(ctx, batch, kind, page_size, dtype, seed=0):
+    """The tp8 pages of `make_inputs` plus one decode token's raw projections per sequence, the layer's
+    prologues (norm weights; RoPE tables or the SSMax scale at position ctx - 1) and the output gate."""
+    shape = SHAPES["tp8"]
+    heads, kv_heads, head_dim = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    q, k_pages, v_pages, query_start, seq_lens, table, live = make_inputs(ctx, batch, shape, kind, page_size, dtype, seed)
+    keys = jax.random.split(jax.random.key(seed + 1), 6)
+    new_k = jax.random.normal(keys[0], (batch, kv_heads, head_dim), dtype)
+    new_v = jax.random.normal(keys[1], (batch, kv_heads, head_dim), dtype)
+    gate = pa.OutputGate(jax.random.normal(keys[2], (batch, heads, head_dim), dtype),
+                         jax.random.normal(keys[3], (heads,), dtype))
+    q_weight = (1 + 0.1 * jax.random.normal(keys[4], (head_dim,))).astype(dtype)
+    k_weight = (1 + 0.1 * jax.random.normal(keys[5], (head_dim,))).astype(dtype)
+    position = ctx - 1
+    if kind == "sliding":
+        inv_freq = 1.0 / 10000.0 ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+        angles = np.concatenate([position * inv_freq] * 2).astype(np.float32)
+        cos = jnp.broadcast_to(jnp.cos(jnp.asarray(angles)), (batch, head_dim))
+        sin = jnp.broadcast_to(jnp.sin(jnp.asarray(angles)), (batch, head_dim))
+        query = pa.HeadPrologue(q_weight, 1e-6, rope_cos=cos, rope_sin=sin)
+        key = pa.HeadPrologue(k_weight, 1e-6, rope_cos=cos, rope_sin=sin)
+    else:
+        scale = jnp.full((batch,), (1 + (position + 1) / 2048.0) ** 0.1, jnp.float32)
+        query, key = pa.HeadPrologue(q_weight, 1e-6, ssmax_scale=scale), pa.HeadPrologue(k_weight, 1e-6)
+    # Each sequence's decode token goes to position ctx - 1: its page's slot.
+    page = np.asarray(table)[:, position // page_size]
+    slots = jnp.asarray(page * page_size + position % page_size, jnp.int32)
+    return q, k_pages, v_pages, query_start, seq_lens, table, live, new_k, new_v, slots, query, key, gate
+
+
+def layer_step(fused, window, blocks, interpret):
+    """One layer's decode (see the module docstring): (q, page_table, k_pages, v_pages, ...) -> (out, pages)."""
+
+    def step(q, page_table, k_pages, v_pages, new_k, new_v, slots, query_start, seq_lens, metadata, query, key, gate):
+        k_pages, v_pages = pa.write_kv(k_pages, v_pages, new_k, new_v, slots, key_prologue=key, use_kernel=fused,
+                                       interpret=interpret)
+        kw = {"window": window, "use_kernel": True, "decode_only": True, "decode": metadata,
+              "decode_block_sizes": blocks, "interpret": interpret}
+        if fused:
+            out = pa.ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, page_table,
+                                            query_prologue=query, output_gate=gate, **kw)
+        else:
+            normed = pa.head_prologue_reference(q, query)
+            out = pa.output_gate_reference(
+                pa.ragged_paged_attention(normed, k_pages, v_pages, query_start, seq_lens, page_table, **kw), gate
+            )
+        return out, k_pages, v_pages
+
+    return step
+
+
+def top_level_ops(step, *args) -> int:
+    """Top-level ops of the compiled step that launch work (fusions, custom calls, scatters, copies...):
+    about the kernel launches of one call."""
+    text = jax.jit(step).lower(*args).compile().as_text()
+    entry = text[text.index("ENTRY"):]
+    entry = entry[: entry.index("\n}")]
+    passive = ("parameter(", "constant(", "tuple(", "get-tuple-element(", "bitcast(")
+    return sum(1 for line in entry.splitlines()[1:] if " = " in line and not any(op in line for op in passive))
+
+
+def make_layer_loop(step):
+    """Like `make_loop`, with the pages carried through the loop (the write updates them in place)."""
+
+    @jax.jit
+    def loop(n, q, page_table, k_pages, v_pages, *rest):
+        def body(_, carry):
+            q, k_pages, v_pages, z = carry
+            out, k_pages, v_pages = step(q, page_table + z, k_pages, v_pages, *rest)
+            z = (jnp.abs(out[0, 0, 0].astype(jnp.float32)) > 1e30).astype(jnp.int32)
+            return out, k_pages, v_pages, z
+
+        out, _, _, z = lax.fori_loop(0, n, body, (q, k_pages, v_pages, jnp.zeros((), jnp.int32)))
+        return out, z
+
+    return loop
+
+
+def run_layer_config(ctx, batch, kind, args, interpret):
+    page_size, dtype = args.page_size, jnp.bfloat16
+    window = None if kind == "full" else WINDOW
+    (q, k_pages, v_pages, query_start, seq_lens, table, _, new_k, new_v, slots, query, key,
+     gate) = make_layer_inputs(ctx, batch, kind, page_size, dtype)
+    metadata = pa.decode_metadata(query_start, q.shape[0])
+    keys_per_step, target_programs = args.decode_configs[0]
+    blocks = pa.decode_blocks(batch, 1, table.shape[1], page_size, window, keys_per_step=keys_per_step,
+                              target_programs=target_programs, num_warps=args.num_warps, num_stages=args.num_stages)
+    page_bytes = page_size * 128 * jnp.dtype(dtype).itemsize * 2
+    floor_us = batch * kernel_pages_visited(ctx, kind, page_size) * page_bytes / HBM_BPS * 1e6
+    row = {"mode": "layer", "context": ctx, "batch": batch, "shape": "tp8", "kind": kind, "page_size": page_size,
+           "floor_us": floor_us, "decode_blocks": vars(blocks)}
+    rest = (new_k, new_v, slots, query_start, seq_lens, metadata, query, key, gate)
+    outs = {}
+    for name, fused in [("layer_unfused", False), ("layer_fused", True)]:
+        step = layer_step(fused, window, blocks, interpret)
+        try:
+            row[f"{name}_ops"] = top_level_ops(step, q, table, k_pages, v_pages, *rest)
+            loop = make_layer_loop(step)
+            outs[name] = jax.block_until_ready(loop(1, q, table, k_pages, v_pages, *rest)[0])
+            row[f"{name}_us"], row[f"{name}_iters"] = time_loop(
+                loop, q, table, (k_pages, v_pages, *rest), target_ms=args.target_ms, repeats=args.repeats,
+                max_iters=args.max_iters,
+            )
+        except Exception as e:  # noqa: BLE001
+            row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            traceback.print_exc()
+    if len(outs) == 2:
+        diff = jnp.abs(outs["layer_fused"].astype(jnp.float32) - outs["layer_unfused"].astype(jnp.float32))
+        row["fused_max_abs_diff"] = float(jnp.max(diff))
+        row["fused_mismatch_fraction"] = float(jnp.mean(diff > 0))
+    if "layer_fused_us" in row and "layer_unfused_us" in row:
+        row["fused_speedup"] = row["layer_unfused_us"] / row["layer_fused_us"]
+    return row
+
+
+def layer_main(args, contexts, batches, kinds, interpret):
+    print(f"jax {jax.__version__} devices {jax.devices()} interpret={interpret}; layer mode, tp8 shape, "
+          f"window {WINDOW}, page_size {args.page_size}, decode config {args.decode_configs[0]}", flush=True)
+    start, rows = time.perf_counter(), []
+    for batch in batches:
+        for ctx in contexts:
+            for kind in kinds:
+                label = f"ctx={ctx} batch={batch} kind={kind}"
+                if time.perf_counter() - start > args.time_budget_s:
+                    print(f"skip {label}: time budget {args.time_budget_s}s spent", flush=True)
+                    continue
+                t0 = time.perf_counter()
+                row = run_layer_config(ctx, batch, kind, args, interpret)
+                row["config_wall_s"] = time.perf_counter() - t0
+                rows.append(row)
+                print(f"done {label} in {row['config_wall_s']:.1f}s: {row}", flush=True)
+                if args.out:
+                    with open(args.out, "w") as f:
+                        json.dump(rows, f, indent=1)
+    print(f"\ntotal {time.perf_counter() - start:.1f}s\n")
+    print("us = microseconds per layer call (median); ops = top-level XLA ops of one compiled call")
+    print(f"{'context':>7} {'batch':>5} {'kind':>8} {'floor_us':>8} {'unfused_us':>10} {'ops':>4} {'fused_us':>9} "
+          f"{'ops':>4} {'speedup':>7} {'maxdiff':>9} {'mismatch':>8}")
+    for r in rows:
+        def g(k, f="{:.1f}", r=r):
+            return f.format(r[k]) if k in r else "-"
+
+        print(f"{r['context']:>7} {r['batch']:>5} {r['kind']:>8} {r['floor_us']:>8.1f} {g('layer_unfused_us'):>10} "
+              f"{g('layer_unfused_ops', '{}'):>4} {g('layer_fused_us'):>9} {g('layer_fused_ops', '{}'):>4} "
+              f"{g('fused_speedup', '{:.2f}'):>7} {g('fused_max_abs_diff', '{:.2e}'):>9} "
+              f"{g('fused_mismatch_fraction', '{:.1e}'):>8}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"rows written to {args.out}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -291,6 +456,7 @@ def header(names):
 
 
 def main():
+    global WINDOW
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None, help="JSON file for the rows")
     p.add_argument("--quick", action="store_true", help="fewer points")
@@ -311,6 +477,9 @@ def main():
     p.add_argument("--max-iters", type=int, default=1000)
     p.add_argument("--max-kv-gb", type=float, default=20.0, help="skip configs whose K+V exceeds this")
     p.add_argument("--time-budget-s", type=float, default=220.0, help="stop starting new configs after this")
+    p.add_argument("--layer", action="store_true",
+                   help="one attention layer's decode, fused vs unfused prologue/gate (tp8; default contexts "
+                        "8192,32768, batches 1,8)")
     args = p.parse_args()
     args.decode_configs = [tuple(int(x) for x in c.split("x")) for c in args.decode_configs.split(",")]
     args.variants = [v for v in args.variants.split(",") if v]
@@ -332,11 +501,18 @@ def main():
     if args.batches:
         batches = [int(x) for x in args.batches.split(",")]
     kinds = args.kinds.split(",")
+    if args.layer:
+        if not args.contexts:
+            contexts = [100, 700] if args.smoke else [8192, 32768]
+        if not args.batches:
+            batches = [1, 3] if args.smoke else [1, 8]
+        if args.smoke:
+            WINDOW = 40
+        return layer_main(args, contexts, batches, kinds, interpret)
     if args.no_full_shape:
         full_points = []
     if args.smoke:
         full_points = [(700, 2), (100, 3)]
-        global WINDOW
         WINDOW = 40  # small window so sliding actually releases pages at smoke sizes
         SHAPES["tp8"] = dict(heads=6, kv_heads=1, head_dim=32)
         SHAPES["full"] = dict(heads=8, kv_heads=2, head_dim=32)
