@@ -205,7 +205,9 @@ def test_fused_kernels_compiled_match_unfused_on_gpu(dtype, kv_heads, group, pag
     the references around the plain kernels. Triton computes rsqrt / the norm's sum / sigmoid its own
     way (and may contract RoPE's products into FMAs), so a prologue value can land one bf16 ulp off;
     the attention output then moves within the decode kernel's usual bf16 tolerance. The written keys
-    (the prologue alone) stay within one bf16 ulp / a few fp32 ulps."""
+    (the prologue alone) stay within one bf16 ulp of their scale (normed values are O(1)) / a few fp32
+    ulps: not of each element, since RoPE's difference of products near zero turns an input ulp into a
+    large relative change of a small output (on the H200: 7 of 40,960 keys, at most 2.7e-3 off)."""
     window = 64 if kind == "sliding" else None
     for specs, decode_only in [(DECODES, True), (MIXED, False)]:
         batch = make_batch(23 + group, specs, page_size=page_size, kv_heads=kv_heads, group=group, dtype=dtype,
@@ -227,6 +229,6 @@ def test_fused_kernels_compiled_match_unfused_on_gpu(dtype, kv_heads, group, pag
         written = jax.jit(functools.partial(pa.write_kv, use_kernel=True))(*pages[:2], new_k, new_v, slots,
                                                                            key_prologue=key)
         expected = write_reference(*pages[:2], new_k, new_v, slots, key_prologue=key)
-        close = {"atol": 1e-5, "rtol": 1e-5} if dtype == jnp.float32 else {"atol": 1e-6, "rtol": 2**-7}
+        close = {"atol": 1e-5, "rtol": 1e-5} if dtype == jnp.float32 else {"atol": 2**-6, "rtol": 2**-7}
         for got, want in zip(written, expected):
             np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **close)
