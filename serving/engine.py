@@ -419,6 +419,8 @@ class LLMEngine:
                 continue
             if tracked.first_token_time is None:
                 tracked.first_token_time = now
+            if isinstance(result, SpecOutput) and item.num_drafts:
+                self.metrics.spec.record(item.num_drafts, int(result.num_accepted[row]))
             delta, new_ids = "", []
             for token, logprob, top in self._emitted(result, row, item):
                 new_ids.append(token)
@@ -446,7 +448,6 @@ class LLMEngine:
         if not isinstance(result, SpecOutput) or not item.num_drafts:
             return [(int(sampled.tokens[row]), float(sampled.logprobs[row]), top)]
         accepted = int(result.num_accepted[row])
-        self.metrics.spec.record(item.num_drafts, accepted)
         return [(int(result.tokens[row, j]), float(result.logprobs[row, j]), None) for j in range(accepted + 1)]
 
     def _append_token(self, tracked: _Tracked, token: int, logprob: float, top: list | None) -> str:
