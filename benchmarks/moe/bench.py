@@ -189,8 +189,10 @@ def check_moe(fmt, weights, key, rows):
         x, w, ids = make_tokens(t, 1, jax.random.fold_in(key, t))
         want = jax.jit(mg.moe_gemm_reference)(x[0], w[0], ids[0], *weights)
         scale = float(jnp.abs(want.astype(jnp.float32)).max())
-        for name, decode in decodes(fmt).items():
-            blocks = mg.choose_blocks(t, TOP_K, E, H, I, gate.format, nvfp4_decode=decode)
+        checked = {name: mg.choose_blocks(t, TOP_K, E, H, I, gate.format, nvfp4_decode=decode)
+                   for name, decode in decodes(fmt).items()}
+        checked.update(list(pairs_alternatives(t, fmt).items())[:1])
+        for name, blocks in checked.items():
             try:
                 got = jax.jit(functools.partial(mg.moe_gemm_kernel, blocks=blocks))(x[0], w[0], ids[0], *weights)
             except Exception as e:  # noqa: BLE001 - report and go on
@@ -212,6 +214,17 @@ def packed_alternatives(t, default: mg.MoEBlocks):
         cfg = dataclasses.replace(default, gate_up_n=n1, gate_up_k=k1, gate_up_splits=splits, down_n=n2, down_k=k2)
         out[f"pallas_packed[n{n1},k{k1},dn{n2},dk{k2},s{splits}]"] = cfg
     return out
+
+
+def pairs_alternatives(t, fmt):
+    """The GEMV ("pairs") path at decode sizes: (gate/up rows, K block, down columns, K block, warps)."""
+    if t > 64:
+        return {}
+    wide = 2 if fmt == "nvfp4" else 1  # NVFP4 tiles hold half the bytes per value: wider K blocks
+    shapes = ((8, 256 * wide, 32, 64, 4), (16, 128 * wide, 32, 64, 4), (4, 512 * wide, 64, 64, 4),
+              (8, 256 * wide, 16, 64, 4), (8, 256 * wide, 32, 64, 8))
+    return {f"pairs[n{n1},k{k1},dn{n2},dk{k2},w{warps}]": mg.MoEBlocks("pairs", 1, n1, k1, 1, n2, k2, num_warps=warps)
+            for n1, k1, n2, k2, warps in shapes}
 
 
 def pl_cdiv(a, b):
@@ -241,29 +254,34 @@ def check_routing(rows, tokens=100_000):
         want = jnp.einsum("th,eh->te", x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST)
         logit_err = float(jnp.abs(logits - want).max())
         ref_w, ref_i = jax.jit(functools.partial(rt.routing_reference, **kw_args))(x, w, b)
-        for fused in (True, False):
-            got_w, got_i = jax.jit(functools.partial(rt.routing_kernel, fused=fused, **kw_args))(x, w, b)
-            differ = int(jnp.any(got_i != ref_i, axis=1).sum())
-            werr = float(jnp.abs(got_w - ref_w).max())
-            rows.append(dict(kind="check_routing", inputs=name, fused=fused, tokens=tokens, tokens_differing=differ,
-                             max_weight_err=werr, max_logit_err=logit_err))
-            print(f"check routing {name} fused={fused}: {differ} of {tokens} tokens select differently; "
-                  f"max|w err|={werr:.3g}; max|logit err|={logit_err:.3g}", flush=True)
+        got_w, got_i = jax.jit(functools.partial(rt.routing_kernel, **kw_args))(x, w, b)
+        differ = int(jnp.any(got_i != ref_i, axis=1).sum())
+        werr = float(jnp.abs(got_w - ref_w).max())
+        rows.append(dict(kind="check_routing", inputs=name, tokens=tokens, tokens_differing=differ,
+                         max_weight_err=werr, max_logit_err=logit_err))
+        print(f"check routing {name}: {differ} of {tokens} tokens select differently; "
+              f"max|w err|={werr:.3g}; max|logit err|={logit_err:.3g}", flush=True)
+        for t in (1, 3):  # the GEMV path (the 100k tokens above take the dot path)
+            got_w, got_i = jax.jit(functools.partial(rt.routing_kernel, **kw_args))(x[:t], w, b)
+            differ = int(jnp.any(got_i != ref_i[:t], axis=1).sum())
+            rows.append(dict(kind="check_routing", inputs=name, tokens=t, tokens_differing=differ))
+            print(f"check routing {name} T={t}: {differ} of {t} tokens select differently", flush=True)
 
 
 def bench_routing(token_counts, rows, *, sweep: bool, repeats=16):
+    from jax.experimental.mosaic.gpu import profiler
+
     kw_args = dict(num_groups=GROUPS, groups_kept=GROUPS_KEPT, top_k=TOP_K, scaling=SCALING)
     key = jax.random.key(3)
     weights = jax.random.normal(key, (repeats, E, H), jnp.float32) * 0.02  # 16 x 5 MB: not in L2
     bias = jax.random.normal(key, (E,), jnp.float32) * 0.1
-    variants = {"pallas": rt.routing_kernel, "pallas_two_kernels": functools.partial(rt.routing_kernel, fused=False),
-                "xla": rt.routing_reference}
+    variants = {"pallas": rt.routing_kernel, "xla": rt.routing_reference}
     if sweep:
-        for block_e, block_k, splits in itertools.product((16, 32, 64), (64, 128), (None, 32)):
-            variants[f"pallas[e{block_e},k{block_k},s{splits}]"] = functools.partial(
-                rt.routing_kernel, block_e=block_e, block_k=block_k, splits=splits)
+        for block_e, programs, block_k in itertools.product((8, 16, 32), (128, 256, 512), (None, 128)):
+            variants[f"pallas[e{block_e},p{programs},k{block_k}]"] = functools.partial(
+                rt.routing_kernel, block_e=block_e, target_programs=programs, block_k=block_k)
     for t in token_counts:
-        if past_deadline() or (sweep and t not in (1, 64, 512, 8192)):
+        if past_deadline() or (sweep and t not in (1, 64)):
             continue
         x = jax.random.normal(jax.random.fold_in(key, t), (repeats, t, H), jnp.float32).astype(jnp.bfloat16)
         res = {}
@@ -273,9 +291,14 @@ def bench_routing(token_counts, rows, *, sweep: bool, repeats=16):
                 res[name] = time_chain(f, (x, weights), bias, repeats=repeats, wall=not sweep)
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"routing {name} T={t}: {type(e).__name__}: {e}"[:400], flush=True)
+        breakdown = {}
+        for name in ("pallas", "xla"):  # per-kernel device times of one call
+            single = jax.jit(functools.partial(variants[name], **kw_args))
+            _, kernels = profiler.measure(single, aggregate=False)(x[0], weights[0], bias)
+            breakdown[f"{name}_kernels_us"] = [(n[:40], round(ms * 1e3, 2)) for n, ms in kernels]
         floor = (E * H * 4 + t * H * 2) / HBM_BPS * 1e6
         row = dict(kind="routing", tokens=t, floor_us=floor, **{f"{k}_us": v[0] for k, v in res.items()},
-                   **{f"{k}_wall_us": v[1] for k, v in res.items()})
+                   **{f"{k}_wall_us": v[1] for k, v in res.items()}, **breakdown)
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -325,6 +348,7 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
                          for name, decode in decodes(fmt).items()}
         if "pallas_packed" in kernel_blocks:
             kernel_blocks.update(packed_alternatives(t, kernel_blocks["pallas_packed"]))
+        kernel_blocks.update(pairs_alternatives(t, fmt))
         variants = {name: functools.partial(mg.moe_gemm_kernel, blocks=b) for name, b in kernel_blocks.items()}
         if sweep:
             for cfg in sweep_configs(t, default):
@@ -344,7 +368,9 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"moe {fmt} T={t} {name}: {type(e).__name__}: {e}"[:600], flush=True)
         breakdowns = {}
-        for name in decodes(fmt):  # per-kernel device times of one call of each decode's default blocks
+        pairs = [name for name in kernel_blocks if name.startswith("pairs")]
+        # per-kernel device times of one call of each decode's default blocks and the fastest pairs blocks
+        for name in [*decodes(fmt), *([min(pairs, key=lambda n: res.get(n, (float("inf"),))[0])] if pairs else [])]:
             if name not in res:
                 continue
             try:
@@ -379,12 +405,15 @@ def main():
     parser.add_argument("--no-baselines", action="store_true")
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--no-routing", action="store_true")
+    parser.add_argument("--routing-sweep", action="store_true", help="routing tile variants (without --sweep)")
     parser.add_argument("--no-timing", default="", help="formats to check but not time")
+    parser.add_argument("--routing-tokens", default="", help="token counts of the routing table (default --tokens)")
     parser.add_argument("--out", default="moe.json")
     parser.add_argument("--deadline-s", type=float, default=float("inf"), help="skip what would start later")
     args = parser.parse_args()
     DEADLINE_S[0] = args.deadline_s
     token_counts = [int(t) for t in args.tokens.split(",")]
+    args.routing_tokens = [int(t) for t in args.routing_tokens.split(",") if t]
     rows = [dict(kind="meta", device=str(jax.devices()[0]), jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
                  argv=sys.argv[1:])]
     def stage(fn, *a, **k):
@@ -401,7 +430,7 @@ def main():
     if args.check and not args.no_routing:
         stage(check_routing, rows)
     if not args.no_routing:
-        stage(bench_routing, token_counts, rows, sweep=args.sweep)
+        stage(bench_routing, args.routing_tokens or token_counts, rows, sweep=args.sweep or args.routing_sweep)
     for fmt in args.formats.split(","):
         weights = make_weights(fmt, jax.random.key(11))
         if args.check:

@@ -15,8 +15,10 @@ from pallas_kernels import routing as rt
 ON_GPU = jax.default_backend() == "gpu"
 
 # (tokens, hidden, experts, groups, groups kept, top_k): Beam's own 256/8/4/8 routing; odd sizes
-# (hidden and experts not powers of two, 3 groups, hidden not a multiple of the K block); one token.
-SHAPES = [(20, 100, 256, 8, 4, 8), (37, 42, 12, 3, 2, 3), (1, 64, 16, 4, 2, 4)]
+# (hidden and experts not powers of two, 3 groups, hidden not a multiple of the K block); one token
+# and three tokens (the GEMV path, a token block with a padded row).
+SHAPES = [(20, 100, 256, 8, 4, 8), (37, 42, 12, 3, 2, 3), (1, 64, 16, 4, 2, 4), (1, 300, 256, 8, 4, 8),
+          (3, 130, 40, 5, 3, 6)]
 
 
 def _inputs(seed, tokens, hidden, experts):
@@ -31,33 +33,42 @@ def _run(fn, x, w, b, **kwargs):
     return jax.jit(functools.partial(fn, **kwargs))(x, w, b)
 
 
-def _check(x, w, b, *, fused, **kwargs):
+def _check(x, w, b, *, tiles=None, **kwargs):
     want_w, want_i = _run(rt.routing_reference, x, w, b, **kwargs)
-    got_w, got_i = _run(rt.routing_kernel, x, w, b, fused=fused, interpret=not ON_GPU, **kwargs)
+    got_w, got_i = _run(rt.routing_kernel, x, w, b, interpret=not ON_GPU, **(tiles or {}), **kwargs)
     np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
     np.testing.assert_allclose(np.asarray(got_w), np.asarray(want_w), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["two_kernels", "fused"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_selection_equals_reference(shape, fused):
+def test_selection_equals_reference(shape):
     tokens, hidden, experts, groups, kept, top_k = shape
     x, w, b = _inputs(sum(shape), tokens, hidden, experts)
-    _check(x, w, b, fused=fused, num_groups=groups, groups_kept=kept, top_k=top_k, scaling=2.5)
+    _check(x, w, b, num_groups=groups, groups_kept=kept, top_k=top_k, scaling=2.5)
+
+
+@pytest.mark.parametrize("tiles", [dict(block_t=1, block_k=32, splits=3), dict(block_t=2, block_e=8, block_k=16),
+                                   dict(block_t=16, block_e=32, block_k=32, splits=2)], ids=str)
+def test_tilings_and_splits_select_alike(tiles):
+    """Split sums over the hidden axis (a tail split), partial expert blocks, both logits paths."""
+    x, w, b = _inputs(11, 5, 200, 48)
+    _check(x, w, b, tiles=tiles, num_groups=6, groups_kept=2, top_k=5, scaling=2.5)
 
 
 def test_unnormalized_weights():
     x, w, b = _inputs(3, 9, 64, 16)
-    _check(x, w, b, fused=False, num_groups=4, groups_kept=2, top_k=4, normalize=False)
+    _check(x, w, b, num_groups=4, groups_kept=2, top_k=4, normalize=False)
 
 
-def test_ties_go_to_the_lower_index():
-    """Duplicate router rows and a zero bias make exactly equal scores inside and across groups."""
+@pytest.mark.parametrize("twins", ["across_groups", "inside_groups"])
+def test_ties_go_to_the_lower_index(twins):
+    """Duplicate router rows and a zero bias make exactly equal scores: expert e and e + 8 (other
+    groups: tied group scores) or e and e + 1 (one group: a tied best, counted twice)."""
     rng = np.random.default_rng(5)
-    x = jnp.asarray(rng.standard_normal((6, 64)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((64, 64)), jnp.bfloat16)
     rows = rng.standard_normal((8, 64)) * 0.1
-    w = jnp.asarray(np.concatenate([rows, rows]), jnp.float32)  # expert e and e + 8 are equal
-    _check(x, w, jnp.zeros(16, jnp.float32), fused=False, num_groups=4, groups_kept=2, top_k=3)
+    w = np.concatenate([rows, rows]) if twins == "across_groups" else np.repeat(rows, 2, axis=0)
+    _check(x, jnp.asarray(w, jnp.float32), jnp.zeros(16, jnp.float32), num_groups=4, groups_kept=1, top_k=3)
 
 
 def test_logits_are_the_fp32_gemv():
@@ -77,9 +88,8 @@ def test_bad_grouping_is_rejected():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [False, True], ids=["two_kernels", "fused"])
 @pytest.mark.parametrize("inputs", ["exact_grid", "random"])
-def test_100k_tokens_select_bit_for_bit(inputs, fused):
+def test_100k_tokens_select_bit_for_bit(inputs):
     """Beam's routing shape. On the exact grid every logit is exact in fp32 whatever the summation
     order, so any difference is a selection bug; plain random inputs agreed too when measured."""
     kx, kw, kb = jax.random.split(jax.random.key(7), 3)
@@ -92,4 +102,4 @@ def test_100k_tokens_select_bit_for_bit(inputs, fused):
         x = jax.random.normal(kx, (tokens, hidden), jnp.float32).astype(jnp.bfloat16)
         w = jax.random.normal(kw, (experts, hidden), jnp.float32) * 0.02
         b = jax.random.normal(kb, (experts,), jnp.float32) * 0.1
-    _check(x, w, b, fused=fused, num_groups=8, groups_kept=4, top_k=8, scaling=2.5)
+    _check(x, w, b, num_groups=8, groups_kept=4, top_k=8, scaling=2.5)
