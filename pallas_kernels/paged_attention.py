@@ -655,6 +655,11 @@ def _triton_params(num_warps: int, num_stages: int):
 # the pages holding in-window keys are visited, so a sliding layer's cost is flat in the context.
 # The per-step metadata (`DecodeMetadata`) depends only on query_start, so all layers of a step
 # share it: build it once per step and pass it to every layer's call.
+#
+# Keys that are not visible (past the query, out of the window, on a released page or past the
+# split's end) are never read: K and V are loaded with masks (V's masked lanes come back as zeros,
+# so 0 * NaN cannot poison the output; K's scores are masked to -inf). The partials keep only the
+# `group` real rows, so the combine reads 6/16 of what a padded layout would hold at Beam's GQA 6.
 
 # Triton's dot needs M >= 16: a kv head's query heads are padded to this many rows.
 _DECODE_MIN_ROWS = 16
@@ -686,33 +691,56 @@ def decode_metadata(query_start: Int[Array, " batch_plus_1"], num_tokens: int) -
 class DecodeBlocks:
     """Static block sizes of the decode kernels (chosen per shape by `decode_blocks`)."""
 
-    pages_per_step: int  # pages gathered per loop iteration (power of two)
-    num_splits: int  # programs per (sequence, kv head) (power of two)
-    num_warps: int = 4
-    num_stages: int = 2
+    pages_per_step: int  # pages gathered per loop iteration of the split kernel (power of two)
+    num_splits: int  # split-kernel programs per (sequence, kv head) (power of two)
+    num_warps: int = 4  # split kernel
+    num_stages: int = 2  # split kernel (Triton's software pipelining depth)
+    combine_block_d: int | None = None  # head_dim lanes per combine program; None: by the token count
 
 
-# Programs wanted in flight: the H200 has 132 SMs; two programs per SM hide the gather latency.
-DECODE_TARGET_PROGRAMS = 264
+# The H200 has 132 SMs.
+DECODE_NUM_SMS = 132
+# Tuned on one H200 at head_dim 128, pages of 64 (benchmarks/attention/RESULTS.md, run 4): the split
+# kernel's settings, and how many programs per SM the context split aims for, never giving a split
+# fewer than DECODE_MIN_STEPS_PER_SPLIT loop steps (a short program is all start-up latency).
+DECODE_PAGES_PER_STEP = 1
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 2
+DECODE_PROGRAMS_PER_SM = 2
+DECODE_MIN_STEPS_PER_SPLIT = 4
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(int(n), 1).bit_length() - 1)
 
 
 def decode_blocks(
     batch: int, kv_heads: int, max_pages: int, page_size: int, window: int | None, *,
-    keys_per_step: int = 128, target_programs: int = DECODE_TARGET_PROGRAMS,
-    num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+    pages_per_step: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None, programs_per_sm: int | None = None, min_steps_per_split: int | None = None,
+    num_sms: int = DECODE_NUM_SMS,
 ) -> DecodeBlocks:
-    """Split the context until batch * kv_heads * num_splits programs fill the GPU, but never into
-    more splits than a sequence's visible pages give steps. With a window the visible pages are at
-    most cdiv(window - 1, page_size) + 1, whatever the context."""
-    pages_per_step = max(1, keys_per_step // page_size)
+    """The decode kernels' block sizes for a step's static shape; any argument given overrides the
+    tuned value. The context is split until batch * kv_heads * num_splits programs reach
+    `programs_per_sm` per SM, but a split never gets fewer than `min_steps_per_split` steps of a
+    sequence's visible pages (all of `max_pages`, or with a window at most
+    cdiv(window - 1, page_size) + 1 whatever the context, so a sliding layer's blocks are flat)."""
+    if pages_per_step is None:
+        # Pages of fewer than 64 keys: keep about 64 keys per step.
+        pages_per_step = max(1, DECODE_PAGES_PER_STEP * 64 // page_size) if page_size < 64 else DECODE_PAGES_PER_STEP
+    programs_per_sm = DECODE_PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
+    min_steps_per_split = DECODE_MIN_STEPS_PER_SPLIT if min_steps_per_split is None else min_steps_per_split
     visible_pages = max_pages if window is None else min(max_pages, -(-(window - 1) // page_size) + 1)
     if num_splits is None:
-        max_splits = max(1, -(-visible_pages // pages_per_step))
-        wanted = max(1, -(-target_programs // (batch * kv_heads)))
-        num_splits = min(1 << (wanted - 1).bit_length(), 1 << (max_splits.bit_length() - 1))
+        steps = -(-visible_pages // pages_per_step)
+        wanted = -(-(programs_per_sm * num_sms) // (batch * kv_heads))
+        num_splits = max(1, min(_pow2_floor(wanted), _pow2_floor(steps // max(min_steps_per_split, 1))))
     if num_splits & (num_splits - 1) or pages_per_step & (pages_per_step - 1):
         raise ValueError(f"num_splits {num_splits} and pages_per_step {pages_per_step} must be powers of two")
-    return DecodeBlocks(pages_per_step, num_splits, num_warps, num_stages)
+    return DecodeBlocks(
+        pages_per_step, num_splits, DECODE_NUM_WARPS if num_warps is None else num_warps,
+        DECODE_NUM_STAGES if num_stages is None else num_stages,
+    )
 
 
 def _decode_split_kernel(
@@ -723,10 +751,10 @@ def _decode_split_kernel(
     q_ref,  # [tokens, heads, head_dim]: all queries (raw projections when there is a prologue)
     k_pages_ref,  # [num_pages, page_size, head_dim] for this kv head
     v_pages_ref,  # [num_pages, page_size, head_dim] for this kv head
-    *refs,  # the query prologue's arrays (`_prologue_arrays`), then the outputs:
-    # o_ref [rows, head_dim] fp32: unnormalized partial output of this split
-    # m_ref [rows] fp32: running max of this split
-    # l_ref [rows] fp32: running sum of this split
+    *refs,  # the query prologue's arrays (`_prologue_arrays`), then the outputs (whole arrays):
+    # o_ref [batch, kv_heads, splits, group, head_dim] fp32: unnormalized partial outputs
+    # m_ref [batch, kv_heads, splits, group] fp32: running maxima
+    # l_ref [batch, kv_heads, splits, group] fp32: running sums
     window: int | None,
     softmax_scale: float,
     pages_per_step: int,
@@ -761,25 +789,28 @@ def _decode_split_kernel(
     q = pltriton.load(q_ref.at[token, pl.ds(kv_head * group, rows), :], mask=head_rows, other=0)
     if prologue_spec:
         q = _prologue_in_kernel(q, prologue_refs, token, prologue_spec)
-    step_page = lax.broadcasted_iota(jnp.int32, (pages_per_step,), 0)
-    key_offset = lax.broadcasted_iota(jnp.int32, (keys,), 0)
+    tile = (pages_per_step, page_size, head_dim)
 
     def body(step, carry):
         acc, m_prev, l_prev = carry
+        step_page = lax.broadcasted_iota(jnp.int32, (pages_per_step,), 0)
+        page_key = lax.broadcasted_iota(jnp.int32, tile, 1)  # key within its page
+        lane = lax.broadcasted_iota(jnp.int32, tile, 2)
+        key_offset = lax.broadcasted_iota(jnp.int32, (keys,), 0)
         start = lo + step * pages_per_step
         logical = start + step_page
         physical = page_row_ref[jnp.minimum(logical, max_pages - 1)]
-        # Pages past this split's end or released (-1) are read from page 0 and masked: their scores
-        # are -inf and their values zeroed, so whatever page 0 holds (even NaN) cannot leak.
+        # Pages past this split's end or released (-1) are not read (masked loads).
         page_live = (logical < hi) & (physical >= 0)
-        physical = jnp.where(page_live, physical, 0)
-        k = k_pages_ref[physical].reshape(keys, head_dim)
-        v = v_pages_ref[physical].reshape(keys, head_dim)
+        page = jnp.broadcast_to(jnp.where(page_live, physical, 0)[:, None, None], tile)
         k_pos = start * page_size + key_offset
         visible = jnp.broadcast_to(page_live[:, None], (pages_per_step, page_size)).reshape(keys) & (k_pos <= q_pos)
         if window is not None:
             visible &= q_pos - k_pos < window
-        v = jnp.where(visible[:, None], v, jnp.zeros_like(v))
+        k = pltriton.load(k_pages_ref.at[page, page_key, lane], mask=jnp.broadcast_to(page_live[:, None, None], tile),
+                          other=0).reshape(keys, head_dim)
+        v = pltriton.load(v_pages_ref.at[page, page_key, lane], mask=jnp.broadcast_to(visible.reshape(tile[:2])[:, :, None], tile),
+                          other=0).reshape(keys, head_dim)
         # Rounding points of the reference: fp32 dot -> q.dtype -> * scale -> q.dtype -> fp32.
         scores = lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), precision=_precision(q.dtype), preferred_element_type=jnp.float32
@@ -799,49 +830,70 @@ def _decode_split_kernel(
     m = jnp.full((rows,), _M_INIT, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
     acc, m, l = lax.fori_loop(0, num_steps, body, (acc, m, l))
-    o_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l
+    # Only the `group` real rows are stored.
+    heads = pl.ds(0, rows)
+    pltriton.store(o_ref.at[sequence, kv_head, split, heads, :], acc, mask=head_rows)
+    real_rows = lax.broadcasted_iota(jnp.int32, (rows,), 0) < group
+    pltriton.store(m_ref.at[sequence, kv_head, split, heads], m, mask=real_rows)
+    pltriton.store(l_ref.at[sequence, kv_head, split, heads], l, mask=real_rows)
 
 
 def _decode_combine_kernel(
-    token_row_ref, o_ref, m_ref, l_ref, *refs, splits_per_step: int, group: int, attention_dtype, gated: bool
+    token_row_ref, o_ref, m_ref, l_ref, *refs, splits_per_step: int, group: int, rows: int, block_d: int,
+    attention_dtype, gated: bool,
 ):
     """One (token, kv head, head_dim block): the weighted sum of its sequence's split partials, or
     zeros for a token that is not a decode, written to the kv head's `group` query heads of `out_ref`
-    ([tokens, heads, d]). The partials are read `splits_per_step` splits at a time (a batch-1 decode at
-    128K has hundreds of splits: all at once would not fit in registers). `gated`: `refs` starts with
-    the gate projection and bias, and the epilogue applies the output gate (`output_gate_reference`)."""
+    ([tokens, heads, d]). The partials ([batch, kv_heads, splits, group, ...], whole arrays) are read
+    as `rows` (a power of two >= group) masked rows, `splits_per_step` splits at a time (a batch-1
+    decode at 128K may have hundreds of splits: all at once would not fit in registers). `gated`:
+    `refs` starts with the gate projection and bias, and the epilogue applies the output gate
+    (`output_gate_reference`)."""
     *gate_refs, out_ref = refs
     token, kv_head, block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows, block_d = o_ref.shape[-2:]
+    num_splits = m_ref.shape[2]
     row = token_row_ref[token]
     source = jnp.maximum(row, 0)
-    num_splits = m_ref.shape[1]
-    m = m_ref[source]  # [splits, rows]; empty splits: m = _M_INIT, l = 0, o = 0
+    heads = pl.ds(0, rows)
+    real = lax.broadcasted_iota(jnp.int32, (num_splits, rows), 1) < group
+    # Empty splits have m = _M_INIT, l = 0, o = 0; padded rows read as the same.
+    m = pltriton.load(m_ref.at[source, kv_head, :, heads], mask=real, other=_M_INIT)  # [splits, rows]
+    l = pltriton.load(l_ref.at[source, kv_head, :, heads], mask=real, other=0)
     m_all = m.max(axis=0)
-    total = (jnp.exp(m - m_all[None]) * l_ref[source]).sum(axis=0)
+    total = (jnp.exp(m - m_all[None]) * l).sum(axis=0)
+    lanes = pl.ds(block * block_d, block_d)
+    chunk_real = lax.broadcasted_iota(jnp.int32, (splits_per_step, rows), 1) < group
+    chunk_rows = lax.broadcasted_iota(jnp.int32, (splits_per_step, rows, block_d), 1) < group
 
     def body(step, acc):
         chunk = pl.ds(step * splits_per_step, splits_per_step)
-        weight = jnp.exp(m_ref[source, chunk] - m_all[None])  # [splits_per_step, rows]
-        return acc + (weight[:, :, None] * o_ref[source, chunk]).sum(axis=0)
+        m_chunk = pltriton.load(m_ref.at[source, kv_head, chunk, heads], mask=chunk_real, other=_M_INIT)
+        o_chunk = pltriton.load(o_ref.at[source, kv_head, chunk, heads, lanes], mask=chunk_rows, other=0)
+        weight = jnp.exp(m_chunk - m_all[None])  # [splits_per_step, rows]
+        return acc + (weight[:, :, None] * o_chunk).sum(axis=0)
 
     acc = jnp.zeros((rows, block_d), jnp.float32)
     acc = lax.fori_loop(0, num_splits // splits_per_step, body, acc)
     keep = (total > 0) & (row >= 0)  # a query with no visible key gets zeros
     out = jnp.where(keep[:, None], acc / jnp.where(total > 0, total, 1.0)[:, None], 0.0)
-    heads, lanes = pl.ds(kv_head * group, rows), pl.ds(block * block_d, block_d)
+    out_heads = pl.ds(kv_head * group, rows)
     head_rows = lax.broadcasted_iota(jnp.int32, (rows, block_d), 0) < group
     if gated:
         gate_ref, bias_ref = gate_refs
         gate_dtype = gate_ref.dtype
         out = _rounded(out, attention_dtype)  # where the unfused attention output is rounded
-        gate = pltriton.load(gate_ref.at[token, heads, lanes], mask=head_rows, other=0).astype(jnp.float32)
+        gate = pltriton.load(gate_ref.at[token, out_heads, lanes], mask=head_rows, other=0).astype(jnp.float32)
         bias_rows = lax.broadcasted_iota(jnp.int32, (rows,), 0) < group
-        bias = pltriton.load(bias_ref.at[heads], mask=bias_rows, other=0).astype(jnp.float32)
+        bias = pltriton.load(bias_ref.at[out_heads], mask=bias_rows, other=0).astype(jnp.float32)
         out = out * _rounded(jax.nn.sigmoid(_rounded(gate + bias[:, None], gate_dtype)), gate_dtype)
-    pltriton.store(out_ref.at[token, heads, lanes], out.astype(out_ref.dtype), mask=head_rows)
+    pltriton.store(out_ref.at[token, out_heads, lanes], out.astype(out_ref.dtype), mask=head_rows)
+
+
+# The combine reads at most this many partial elements per loop step (fp32; 64 registers a thread
+# at 4 warps).
+_COMBINE_CHUNK_ELEMENTS = 8192
+# ... and aims for this many programs: with few (token, kv head) pairs, head_dim is split too.
+_COMBINE_TARGET_PROGRAMS = 128
 
 
 def paged_decode_attention_kernel(
@@ -865,7 +917,7 @@ def paged_decode_attention_kernel(
     (from `decode_metadata`, once per step) to keep its few small ops out of every layer.
 
     Two Pallas calls: the split kernel, grid (sequence, kv head, split), then the combine, grid
-    (token, kv head). Triton needs power-of-two page_size and head_dim.
+    (token, kv head, head_dim block). Triton needs power-of-two page_size and head_dim.
 
     Fused (the model's GPU path): with `query_prologue`, `queries` are the raw projections and the
     split kernel applies the norm and RoPE / SSMax to its query rows first; with `output_gate`, the
@@ -888,7 +940,8 @@ def paged_decode_attention_kernel(
         _decode_split_kernel, window=window, softmax_scale=scale,
         pages_per_step=blocks.pages_per_step, num_splits=splits, group=group, rows=rows, prologue_spec=prologue_spec,
     )
-    partial_shape = (batch, kv_heads, splits, rows)
+    partial_shape = (batch, kv_heads, splits, group)
+    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     o, m, l = pl.pallas_call(
         split_kernel,
         grid=(batch, kv_heads, splits),
@@ -901,11 +954,8 @@ def paged_decode_attention_kernel(
             pl.BlockSpec((num_pages, page_size, None, head_dim), lambda b, h, s: (0, 0, h, 0)),  # v_pages
             *prologue_specs,
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
-        ],
+        # Whole arrays: a program stores its `group` rows (masked) at (sequence, kv head, split).
+        out_specs=[whole((*partial_shape, head_dim)), whole(partial_shape), whole(partial_shape)],
         out_shape=[
             jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
             jax.ShapeDtypeStruct(partial_shape, jnp.float32),
@@ -917,30 +967,33 @@ def paged_decode_attention_kernel(
     )(metadata.row_token, seq_lens, page_table, queries, k_pages, v_pages, *prologue)
 
     # Few (token, kv head) pairs: split head_dim too, so that many SMs read the partials.
-    block_d = head_dim if tokens * kv_heads >= 64 or head_dim <= 16 else 16
+    combine_rows = 1 << (group - 1).bit_length()
+    block_d = blocks.combine_block_d
+    if block_d is None:
+        block_d = min(head_dim, max(8, _pow2_floor(head_dim * tokens * kv_heads // _COMBINE_TARGET_PROGRAMS)))
+    splits_per_step = min(splits, _pow2_floor(_COMBINE_CHUNK_ELEMENTS // (combine_rows * block_d)))
     combine = functools.partial(
-        _decode_combine_kernel, splits_per_step=min(splits, 8), group=group, attention_dtype=v_pages.dtype,
-        gated=output_gate is not None,
+        _decode_combine_kernel, splits_per_step=splits_per_step, group=group, rows=combine_rows, block_d=block_d,
+        attention_dtype=v_pages.dtype, gated=output_gate is not None,
     )
     gate, gate_specs = [], []
     if output_gate is not None:
         gate = [output_gate.gate, output_gate.bias]
-        gate_specs = [pl.BlockSpec((tokens, heads, head_dim), lambda t, h, j: (0, 0, 0)),
-                      pl.BlockSpec((heads,), lambda t, h, j: (0,))]
+        gate_specs = [whole((tokens, heads, head_dim)), whole((heads,))]
     out_dtype = v_pages.dtype if output_gate is None else output_gate.gate.dtype
     out = pl.pallas_call(
         combine,
         grid=(tokens, kv_heads, head_dim // block_d),
         in_specs=[
-            pl.BlockSpec((tokens,), lambda t, h, j: (0,)),  # token_row
-            pl.BlockSpec((batch, None, splits, rows, block_d), lambda t, h, j: (0, h, 0, 0, j)),
-            pl.BlockSpec((batch, None, splits, rows), lambda t, h, j: (0, h, 0, 0)),
-            pl.BlockSpec((batch, None, splits, rows), lambda t, h, j: (0, h, 0, 0)),
+            whole((tokens,)),  # token_row
+            whole((*partial_shape, head_dim)),
+            whole(partial_shape),
+            whole(partial_shape),
             *gate_specs,
         ],
         # The whole output: a program writes its kv head's query heads (masked rows), so no padded
         # copy needs slicing afterwards.
-        out_specs=pl.BlockSpec((tokens, heads, head_dim), lambda t, h, j: (0, 0, 0)),
+        out_specs=whole((tokens, heads, head_dim)),
         out_shape=jax.ShapeDtypeStruct((tokens, heads, head_dim), out_dtype),
         compiler_params=_triton_params(4, 1),
         interpret=interpret,

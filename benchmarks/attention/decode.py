@@ -11,11 +11,16 @@ Kinds:
             table is -1 (released), as the serving cache does; so memory and cost do not grow with ctx
 
 Variants:
-  decode<K>x<T> : ragged_paged_attention(use_kernel=True, decode_only=True), i.e.
-           paged_decode_attention_kernel (split kernel + combine kernel) with
-           decode_blocks(keys_per_step=K, target_programs=T); one variant per --decode-configs entry.
-           The step's DecodeMetadata is built once, outside the timed loop, as the engine builds it
-           once per step for all layers.
+  decode-<config> : ragged_paged_attention(use_kernel=True, decode_only=True), i.e.
+           paged_decode_attention_kernel (split kernel + combine kernel), one variant per
+           --decode-configs entry (and per --sweep-configs entry at the --sweep-points). A config is
+           "auto" (decode_blocks' tuned choice, what the model runs) or letters with numbers that
+           override it: p pages per step, s splits, t programs per SM the split aims for, m minimum
+           steps per split, w warps, n stages (split kernel), d the combine's head_dim block; e.g.
+           "p1t2m4w4n2". The step's DecodeMetadata is built once, outside the timed loop, as the
+           engine builds it once per step for all layers.
+  old    : with --baseline-module FILE (e.g. `git show <commit>:pallas_kernels/paged_attention.py`),
+           that file's decode kernels with their own default blocks: the previous kernel, same run.
   kernel : ragged_paged_attention_kernel, the general kernel (one program per (query block, kv head)
            walking every visible page), block_q 2
   xla    : written here; gathers the sequence's pages through the page table (full: all max_pages;
@@ -35,11 +40,18 @@ token's K/V written to its page (the position of the decode) each iteration.
   once per step for all layers). Also reported: the compiled step's top-level XLA ops (fusions,
   scatters, custom calls: about one launch each).
 
-Timing: one jitted function runs the op `n` times in a lax.fori_loop (n is a traced argument, so
+Timing (--timer): "cupti" (the default) is device time: the durations of the kernels one call
+launches, summed, as CUPTI records them (jax.experimental.mosaic.gpu.profiler's collector), median
+over --repeats calls, each after a 256 MiB read that evicts the 50 MB L2 (each layer's KV is cold
+in a real step: the other layers and the MoE weights pass through L2 in between). Launch gaps and
+host dispatch are not in it. Per-kernel times (split, combine) are kept in the rows.
+"loop" (also "both"): one jitted function runs the op `n` times in a lax.fori_loop (n is a traced argument, so
 one compile serves every n); each iteration's output becomes the next iteration's queries and a
 data-dependent zero is added to the page table, so XLA cannot hoist the op or the gather out of the
 loop. Per-iteration time = median over repeats of wall time(n iterations) / n, with n chosen so one
-repeat lasts ~target ms (host dispatch, 55-95 us, is amortized over n). --time-budget-s stops
+repeat lasts ~target ms (host dispatch, 55-95 us, is amortized over n). It includes the while loop's
+own per-iteration cost on the GPU (the "loop_overhead" row: an op that only adds a constant) and a
+warm L2 (KV that fits in 50 MB stays there). --time-budget-s stops
 starting new configurations once spent (most important first: batch 1 and the largest batch).
 
 Usage (GPU):  python benchmarks/attention/decode.py --time-budget-s 200 --out decode.json
@@ -49,8 +61,11 @@ Smoke (CPU):  python benchmarks/attention/decode.py --smoke   (tiny shapes, inte
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -243,9 +258,7 @@ def run_layer_config(ctx, batch, kind, args, interpret):
     (q, k_pages, v_pages, query_start, seq_lens, table, _, new_k, new_v, slots, query, key,
      gate) = make_layer_inputs(ctx, batch, kind, page_size, dtype)
     metadata = pa.decode_metadata(query_start, q.shape[0])
-    keys_per_step, target_programs = args.decode_configs[0]
-    blocks = pa.decode_blocks(batch, 1, table.shape[1], page_size, window, keys_per_step=keys_per_step,
-                              target_programs=target_programs, num_warps=args.num_warps, num_stages=args.num_stages)
+    blocks = make_decode_blocks(args.decode_configs[0], batch, 1, table.shape[1], page_size, window)
     page_bytes = page_size * 128 * jnp.dtype(dtype).itemsize * 2
     floor_us = batch * kernel_pages_visited(ctx, kind, page_size) * page_bytes / HBM_BPS * 1e6
     row = {"mode": "layer", "context": ctx, "batch": batch, "shape": "tp8", "kind": kind, "page_size": page_size,
@@ -355,11 +368,86 @@ def time_loop(loop, q, page_table, rest, *, target_ms, repeats, max_iters):
 # --------------------------------------------------------------------------------------------------
 
 
-def decode_config_name(cfg):
-    return f"decode{cfg[0]}x{cfg[1]}"
+CONFIG_LETTERS = {"p": "pages_per_step", "s": "num_splits", "t": "programs_per_sm", "m": "min_steps_per_split",
+                  "w": "num_warps", "n": "num_stages", "d": "combine_block_d"}
 
 
-def run_config(ctx, batch, shape_name, kind, args, interpret):
+def parse_decode_config(spec: str) -> dict:
+    """"auto" -> {}; "p1t2w4n2" -> {"pages_per_step": 1, "programs_per_sm": 2, ...} (see the docstring)."""
+    if spec == "auto":
+        return {}
+    parts = re.fullmatch(r"(?:[a-z]\d+)+", spec) and re.findall(r"([a-z])(\d+)", spec)
+    if not parts or any(letter not in CONFIG_LETTERS for letter, _ in parts):
+        raise ValueError(f"bad decode config {spec!r}: 'auto' or letters {sorted(CONFIG_LETTERS)} with numbers")
+    return {CONFIG_LETTERS[letter]: int(number) for letter, number in parts}
+
+
+def make_decode_blocks(spec: str, batch, kv_heads, max_pages, page_size, window):
+    kwargs = parse_decode_config(spec)
+    combine_block_d = kwargs.pop("combine_block_d", None)
+    blocks = pa.decode_blocks(batch, kv_heads, max_pages, page_size, window, **kwargs)
+    return dataclasses.replace(blocks, combine_block_d=combine_block_d)
+
+
+def decode_config_name(spec):
+    return f"decode-{spec}"
+
+
+def load_baseline_module(path):
+    spec = importlib.util.spec_from_file_location("baseline_paged_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+class CuptiTimer:
+    """Device time of one call: its kernels' durations summed (CUPTI activity records, through the
+    collector jax.experimental.mosaic.gpu.profiler uses), each call after an L2-evicting read."""
+
+    def __init__(self, flush_bytes=256 * 2**20):
+        from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+        self.ext = mosaic_gpu_lib._mosaic_gpu_ext
+        # A read, not a write: a written buffer would leave 50 MB of dirty lines in L2 for the timed
+        # kernels to write back.
+        self.buffer = jnp.ones((flush_bytes // 4,), jnp.float32)
+        self.flush = jax.jit(jnp.max)
+        self.sink = jax.block_until_ready(self.flush(self.buffer))
+        self._record(lambda: None, 1)
+        t0 = time.perf_counter()
+        flush = self._record(lambda: None, 1)  # a second session: they must chain
+        self.flush_kernels, self.flush_us = len(flush), sum(ms for _, ms in flush) * 1e3
+        print(f"CUPTI timer: the L2 flush is {self.flush_kernels} kernel(s), {self.flush_us:.1f} us; one session "
+              f"took {time.perf_counter() - t0:.3f}s", flush=True)
+
+    def _record(self, call, repeats):
+        self.ext._cupti_init()
+        try:
+            out = None
+            for _ in range(repeats):
+                self.sink = self.flush(self.buffer)
+                out = call()
+            jax.block_until_ready((out, self.sink))
+        finally:
+            timings = self.ext._cupti_get_timings(False)  # stay attached: the next session starts cheaper
+        return list(timings or [])
+
+    def time(self, call, repeats):
+        """-> (median µs of the call's kernels, [(kernel, µs), ...] of the median call)."""
+        jax.block_until_ready(call())  # compile + warm-up
+        timings = self._record(call, repeats)
+        per_call = len(timings) // repeats
+        if per_call * repeats != len(timings) or per_call <= self.flush_kernels:  # odd record: the mean
+            total = sum(ms for _, ms in timings) * 1e3 / repeats - self.flush_us
+            return total, [(f"unsplit ({len(timings)} kernels)", total)]
+        calls = [timings[i * per_call + self.flush_kernels:(i + 1) * per_call] for i in range(repeats)]
+        totals = [sum(ms for _, ms in c) * 1e3 for c in calls]
+        median = sorted(range(repeats), key=lambda i: totals[i])[repeats // 2]
+        return float(np.median(totals)), [(name, ms * 1e3) for name, ms in calls[median]]
+
+
+def run_config(ctx, batch, shape_name, kind, args, interpret, timer=None, baseline=None):
     shape = SHAPES[shape_name]
     page_size = args.page_size
     dtype = jnp.bfloat16
@@ -373,10 +461,13 @@ def run_config(ctx, batch, shape_name, kind, args, interpret):
     # Built once per step by the engine and shared by every layer: outside the timed loop here too.
     metadata = pa.decode_metadata(query_start, q.shape[0])
 
+    specs = list(args.decode_configs)
+    sweep = shape_name == "tp8" and kind == "full" and (ctx, batch) in args.sweep_points
+    if sweep:
+        specs += [c for c in args.sweep_configs if c not in specs]
     steps = {}
-    for keys_per_step, target_programs in args.decode_configs:
-        blocks = pa.decode_blocks(batch, kvh, max_pages, page_size, window, keys_per_step=keys_per_step,
-                                  target_programs=target_programs, num_warps=args.num_warps, num_stages=args.num_stages)
+    for spec in specs:
+        blocks = make_decode_blocks(spec, batch, kvh, max_pages, page_size, window)
 
         def decode_step(qq, pt, k_pages, v_pages, query_start, seq_lens, metadata, blocks=blocks):
             return pa.ragged_paged_attention(
@@ -384,12 +475,37 @@ def run_config(ctx, batch, shape_name, kind, args, interpret):
                 decode=metadata, decode_block_sizes=blocks, interpret=interpret,
             )
 
-        steps[decode_config_name((keys_per_step, target_programs))] = (decode_step, blocks)
+        name = decode_config_name(spec)
+        if any(b == blocks for _, b in steps.values()):  # same blocks as an earlier config: time once
+            continue
+        steps[name] = (decode_step, blocks)
+
+    if baseline is not None:
+        old_metadata = baseline.decode_metadata(query_start, q.shape[0])
+
+        def old_step(qq, pt, k_pages, v_pages, query_start, seq_lens, metadata):
+            return baseline.ragged_paged_attention(
+                qq, k_pages, v_pages, query_start, seq_lens, pt, window=window, use_kernel=True, decode_only=True,
+                decode=old_metadata, interpret=interpret,
+            )
+
+        steps["old"] = (old_step, None)
+        for spec in args.baseline_configs if sweep else []:  # the old kernel with the new configs' blocks
+            b = make_decode_blocks(spec, batch, kvh, max_pages, page_size, window)
+            old_blocks = baseline.DecodeBlocks(b.pages_per_step, b.num_splits, b.num_warps, b.num_stages)
+
+            def old_config_step(qq, pt, k_pages, v_pages, query_start, seq_lens, metadata, old_blocks=old_blocks):
+                return baseline.ragged_paged_attention(
+                    qq, k_pages, v_pages, query_start, seq_lens, pt, window=window, use_kernel=True,
+                    decode_only=True, decode=old_metadata, decode_block_sizes=old_blocks, interpret=interpret,
+                )
+
+            steps[f"old-{spec}"] = (old_config_step, None)
 
     def kernel_step(qq, pt, k_pages, v_pages, query_start, seq_lens, metadata):
         return pa.ragged_paged_attention_kernel(
             qq, k_pages, v_pages, query_start, seq_lens, pt, window=window,
-            block_q=args.block_q, num_warps=args.num_warps, num_stages=args.num_stages, interpret=interpret,
+            block_q=args.block_q, num_warps=4, num_stages=2, interpret=interpret,
         )
 
     def xla_step(qq, pt, k_pages, v_pages, query_start, seq_lens, metadata):
@@ -401,26 +517,31 @@ def run_config(ctx, batch, shape_name, kind, args, interpret):
 
     n_xla_pages = max_pages if window is None else min(pl_cdiv(window - 1, page_size) + 1, max_pages)
     row = dict(context=ctx, batch=batch, shape=shape_name, heads=shape["heads"], kv_heads=kvh, head_dim=d,
-               kind=kind, page_size=page_size, block_q=args.block_q,
+               kind=kind, page_size=page_size, block_q=args.block_q, timer=args.timer,
                kernel_pages_per_seq=kernel_pages_visited(ctx, kind, page_size), xla_pages_per_seq=n_xla_pages,
                kv_bytes_kernel=kernel_bytes, kv_bytes_xla=batch * n_xla_pages * page_bytes, floor_us=floor_us,
                decode_blocks={name: vars(b) for name, (_, b) in steps.items() if b is not None})
 
     rest = (k_pages, v_pages, query_start, seq_lens, metadata)
-    loops = {name: make_loop(step) for name, (step, _) in steps.items()}
-    # Correctness: one iteration of each timing loop (the same executables that are timed).
-    xla_out = jax.block_until_ready(loops["xla"](1, q, table, *rest)[0])
+    jitted = {name: jax.jit(step) for name, (step, _) in steps.items()}
+    xla_out = jax.block_until_ready(jitted["xla"](q, table, *rest))
     if args.smoke:  # also check the XLA baseline itself against the module's reference
         ref = pa.ragged_paged_attention_reference(q, k_pages, v_pages, query_start, seq_lens, table, window=window)
         row["xla_vs_reference"] = float(jnp.max(jnp.abs(ref.astype(jnp.float32) - xla_out.astype(jnp.float32))))
     tkw = dict(target_ms=args.target_ms, repeats=args.repeats, max_iters=args.max_iters)
-    for name, loop in loops.items():
+    for name, (step, _) in steps.items():
         try:
             if name != "xla":
-                out = jax.block_until_ready(loop(1, q, table, *rest)[0])
+                out = jax.block_until_ready(jitted[name](q, table, *rest))
                 diff = jnp.abs(out.astype(jnp.float32) - xla_out.astype(jnp.float32))
                 row[f"{name}_max_abs_diff"] = float(jnp.max(diff))
-            row[f"{name}_us"], row[f"{name}_iters"] = time_loop(loop, q, table, rest, **tkw)
+            if timer is not None:
+                us, kernels = timer.time(lambda f=jitted[name]: f(q, table, *rest), args.repeats)
+                row[f"{name}_us"], row[f"{name}_kernels"] = us, kernels
+            if args.timer in ("loop", "both"):
+                key = f"{name}_us" if timer is None else f"{name}_loop_us"
+                row[key], row[f"{name}_iters"] = time_loop(make_loop(step), q, table, rest, **tkw)
+                row[key.replace("_us", "_pct_floor")] = 100.0 * floor_us / row[key]
             row[f"{name}_pct_floor"] = 100.0 * floor_us / row[f"{name}_us"]
         except Exception as e:  # noqa: BLE001
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
@@ -432,6 +553,8 @@ def run_config(ctx, batch, shape_name, kind, args, interpret):
         row["decode_pct_floor"] = row[f"{best}_pct_floor"]
         if "xla_us" in row:
             row["decode_speedup_vs_xla"] = row["xla_us"] / row["decode_us"]
+        if "old_us" in row:
+            row["decode_speedup_vs_old"] = row["old_us"] / row["decode_us"]
         if "kernel_us" in row:
             row["decode_speedup_vs_kernel"] = row["kernel_us"] / row["decode_us"]
     del q, k_pages, v_pages, xla_out, rest
@@ -445,14 +568,46 @@ def fmt(row, names):
     cells = "".join(f" {g(n + '_us'):>10} {g(n + '_pct_floor'):>6}" for n in names)
     worst_diff = max((row[k] for k in row if k.endswith("_max_abs_diff")), default=float("nan"))
     return (f"{row['context']:>7} {row['batch']:>5} {row['shape']:>5} {row['kind']:>8} {row['floor_us']:>8.1f}"
-            f"{cells} {g('decode_speedup_vs_xla', '{:.2f}'):>7} {g('decode_speedup_vs_kernel', '{:.2f}'):>7}"
-            f" {worst_diff:>9.2e}")
+            f"{cells} {row.get('decode_best', '-')[7:]:>14} {g('decode_speedup_vs_xla', '{:.2f}'):>7}"
+            f" {g('decode_speedup_vs_old', '{:.2f}'):>7} {worst_diff:>9.2e}")
 
 
 def header(names):
     cells = "".join(f" {n + '_us':>10} {'%fl':>6}" for n in names)
-    return (f"{'context':>7} {'batch':>5} {'shape':>5} {'kind':>8} {'floor_us':>8}{cells} "
-            f"{'dec/xla':>7} {'dec/ker':>7} {'maxdiff':>9}")
+    return (f"{'context':>7} {'batch':>5} {'shape':>5} {'kind':>8} {'floor_us':>8}{cells} {'best':>14} "
+            f"{'dec/xla':>7} {'dec/old':>7} {'maxdiff':>9}")
+
+
+def kernel_split(row, name):
+    """'split+combine' µs of a decode variant (from the CUPTI per-kernel record)."""
+    kernels = row.get(f"{name}_kernels")
+    if not kernels:
+        return "-"
+    return "+".join(f"{us:.1f}" for _, us in kernels)
+
+
+def print_sweep(rows):
+    for row in rows:
+        variants = sorted((n[:-3] for n in row if n.startswith(("decode-", "old-")) and n.endswith("_us")
+                           and not n.endswith("_loop_us")), key=lambda n: row[n + "_us"])
+        if len(variants) <= 3:
+            continue
+        print(f"\nsweep ctx={row['context']} batch={row['batch']} {row['shape']} {row['kind']}: floor {row['floor_us']:.1f} us"
+              + "".join(f", {n} {row[n + '_us']:.1f} us ({kernel_split(row, n)})" for n in ("old", "xla") if n + "_us" in row))
+        for n in variants:
+            b = row["decode_blocks"].get(n.replace("old-", "decode-"), {})
+            print(f"  {n:>22} {row[n + '_us']:8.1f} us {row[n + '_pct_floor']:5.1f} %  kernels {kernel_split(row, n):>14}"
+                  f"  pps {b.get('pages_per_step')} splits {b.get('num_splits')} warps {b.get('num_warps')}"
+                  f" stages {b.get('num_stages')} combine_d {b.get('combine_block_d')}"
+                  f"  maxdiff {row.get(n + '_max_abs_diff', float('nan')):.1e}")
+
+
+def loop_overhead_row(args):
+    """The timing loop's own per-iteration cost on this machine: an op that adds a constant to q."""
+    q = jnp.zeros((32, 6, 128), jnp.bfloat16)
+    us, iters = time_loop(make_loop(lambda qq, pt: qq + 1), q, jnp.zeros((1, 1), jnp.int32), (),
+                          target_ms=args.target_ms, repeats=args.repeats, max_iters=args.max_iters)
+    return {"mode": "loop_overhead", "loop_us": us, "iters": iters}
 
 
 def main():
@@ -463,17 +618,21 @@ def main():
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret=True (CPU check)")
     p.add_argument("--contexts", default=None, help="comma list, overrides the default")
     p.add_argument("--batches", default=None, help="comma list, overrides the default")
+    p.add_argument("--points", default=None, help="tp8 points CTXxBATCH, comma list: overrides contexts x batches")
+    p.add_argument("--full-points", default=None, help="48/8-head points CTXxBATCH, comma list ('' for none)")
     p.add_argument("--kinds", default="full,sliding")
     p.add_argument("--no-full-shape", action="store_true", help="skip the 48/8-head points")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--block-q", type=int, default=2, help="general kernel: 2 tokens x 8 padded heads = 16 rows, Triton's minimum")
-    p.add_argument("--decode-configs", default="128x264",
-                   help="decode kernel block settings to time, comma list of KEYS_PER_STEPxTARGET_PROGRAMS")
-    p.add_argument("--variants", default="kernel", help="besides decode and xla: 'kernel' (the general kernel) or ''")
-    p.add_argument("--num-warps", type=int, default=4)
-    p.add_argument("--num-stages", type=int, default=2)
-    p.add_argument("--target-ms", type=float, default=30.0, help="wall time of one timed repeat")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--decode-configs", default="auto", help="decode kernel configs to time, comma list (see the docstring)")
+    p.add_argument("--sweep-points", default="", help="tp8 full points CTXxBATCH that also time --sweep-configs")
+    p.add_argument("--sweep-configs", default="", help="more decode configs, timed at --sweep-points only")
+    p.add_argument("--baseline-module", default=None, help="a paged_attention.py whose decode kernels are timed as 'old'")
+    p.add_argument("--baseline-configs", default="", help="decode configs the 'old' kernel also runs with (as old-<config>)")
+    p.add_argument("--variants", default="", help="besides decode and xla: 'kernel' (the general kernel) or ''")
+    p.add_argument("--timer", default="cupti", choices=["cupti", "loop", "both"])
+    p.add_argument("--target-ms", type=float, default=30.0, help="loop timer: wall time of one timed repeat")
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--max-iters", type=int, default=1000)
     p.add_argument("--max-kv-gb", type=float, default=20.0, help="skip configs whose K+V exceeds this")
     p.add_argument("--time-budget-s", type=float, default=220.0, help="stop starting new configs after this")
@@ -481,14 +640,22 @@ def main():
                    help="one attention layer's decode, fused vs unfused prologue/gate (tp8; default contexts "
                         "8192,32768, batches 1,8)")
     args = p.parse_args()
-    args.decode_configs = [tuple(int(x) for x in c.split("x")) for c in args.decode_configs.split(",")]
+    args.decode_configs = args.decode_configs.split(",")
+    args.sweep_configs = [c for c in args.sweep_configs.split(",") if c]
+    args.baseline_configs = [c for c in args.baseline_configs.split(",") if c]
+    for spec in args.decode_configs + args.sweep_configs:
+        parse_decode_config(spec)
+    points = lambda text: [tuple(int(x) for x in pt.split("x")) for pt in text.split(",") if pt]
+    args.sweep_points = points(args.sweep_points)
     args.variants = [v for v in args.variants.split(",") if v]
+    baseline = load_baseline_module(args.baseline_module) if args.baseline_module else None
 
     interpret = args.smoke
     if args.smoke:
         contexts, batches = [100, 700], [1, 3]
         args.page_size = 16
         args.target_ms, args.repeats, args.max_iters = 1.0, 1, 2
+        args.timer = "loop"
         full_points = [(700, 2)]
     elif args.quick:
         contexts, batches = [1024, 8192, 32768, 131072], [1, 32]
@@ -511,27 +678,47 @@ def main():
         return layer_main(args, contexts, batches, kinds, interpret)
     if args.no_full_shape:
         full_points = []
+    if args.full_points is not None:
+        full_points = points(args.full_points)
     if args.smoke:
         full_points = [(700, 2), (100, 3)]
         WINDOW = 40  # small window so sliding actually releases pages at smoke sizes
         SHAPES["tp8"] = dict(heads=6, kv_heads=1, head_dim=32)
         SHAPES["full"] = dict(heads=8, kv_heads=2, head_dim=32)
 
-    # Most important points first, so a spent time budget drops the least important ones:
-    # batch 1 and the largest batch at every context, then the other batches, then the 48/8 shape.
-    first = [b for b in batches if b in (min(batches), max(batches))]
-    order = first + [b for b in batches if b not in first]
-    configs = [(c, b, "tp8", k) for b in order[:len(first)] for c in contexts for k in kinds]
-    configs += [(c, b, "full", k) for (c, b) in full_points if b in first for k in kinds]
-    configs += [(c, b, "tp8", k) for b in order[len(first):] for c in contexts for k in kinds]
-    configs += [(c, b, "full", k) for (c, b) in full_points if b not in first for k in kinds]
+    timer = None
+    if args.timer != "loop":
+        try:
+            timer = CuptiTimer()
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            print("CUPTI timer unavailable: timing with the loop instead", flush=True)
+            args.timer = "loop"
+    if args.points:
+        # In the order given; the sweep points (if listed) first.
+        tp8_points = points(args.points)
+        tp8_points = [pt for pt in tp8_points if pt in args.sweep_points] + [pt for pt in tp8_points if pt not in args.sweep_points]
+        configs = [(c, b, "tp8", k) for c, b in tp8_points for k in kinds]
+        configs += [(c, b, "full", k) for c, b in full_points for k in kinds]
+    else:
+        # Most important points first, so a spent time budget drops the least important ones:
+        # batch 1 and the largest batch at every context, then the other batches, then the 48/8 shape.
+        first = [b for b in batches if b in (min(batches), max(batches))]
+        order = first + [b for b in batches if b not in first]
+        configs = [(c, b, "tp8", k) for b in order[:len(first)] for c in contexts for k in kinds]
+        configs += [(c, b, "full", k) for (c, b) in full_points if b in first for k in kinds]
+        configs += [(c, b, "tp8", k) for b in order[len(first):] for c in contexts for k in kinds]
+        configs += [(c, b, "full", k) for (c, b) in full_points if b not in first for k in kinds]
 
-    print(f"jax {jax.__version__} devices {jax.devices()} interpret={interpret}", flush=True)
+    print(f"jax {jax.__version__} devices {jax.devices()} interpret={interpret} timer={args.timer}", flush=True)
     print(f"window {WINDOW}, page_size {args.page_size}, block_q {args.block_q}, floor at {HBM_BPS / 1e12} TB/s; "
           "XLA sliding gathers only the window's pages", flush=True)
-    names = [decode_config_name(c) for c in args.decode_configs] + args.variants + ["xla"]
+    names = [decode_config_name(c) for c in args.decode_configs] + (["old"] if baseline else []) + args.variants + ["xla"]
     start = time.perf_counter()
     rows = []
+    if args.timer in ("loop", "both") and not args.smoke:
+        rows.append(loop_overhead_row(args))
+        print(f"loop overhead: {rows[-1]['loop_us']:.1f} us per iteration", flush=True)
     for ctx, batch, shape_name, kind in configs:
         sh = SHAPES[shape_name]
         kv_gb = 2 * batch * ctx * sh["kv_heads"] * sh["head_dim"] * 2 / 1e9 if kind == "full" else 0.0
@@ -544,7 +731,7 @@ def main():
             continue
         t0 = time.perf_counter()
         try:
-            row = run_config(ctx, batch, shape_name, kind, args, interpret)
+            row = run_config(ctx, batch, shape_name, kind, args, interpret, timer=timer, baseline=baseline)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             row = dict(context=ctx, batch=batch, shape=shape_name, kind=kind, error=f"{type(e).__name__}: {str(e)[:400]}")
@@ -553,24 +740,32 @@ def main():
             continue
         row["config_wall_s"] = time.perf_counter() - t0
         rows.append(row)
-        times = ", ".join(f"{k[:-3]} {row[k]:.1f} us" for k in row if k.endswith("_us") and k != "floor_us")
-        diffs = ", ".join(f"{k[:-13]} {row[k]:.1e}" for k in row if k.endswith("_max_abs_diff"))
+        times = ", ".join(f"{k[:-3]} {row[k]:.1f}" for k in row if k.endswith("_us") and k not in ("floor_us", "decode_us"))
+        diffs = max((row[k] for k in row if k.endswith("_max_abs_diff")), default=float("nan"))
         errors = [k for k in row if k.endswith("_error")]
-        print(f"done {label} in {row['config_wall_s']:.1f}s: {times}, floor {row['floor_us']:.1f} us; "
-              f"diff vs xla: {diffs}" + (f"; ERRORS {errors}" if errors else "")
+        print(f"done {label} in {row['config_wall_s']:.1f}s: floor {row['floor_us']:.1f} us; {times}; "
+              f"worst diff vs xla {diffs:.1e}" + (f"; ERRORS {errors}" if errors else "")
               + (f", xla_vs_reference {row['xla_vs_reference']:.2e}" if "xla_vs_reference" in row else ""), flush=True)
         if args.out:  # keep partial results if the run is cut short
             with open(args.out, "w") as f:
                 json.dump(rows, f, indent=1)
 
-    print(f"\ntotal {time.perf_counter() - start:.1f}s\n")
-    print("us = microseconds per call; %fl = % of the HBM floor; dec/xla, dec/ker = speed-up of the best decode config")
+    print(f"\ntotal {time.perf_counter() - start:.1f}s")
+    print_sweep([r for r in rows if "floor_us" in r and "error" not in r])
+    print(f"\nus = microseconds per call ({args.timer}); %fl = % of the HBM floor; best = fastest decode config; "
+          "dec/xla, dec/old = its speed-up")
     print(header(names))
     for row in rows:
         if "error" in row:
             print(f"{row['context']:>7} {row['batch']:>5} {row['shape']:>5} {row['kind']:>8} FAILED {row['error'][:80]}")
-        else:
+        elif "floor_us" in row:
             print(fmt(row, names))
+    if args.timer == "both":
+        print("\nloop timer (us per iteration, % floor):")
+        for row in rows:
+            if "floor_us" in row:
+                print(f"{row['context']:>7} {row['batch']:>5} {row['shape']:>5} {row['kind']:>8}" + "".join(
+                    f" {n} {row[n + '_loop_us']:.1f} ({row[n + '_loop_pct_floor']:.0f}%)" for n in names if n + "_loop_us" in row))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -486,9 +486,11 @@ def test_decode_kernel_interpret_matches_dense_and_reference(
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32), **tol)
 
 
-def test_decode_kernel_never_reads_pages_out_of_the_window_past_the_query_or_unmapped():
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu, id="compiled")])
+def test_decode_kernel_never_reads_pages_out_of_the_window_past_the_query_or_unmapped(interpret):
     """NaN in pages wholly before the window, in a mapped page past a sequence's last key, and in page 0
-    (which -1 entries and masked lanes read): if any leaked into the output, 0 * NaN would poison it."""
+    (which -1 entries and masked lanes point at): if any leaked into the output, 0 * NaN would poison
+    it. Compiled on the GPU too: there the masked loads are Triton's, not the interpreter's."""
     window, page_size = 20, 16
     specs = [(200, 1), (150, 1), (97, 1), (33, 1)]
     batch = make_batch(47, specs, page_size=page_size, kv_heads=1, group=6, dtype=jnp.float32, window=window)
@@ -511,7 +513,8 @@ def test_decode_kernel_never_reads_pages_out_of_the_window_past_the_query_or_unm
     args = (batch.queries, jnp.asarray(k_pages), jnp.asarray(v_pages), batch.query_start, batch.seq_lens, jnp.asarray(table))
     for pages_per_step, num_splits in [(1, 1), (4, 2), (2, 8)]:
         blocks = pa.DecodeBlocks(pages_per_step=pages_per_step, num_splits=num_splits)
-        out = decode_op(*args, window=window, use_kernel=True, decode_only=True, decode_block_sizes=blocks, interpret=True)
+        out = decode_op(*args, window=window, use_kernel=True, decode_only=True, decode_block_sizes=blocks,
+                        interpret=interpret)
         check(batch, out, window, jnp.float32)
 
 
@@ -596,14 +599,21 @@ def test_blocked_skip_decodes_gives_decodes_zeros():
 
 
 def test_decode_blocks_fill_the_gpu_and_stay_flat_for_windows():
-    # TP8 batch 1 at 128K: one kv head, so the context is split across many programs.
+    # TP8 batch 1 at 128K: one kv head, so the context is split across (at least) every SM.
     blocks = pa.decode_blocks(1, 1, 2048, 64, None)
-    assert blocks.num_splits >= 128 and blocks.pages_per_step == 2
+    assert blocks.num_splits >= 128
+    # ... but never into splits shorter than the minimum number of steps.
+    for batch, max_pages in [(1, 128), (1, 2048), (8, 512), (32, 128)]:
+        blocks = pa.decode_blocks(batch, 1, max_pages, 64, None)
+        steps = max_pages // blocks.pages_per_step // blocks.num_splits
+        assert steps >= pa.DECODE_MIN_STEPS_PER_SPLIT
     # A window: the splits (and so the work) do not depend on the context.
     sliding = {pa.decode_blocks(1, 1, max_pages, 64, 512) for max_pages in (16, 128, 2048, 16384)}
-    assert len(sliding) == 1 and sliding.pop().num_splits * 2 <= 16
+    assert len(sliding) == 1 and sliding.pop().num_splits <= 9
     # Enough sequences and heads: no split.
     assert pa.decode_blocks(64, 8, 2048, 64, None).num_splits == 1
+    # Overrides win; splits and pages per step must be powers of two.
+    assert pa.decode_blocks(8, 1, 512, 64, None, pages_per_step=2, num_splits=4, num_warps=8).num_warps == 8
     with pytest.raises(ValueError):
         pa.decode_blocks(1, 1, 64, 64, None, num_splits=3)
 
