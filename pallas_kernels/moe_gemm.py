@@ -483,131 +483,15 @@ def _down_kernel(*refs, source, num_meta, down: _Operand, num_experts, block_m, 
 
 
 # --------------------------------------------------------------------------------------------------
-# The "pairs" path for decode batches: GEMVs on the CUDA cores
-# --------------------------------------------------------------------------------------------------
-
-
-def _gemv_products(acc, x_ref, token, op: _Operand, refs, expert, n_idx, n_ok, chunk, block_k: int):
-    """acc += w[expert, n_idx, chunk] * x[token, chunk] elementwise, in fp32 (the K sum is taken
-    once, after the loop). acc is [N, block_k]; for NVFP4 [N, block_k / 2], each lane taking the
-    products of one byte's low and high nibble."""
-    from jax.experimental.pallas import triton as plgpu
-
-    k_total = op.in_features
-    w_rows = (op.row_offset + n_idx)[:, None]
-    n_tail = op.rows % n_idx.shape[0] != 0
-    k_tail = k_total % block_k != 0
-
-    def masked(cols, bound):
-        mask = n_ok[:, None] if n_tail else None
-        if k_tail:
-            mask = (cols[None, :] < bound) if mask is None else mask & (cols[None, :] < bound)
-        return mask
-
-    def load_x(cols):
-        x = plgpu.load(x_ref.at[token, cols], mask=cols < k_total, other=0) if k_tail else plgpu.load(x_ref.at[token, cols])
-        return x.astype(jnp.float32)
-
-    if op.format != "nvfp4":
-        cols = chunk * block_k + lax.iota(jnp.int32, block_k)
-        mask = masked(cols, k_total)
-        # (no `other=`: Triton cannot splat an int into fp8; masked x lanes are zero)
-        w = plgpu.load(refs[0].at[expert, w_rows, cols[None, :]], mask=mask).astype(jnp.float32)
-        return acc + jnp.where(mask, w, 0.0) * load_x(cols)[None, :] if k_tail else acc + w * load_x(cols)[None, :]
-    half, groups = block_k // 2, block_k // NVFP4_GROUP
-    block_n = n_idx.shape[0]
-    byte_cols = chunk * half + lax.iota(jnp.int32, half)
-    mask = masked(byte_cols, k_total // 2)
-    packed = plgpu.load(refs[0].at[expert, w_rows, byte_cols[None, :]], mask=mask, other=None if mask is None else 0)
-    group_cols = chunk * groups + lax.iota(jnp.int32, groups)
-    scale = plgpu.load(refs[1].at[expert, w_rows, group_cols[None, :]], mask=masked(group_cols, k_total // NVFP4_GROUP))
-    scale = scale.astype(jnp.float32) * _PACKED_SCALE_FACTOR
-    if k_tail:
-        scale = jnp.where(group_cols[None, :] < k_total // NVFP4_GROUP, scale, 0.0)
-    scale = jnp.broadcast_to(scale.astype(jnp.bfloat16)[:, :, None], (block_n, groups, NVFP4_GROUP // 2))
-    low, high = _e2m1_times_scale(packed, scale.reshape(block_n, half), emulated=op.decode == "packed_emulated")
-    even = chunk * block_k + 2 * lax.iota(jnp.int32, half)
-    return acc + low.astype(jnp.float32) * load_x(even)[None, :] + high.astype(jnp.float32) * load_x(even + 1)[None, :]
-
-
-def _gemv(x_ref, token, op: _Operand, refs, expert, n_idx, n_ok, block_k: int):
-    """w[expert, n_idx] @ x[token] in fp32, [N], with the quantized formats' output scales."""
-    acc = lax.fori_loop(
-        0, pl.cdiv(op.in_features, block_k),
-        lambda chunk, acc: _gemv_products(acc, x_ref, token, op, refs, expert, n_idx, n_ok, chunk, block_k),
-        jnp.zeros((n_idx.shape[0], block_k // 2 if op.format == "nvfp4" else block_k), jnp.float32))
-    return _output_scale(jnp.sum(acc, axis=1)[None, :], op, refs, expert, n_idx, n_ok)[0]
-
-
-def _pairs_gate_up_kernel(ids_ref, x_ref, *refs, gate: _Operand, up: _Operand, top_k, block_n, block_k):
-    """One (token, expert) pair x one tile of intermediate columns: gate and up GEMVs, SwiGLU."""
-    from jax.experimental.pallas import triton as plgpu
-
-    (gate_refs, up_refs), (act_ref,) = _split_refs(refs, gate, up)
-    pair = pl.program_id(0)
-    expert, token = ids_ref[pair], pair // top_k
-    n_idx = pl.program_id(1) * block_n + lax.iota(jnp.int32, block_n)
-    n_ok = n_idx < gate.rows
-    dtype = x_ref.dtype
-    g = _gemv(x_ref, token, gate, gate_refs, expert, n_idx, n_ok, block_k).astype(dtype)
-    u = _gemv(x_ref, token, up, up_refs, expert, n_idx, n_ok, block_k).astype(dtype)
-    plgpu.store(act_ref.at[pair, n_idx], _swiglu(g, u).astype(act_ref.dtype), mask=n_ok)
-
-
-def _pairs_down_kernel(ids_ref, pair_weight_ref, act_ref, *refs, down: _Operand, top_k, block_n, block_k):
-    """One token x one tile of hidden columns: the down GEMV of each of its top_k pairs, scaled by the
-    routing weight and added in pair order (the combine, without another launch)."""
-    from jax.experimental.pallas import triton as plgpu
-
-    (down_refs,), (out_ref,) = _split_refs(refs, down)
-    token = pl.program_id(0)
-    n_idx = pl.program_id(1) * block_n + lax.iota(jnp.int32, block_n)
-    n_ok = n_idx < down.rows
-    dtype = act_ref.dtype
-
-    def add_pair(j, total):
-        pair = token * top_k + j
-        y = _gemv(act_ref, pair, down, down_refs, ids_ref[pair], n_idx, n_ok, block_k)
-        return total + (y.astype(dtype).astype(jnp.float32) * pair_weight_ref[pair]).astype(dtype).astype(jnp.float32)
-
-    total = lax.fori_loop(0, top_k, add_pair, jnp.zeros((block_n,), jnp.float32))
-    plgpu.store(out_ref.at[token, n_idx], total.astype(out_ref.dtype), mask=n_ok)
-
-
-def _moe_pairs(x, weights, flat_ids, gate, up, down, operand, blocks: MoEBlocks, interpret: bool):
-    from jax.experimental.pallas import triton as plgpu
-
-    tokens, hidden = x.shape
-    top_k = weights.shape[1]
-    intermediate = gate.num_rows
-    params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
-    act = pl.pallas_call(
-        functools.partial(_pairs_gate_up_kernel, gate=operand(gate), up=operand(up), top_k=top_k,
-                          block_n=blocks.gate_up_n, block_k=blocks.gate_up_k),
-        grid=(tokens * top_k, pl.cdiv(intermediate, blocks.gate_up_n)),
-        out_shape=jax.ShapeDtypeStruct((tokens * top_k, intermediate), x.dtype),
-        compiler_params=params, interpret=interpret, name="moe_pairs_gate_up",
-    )(flat_ids, x, *gate.arrays(), *up.arrays())
-    return pl.pallas_call(
-        functools.partial(_pairs_down_kernel, down=operand(down), top_k=top_k, block_n=blocks.down_n,
-                          block_k=blocks.down_k),
-        grid=(tokens, pl.cdiv(hidden, blocks.down_n)),
-        out_shape=jax.ShapeDtypeStruct((tokens, hidden), x.dtype),
-        compiler_params=params, interpret=interpret, name="moe_pairs_down",
-    )(flat_ids, weights.reshape(-1).astype(jnp.float32), act, *down.arrays())
-
-
-# --------------------------------------------------------------------------------------------------
 # Block sizes and the op
 # --------------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class MoEBlocks:
-    """Block sizes of one call. `source` "ids" needs tokens <= block_m. `source` "pairs" is the GEMV
-    path (one program per pair and tile, no tensor cores; block_m and gate_up_splits unused)."""
+    """Block sizes of one call. `source` "ids" needs tokens <= block_m."""
 
-    source: Literal["ids", "sorted", "pairs"]
+    source: Literal["ids", "sorted"]
     block_m: int
     gate_up_n: int
     gate_up_k: int
@@ -626,7 +510,7 @@ IDS_SOURCE_MAX_TOKENS = 16
 _TARGET_PROGRAMS = 1024
 
 
-# Measured winners of `benchmarks/moe/bench.py --sweep` (H200, 2026-11-30, run C in RESULTS.md) at
+# Measured winners of `benchmarks/moe/bench.py --sweep` (H200, runs C and F in RESULTS.md) at
 # Beam's TP8 expert shape, keyed by (format, experts, hidden, intermediate, top_k) and then by the
 # largest token count each covers (down from the previous key + 1). Other shapes: the heuristic.
 TUNED_BLOCKS: dict[tuple, dict[tuple[int, int], MoEBlocks]] = {
@@ -635,6 +519,7 @@ TUNED_BLOCKS: dict[tuple, dict[tuple[int, int], MoEBlocks]] = {
         (9, 16): MoEBlocks("ids", 16, 32, 64, 2, 128, 64),  # T=16: 257.1 vs 274.7
         (17, 32): MoEBlocks("sorted", 16, 32, 64, 2, 128, 64),  # T=32: 412.4 vs 499.9
         (33, 64): MoEBlocks("sorted", 16, 32, 128, 1, 64, 64),  # T=64: 560.1 vs 571.9
+        (65, 1024): MoEBlocks("sorted", 32, 64, 64, 1, 64, 64),  # T=512: 683.5 vs 745.0 (2026-12-01 run F)
     },
 }
 
@@ -670,7 +555,8 @@ def choose_blocks(tokens: int, top_k: int, num_experts: int, hidden: int, interm
         return MoEBlocks(source, block_m, block_n, block_k, splits, down_n, down_k, nvfp4_decode=decode)
     if packed:
         return MoEBlocks("sorted", 64, 64, 128, 1, 64, 128, nvfp4_decode=decode)
-    return MoEBlocks("sorted", 64, 64, 64, 1, 64, 64, num_warps=4, num_stages=3)
+    # bf16 T=8192 on the H200: 2542 us against 3155 for 64-column tiles (RESULTS.md, run F)
+    return MoEBlocks("sorted", 64, 128, 64, 1, 128, 64, num_warps=4, num_stages=3)
 
 
 def moe_gemm_kernel(
@@ -703,8 +589,7 @@ def moe_gemm_kernel(
         raise ValueError(f"source 'ids' needs tokens ({tokens}) <= block_m ({blocks.block_m})")
     if fmt == "nvfp4" and (blocks.gate_up_k % 32 or blocks.down_k % 32):
         raise ValueError("NVFP4 needs K blocks that are multiples of 32")
-    # the pairs path has only the packed NVFP4 decode
-    packed = fmt == "nvfp4" and (blocks.nvfp4_decode == "packed" or blocks.source == "pairs")
+    packed = fmt == "nvfp4" and blocks.nvfp4_decode == "packed"
     if packed and not interpret:
         # the PTX takes 4 bytes at a time: each thread must hold a multiple of 4 of a weight tile
         threads = 32 * blocks.num_warps
@@ -714,8 +599,6 @@ def moe_gemm_kernel(
     decode = ("packed_emulated" if interpret else "packed") if packed else "per_value"
     operand = lambda w: dataclasses.replace(_Operand.of(w), decode=decode)
     flat_ids = ids.reshape(-1).astype(jnp.int32)
-    if blocks.source == "pairs":
-        return _moe_pairs(x, weights, flat_ids, gate, up, down, operand, blocks, interpret)
     if blocks.source == "ids":
         meta = (flat_ids,)
         grid0 = min(num_experts, pairs)

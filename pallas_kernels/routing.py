@@ -8,14 +8,14 @@ them are chosen (ties: lower index), and their weights are the unbiased scores, 
 
 Two kernels:
 - logits: grid (token block, expert block, K split); every program writes the partial fp32 logits
-  of its [tokens x experts] tile over its slice of the hidden axis. Decode batches (<= 4 tokens)
-  multiply and add elementwise on the CUDA cores; larger ones use an fp32 dot.
+  of its [tokens x experts] tile over its slice of the hidden axis. Decode batches multiply and add
+  elementwise on the CUDA cores (token blocks of <= 4); batches over 64 tokens use an fp32 dot.
 - select: one token per program (one warp). It adds the partials in split order, so the result
   never depends on scheduling, and selects on a [groups, group size] tile.
 The selections equal the reference's on 100k random tokens (H200, benchmarks/moe/RESULTS.md).
 
-Speed (benchmarks/moe/RESULTS.md): not yet faster than XLA, so `routing()` runs the reference unless
-asked for the kernel.
+Speed (benchmarks/moe/RESULTS.md): faster than XLA for decode batches on the H200, slower for
+larger ones, so `routing()` picks the kernel only for the former.
 """
 
 from __future__ import annotations
@@ -68,18 +68,13 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _reduce_all(x, op):
-    """A 2-D tile reduced to a scalar, one axis at a time (Triton reduces one axis per op)."""
-    return op(op(x, axis=1), axis=0)
-
-
 def _select(logits, bias, valid, *, groups_kept: int, top_k: int, normalize: bool, scaling):
     """Selection for one token. `logits`/`bias` are laid out [padded groups, padded group size]
     (expert = group * group size + column), `valid` marks real experts. Returns fp32 weights and
     flat positions in that layout, each [next_pow2(top_k)].
 
-    Group-wise steps are row reductions of that tile, all groups at once; the kept groups are ranked
-    by counting who beats whom, so only the top-k picks are a chain of dependent reductions."""
+    Group-wise steps are row reductions of that tile, all groups at once, and the kept groups are
+    ranked by counting who beats whom."""
     padded_groups, padded_size = logits.shape
     scores = 1.0 / (1.0 + jnp.exp(-logits))
     choice = jnp.where(valid, scores + bias, -jnp.inf)
@@ -96,18 +91,19 @@ def _select(logits, bias, valid, *, groups_kept: int, top_k: int, normalize: boo
     kept = jnp.sum(beaten_by.astype(jnp.int32), axis=1) < groups_kept  # ties: lower index
     choice = jnp.where(kept[:, None], choice, -jnp.inf)
 
-    position = (lax.broadcasted_iota(jnp.int32, logits.shape, 0) * padded_size
-                + lax.broadcasted_iota(jnp.int32, logits.shape, 1))
+    # top-k on the flattened tile (position = group * padded size + column): one (value, index)
+    # reduction per pick, the only chain of dependent reductions
+    choice, scores = choice.reshape(-1), scores.reshape(-1)
+    position = lax.iota(jnp.int32, choice.shape[0])
     padded_k = _next_pow2(top_k)
     slot = lax.iota(jnp.int32, padded_k)
     picks = jnp.zeros((padded_k,), jnp.int32)
     weights = jnp.zeros((padded_k,), jnp.float32)
     for k in range(top_k):
-        top = _reduce_all(choice, jnp.max)
-        pick = _reduce_all(jnp.where(choice == top, position, logits.size), jnp.min)  # ties: lower index
+        pick = jnp.argmax(choice).astype(jnp.int32)  # ties: lower index
         picked = position == pick
         picks = jnp.where(slot == k, pick, picks)
-        weights = jnp.where(slot == k, _reduce_all(jnp.where(picked, scores, 0.0), jnp.sum), weights)
+        weights = jnp.where(slot == k, jnp.sum(jnp.where(picked, scores, 0.0)), weights)
         choice = jnp.where(picked, -jnp.inf, choice)
     if normalize:
         weights = weights / (jnp.sum(weights) + 1e-20)
@@ -191,7 +187,7 @@ def routing_kernel(
     normalize: bool = True,
     scaling: float = 1.0,
     block_t: int | None = None,
-    block_e: int = 16,
+    block_e: int | None = None,
     block_k: int | None = None,
     splits: int | None = None,
     target_programs: int = 256,
@@ -199,9 +195,9 @@ def routing_kernel(
     logits_only: bool = False,
     interpret: bool = False,
 ):
-    """The routing kernels (see the module docstring). By default a batch of at most 4 tokens is
-    one token block on the CUDA-core GEMV path and larger batches take blocks of 16 on the dot
-    path; `splits` divides the hidden axis so that the logits grid has about `target_programs`
+    """The routing kernels (see the module docstring). By default batches of up to 64 tokens take
+    the CUDA-core GEMV path in token blocks of at most 4, larger ones blocks of 16 on the dot path;
+    `splits` divides the hidden axis so that the logits grid has about `target_programs`
     programs (enough to stream the 5 MB router). `logits_only` returns the kernel's fp32 logits
     [tokens, experts] (for tests)."""
     from jax.experimental.pallas import triton as plgpu
@@ -212,8 +208,10 @@ def routing_kernel(
         raise ValueError(f"{experts} experts cannot form {num_groups} groups of at least 2")
     if not 1 <= top_k <= groups_kept * (experts // num_groups):
         raise ValueError(f"top_k={top_k} needs 1..{groups_kept * (experts // num_groups)} experts in the kept groups")
-    if block_t is None:
-        block_t = _next_pow2(tokens) if tokens <= 4 else 16
+    if block_t is None:  # H200 (benchmarks/moe/RESULTS.md): GEMV blocks of <= 4 tokens beat the dot to T = 64
+        block_t = min(_next_pow2(tokens), 4) if tokens <= 64 else 16
+    if block_e is None:
+        block_e = 8 if block_t == 1 else 16
     if block_k is None:
         block_k = 256 // block_t if block_t < 16 else 64
     block_e = min(block_e, _next_pow2(experts))
@@ -253,6 +251,10 @@ def routing_kernel(
     return weights[:, :top_k], ids[:, :top_k]
 
 
+# Largest batch for which `routing()` picks the kernel on a GPU (H200: faster than XLA there).
+KERNEL_MAX_TOKENS = 8
+
+
 def routing(
     x: Float[Array, "tokens hidden"],
     router_weight: Float[Array, "experts hidden"],
@@ -263,14 +265,17 @@ def routing(
     top_k: int,
     normalize: bool = True,
     scaling: float = 1.0,
-    use_kernel: bool = False,
+    use_kernel: bool | None = None,
     interpret: bool = False,
 ) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
-    """Beam's routing. The plain-jnp reference unless `use_kernel` (the kernel is correct but was
-    slower than XLA's fusion of the reference when last measured on the H200)."""
+    """Beam's routing. `use_kernel=None`: the kernel on a GPU for decode batches of at most
+    `KERNEL_MAX_TOKENS` tokens, where it beats XLA's fusion of the reference; the reference
+    otherwise."""
     kwargs = dict(
         num_groups=num_groups, groups_kept=groups_kept, top_k=top_k, normalize=normalize, scaling=scaling
     )
+    if use_kernel is None:
+        use_kernel = jax.default_backend() == "gpu" and x.shape[0] <= KERNEL_MAX_TOKENS
     if use_kernel:
         return routing_kernel(x, router_weight, correction_bias, interpret=interpret, **kwargs)
     return routing_reference(x, router_weight, correction_bias, **kwargs)

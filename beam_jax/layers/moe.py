@@ -18,7 +18,7 @@ from beam_jax.layers.mlp import swiglu
 from beam_jax.layers.quantized import QuantizedExpertLinear, dequantize_experts, packed_expert_weights
 from beam_jax.sharding import experts_on_mesh, mesh_shards_experts
 from pallas_kernels.moe_gemm import ExpertWeights, moe_gemm
-from pallas_kernels.routing import routing as route  # fp32 routing (reference unless asked for the kernel)
+from pallas_kernels.routing import routing as route  # fp32 routing (the kernel for GPU decode batches)
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -120,6 +120,7 @@ class Router(nnx.Module):
             groups_kept=self.groups_kept,
             top_k=self.top_k,
             normalize=self.normalize,
+            use_kernel=False if mesh_shards_experts() else None,  # the kernel is not partitioned
         )
 
 

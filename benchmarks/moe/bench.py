@@ -191,7 +191,6 @@ def check_moe(fmt, weights, key, rows):
         scale = float(jnp.abs(want.astype(jnp.float32)).max())
         checked = {name: mg.choose_blocks(t, TOP_K, E, H, I, gate.format, nvfp4_decode=decode)
                    for name, decode in decodes(fmt).items()}
-        checked.update(list(pairs_alternatives(t, fmt).items())[:1])
         for name, blocks in checked.items():
             try:
                 got = jax.jit(functools.partial(mg.moe_gemm_kernel, blocks=blocks))(x[0], w[0], ids[0], *weights)
@@ -214,17 +213,6 @@ def packed_alternatives(t, default: mg.MoEBlocks):
         cfg = dataclasses.replace(default, gate_up_n=n1, gate_up_k=k1, gate_up_splits=splits, down_n=n2, down_k=k2)
         out[f"pallas_packed[n{n1},k{k1},dn{n2},dk{k2},s{splits}]"] = cfg
     return out
-
-
-def pairs_alternatives(t, fmt):
-    """The GEMV ("pairs") path at decode sizes: (gate/up rows, K block, down columns, K block, warps)."""
-    if t > 64:
-        return {}
-    wide = 2 if fmt == "nvfp4" else 1  # NVFP4 tiles hold half the bytes per value: wider K blocks
-    shapes = ((8, 256 * wide, 32, 64, 4), (16, 128 * wide, 32, 64, 4), (4, 512 * wide, 64, 64, 4),
-              (8, 256 * wide, 16, 64, 4), (8, 256 * wide, 32, 64, 8))
-    return {f"pairs[n{n1},k{k1},dn{n2},dk{k2},w{warps}]": mg.MoEBlocks("pairs", 1, n1, k1, 1, n2, k2, num_warps=warps)
-            for n1, k1, n2, k2, warps in shapes}
 
 
 def pl_cdiv(a, b):
@@ -275,17 +263,21 @@ def bench_routing(token_counts, rows, *, sweep: bool, repeats=16):
     key = jax.random.key(3)
     weights = jax.random.normal(key, (repeats, E, H), jnp.float32) * 0.02  # 16 x 5 MB: not in L2
     bias = jax.random.normal(key, (E,), jnp.float32) * 0.1
-    variants = {"pallas": rt.routing_kernel, "xla": rt.routing_reference}
-    if sweep:
-        for block_e, programs, block_k in itertools.product((8, 16, 32), (128, 256, 512), (None, 128)):
-            variants[f"pallas[e{block_e},p{programs},k{block_k}]"] = functools.partial(
-                rt.routing_kernel, block_e=block_e, target_programs=programs, block_k=block_k)
     for t in token_counts:
-        if past_deadline() or (sweep and t not in (1, 64)):
+        if past_deadline():
             continue
+        variants = {"pallas": rt.routing_kernel, "xla": rt.routing_reference}
+        if sweep:  # tiles of the logits kernel (token block, expert block, programs, K splits)
+            tilings = ([(1, 1, 256, 1), (1, 2, 128, 1), (1, 4, 64, 1), (1, 4, 256, None), (1, 8, 256, None),
+                        (1, 8, 512, None), (1, 16, 256, None)] if t == 1 else
+                       [(bt, be, 256, None) for bt in (2, 4, 8) for be in (8, 16) if bt <= mg._next_pow2(t)]
+                       + [(16, 32, 256, None), (16, 16, 512, None)])
+            for block_t, block_e, programs, splits in tilings:
+                variants[f"pallas[t{block_t},e{block_e},p{programs},s{splits}]"] = functools.partial(
+                    rt.routing_kernel, block_t=block_t, block_e=block_e, target_programs=programs, splits=splits)
         x = jax.random.normal(jax.random.fold_in(key, t), (repeats, t, H), jnp.float32).astype(jnp.bfloat16)
         res = {}
-        for name, op in variants.items():
+        for name, op in [("warm-up", rt.routing_kernel), *variants.items()]:  # (the first timing runs slow)
             f = chain(lambda xx, ww, bb, op=op: op(xx, ww, bb, **kw_args))
             try:
                 res[name] = time_chain(f, (x, weights), bias, repeats=repeats, wall=not sweep)
@@ -297,6 +289,7 @@ def bench_routing(token_counts, rows, *, sweep: bool, repeats=16):
             _, kernels = profiler.measure(single, aggregate=False)(x[0], weights[0], bias)
             breakdown[f"{name}_kernels_us"] = [(n[:40], round(ms * 1e3, 2)) for n, ms in kernels]
         floor = (E * H * 4 + t * H * 2) / HBM_BPS * 1e6
+        res.pop("warm-up", None)
         row = dict(kind="routing", tokens=t, floor_us=floor, **{f"{k}_us": v[0] for k, v in res.items()},
                    **{f"{k}_wall_us": v[1] for k, v in res.items()}, **breakdown)
         rows.append(row)
@@ -348,7 +341,6 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
                          for name, decode in decodes(fmt).items()}
         if "pallas_packed" in kernel_blocks:
             kernel_blocks.update(packed_alternatives(t, kernel_blocks["pallas_packed"]))
-        kernel_blocks.update(pairs_alternatives(t, fmt))
         variants = {name: functools.partial(mg.moe_gemm_kernel, blocks=b) for name, b in kernel_blocks.items()}
         if sweep:
             for cfg in sweep_configs(t, default):
@@ -368,9 +360,7 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"moe {fmt} T={t} {name}: {type(e).__name__}: {e}"[:600], flush=True)
         breakdowns = {}
-        pairs = [name for name in kernel_blocks if name.startswith("pairs")]
-        # per-kernel device times of one call of each decode's default blocks and the fastest pairs blocks
-        for name in [*decodes(fmt), *([min(pairs, key=lambda n: res.get(n, (float("inf"),))[0])] if pairs else [])]:
+        for name in decodes(fmt):  # per-kernel device times of one call of each decode's default blocks
             if name not in res:
                 continue
             try:
@@ -431,7 +421,7 @@ def main():
         stage(check_routing, rows)
     if not args.no_routing:
         stage(bench_routing, args.routing_tokens or token_counts, rows, sweep=args.sweep or args.routing_sweep)
-    for fmt in args.formats.split(","):
+    for fmt in filter(None, args.formats.split(",")):
         weights = make_weights(fmt, jax.random.key(11))
         if args.check:
             stage(check_moe, fmt, weights, jax.random.key(5), rows)

@@ -47,7 +47,8 @@ def test_selection_equals_reference(shape):
     _check(x, w, b, num_groups=groups, groups_kept=kept, top_k=top_k, scaling=2.5)
 
 
-@pytest.mark.parametrize("tiles", [dict(block_t=1, block_k=32, splits=3), dict(block_t=2, block_e=8, block_k=16),
+@pytest.mark.parametrize("tiles", [dict(block_t=1, block_k=32, splits=3), dict(block_t=1, block_e=1, splits=1),
+                                   dict(block_t=4, block_e=8, block_k=16),
                                    dict(block_t=16, block_e=32, block_k=32, splits=2)], ids=str)
 def test_tilings_and_splits_select_alike(tiles):
     """Split sums over the hidden axis (a tail split), partial expert blocks, both logits paths."""
@@ -103,3 +104,15 @@ def test_100k_tokens_select_bit_for_bit(inputs):
         w = jax.random.normal(kw, (experts, hidden), jnp.float32) * 0.02
         b = jax.random.normal(kb, (experts,), jnp.float32) * 0.1
     _check(x, w, b, num_groups=8, groups_kept=4, top_k=8, scaling=2.5)
+
+
+@pytest.mark.parametrize(("backend", "tokens", "kernel"), [("gpu", 1, True), ("gpu", rt.KERNEL_MAX_TOKENS, True),
+                                                           ("gpu", rt.KERNEL_MAX_TOKENS + 1, False), ("cpu", 1, False)])
+def test_routing_picks_the_kernel_for_gpu_decode_batches(monkeypatch, backend, tokens, kernel):
+    calls = []
+    monkeypatch.setattr(rt.jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(rt, "routing_kernel", lambda *a, **k: calls.append("kernel"))
+    monkeypatch.setattr(rt, "routing_reference", lambda *a, **k: calls.append("reference"))
+    x, w, b = _inputs(1, tokens, 64, 16)
+    rt.routing(x, w, b, num_groups=4, groups_kept=2, top_k=4)
+    assert calls == ["kernel" if kernel else "reference"]
