@@ -696,6 +696,9 @@ class DecodeBlocks:
     num_warps: int = 4  # split kernel
     num_stages: int = 2  # split kernel (Triton's software pipelining depth)
     combine_block_d: int | None = None  # head_dim lanes per combine program; None: by the token count
+    # K/V loads masked to the visible keys (nothing else is read), or plain page gathers with the
+    # invisible values zeroed after the load (Triton pipelines these better: num_stages > 1).
+    masked_loads: bool = True
 
 
 # The H200 has 132 SMs.
@@ -703,11 +706,12 @@ DECODE_NUM_SMS = 132
 # Tuned on one H200 at head_dim 128, pages of 64 (benchmarks/attention/RESULTS.md, run 4): the split
 # kernel's settings, and how many programs per SM the context split aims for, never giving a split
 # fewer than DECODE_MIN_STEPS_PER_SPLIT loop steps (a short program is all start-up latency).
-DECODE_PAGES_PER_STEP = 1
+DECODE_PAGES_PER_STEP = 2
 DECODE_NUM_WARPS = 4
-DECODE_NUM_STAGES = 2
+DECODE_NUM_STAGES = 1
 DECODE_PROGRAMS_PER_SM = 2
-DECODE_MIN_STEPS_PER_SPLIT = 4
+DECODE_MIN_STEPS_PER_SPLIT = 1
+DECODE_MASKED_LOADS = True
 
 
 def _pow2_floor(n: int) -> int:
@@ -718,7 +722,7 @@ def decode_blocks(
     batch: int, kv_heads: int, max_pages: int, page_size: int, window: int | None, *,
     pages_per_step: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, programs_per_sm: int | None = None, min_steps_per_split: int | None = None,
-    num_sms: int = DECODE_NUM_SMS,
+    masked_loads: bool | None = None, num_sms: int = DECODE_NUM_SMS,
 ) -> DecodeBlocks:
     """The decode kernels' block sizes for a step's static shape; any argument given overrides the
     tuned value. The context is split until batch * kv_heads * num_splits programs reach
@@ -740,6 +744,7 @@ def decode_blocks(
     return DecodeBlocks(
         pages_per_step, num_splits, DECODE_NUM_WARPS if num_warps is None else num_warps,
         DECODE_NUM_STAGES if num_stages is None else num_stages,
+        masked_loads=DECODE_MASKED_LOADS if masked_loads is None else masked_loads,
     )
 
 
@@ -762,6 +767,7 @@ def _decode_split_kernel(
     group: int,
     rows: int,
     prologue_spec: tuple,
+    masked_loads: bool,
 ):
     *prologue_refs, o_ref, m_ref, l_ref = refs
     sequence, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -800,17 +806,24 @@ def _decode_split_kernel(
         start = lo + step * pages_per_step
         logical = start + step_page
         physical = page_row_ref[jnp.minimum(logical, max_pages - 1)]
-        # Pages past this split's end or released (-1) are not read (masked loads).
+        # Pages past this split's end or released (-1) are not read (masked loads) or are read from
+        # page 0 and masked.
         page_live = (logical < hi) & (physical >= 0)
         page = jnp.broadcast_to(jnp.where(page_live, physical, 0)[:, None, None], tile)
         k_pos = start * page_size + key_offset
         visible = jnp.broadcast_to(page_live[:, None], (pages_per_step, page_size)).reshape(keys) & (k_pos <= q_pos)
         if window is not None:
             visible &= q_pos - k_pos < window
-        k = pltriton.load(k_pages_ref.at[page, page_key, lane], mask=jnp.broadcast_to(page_live[:, None, None], tile),
-                          other=0).reshape(keys, head_dim)
-        v = pltriton.load(v_pages_ref.at[page, page_key, lane], mask=jnp.broadcast_to(visible.reshape(tile[:2])[:, :, None], tile),
-                          other=0).reshape(keys, head_dim)
+        if masked_loads:
+            k = pltriton.load(k_pages_ref.at[page, page_key, lane],
+                              mask=jnp.broadcast_to(page_live[:, None, None], tile), other=0).reshape(keys, head_dim)
+            v = pltriton.load(v_pages_ref.at[page, page_key, lane],
+                              mask=jnp.broadcast_to(visible.reshape(tile[:2])[:, :, None], tile), other=0)
+            v = v.reshape(keys, head_dim)
+        else:  # plain gathers (dead pages read page 0), invisible values zeroed after the load
+            k = k_pages_ref[page[:, 0, 0]].reshape(keys, head_dim)
+            v = v_pages_ref[page[:, 0, 0]].reshape(keys, head_dim)
+            v = jnp.where(visible[:, None], v, jnp.zeros_like(v))
         # Rounding points of the reference: fp32 dot -> q.dtype -> * scale -> q.dtype -> fp32.
         scores = lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), precision=_precision(q.dtype), preferred_element_type=jnp.float32
@@ -839,61 +852,52 @@ def _decode_split_kernel(
 
 
 def _decode_combine_kernel(
-    token_row_ref, o_ref, m_ref, l_ref, *refs, splits_per_step: int, group: int, rows: int, block_d: int,
-    attention_dtype, gated: bool,
+    token_row_ref, o_ref, m_ref, l_ref, *refs, splits_per_step: int, group: int, block_d: int, attention_dtype,
+    gated: bool,
 ):
-    """One (token, kv head, head_dim block): the weighted sum of its sequence's split partials, or
-    zeros for a token that is not a decode, written to the kv head's `group` query heads of `out_ref`
-    ([tokens, heads, d]). The partials ([batch, kv_heads, splits, group, ...], whole arrays) are read
-    as `rows` (a power of two >= group) masked rows, `splits_per_step` splits at a time (a batch-1
-    decode at 128K may have hundreds of splits: all at once would not fit in registers). `gated`:
-    `refs` starts with the gate projection and bias, and the epilogue applies the output gate
+    """One (token, query head, head_dim block): the weighted sum of its sequence's split partials
+    ([batch, kv_heads, splits, group, ...], whole arrays), or zeros for a token that is not a decode,
+    written to `out_ref[token, head, block]`. One query head per program, so that a batch-1 decode
+    still spreads the partials over heads * head_dim / block_d programs. The partials are read
+    `splits_per_step` splits at a time (all at once unless there are very many). `gated`: `refs`
+    starts with the gate projection and bias, and the epilogue applies the output gate
     (`output_gate_reference`)."""
     *gate_refs, out_ref = refs
-    token, kv_head, block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    token, head, block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kv_head, row_in_group = head // group, head % group
     num_splits = m_ref.shape[2]
     row = token_row_ref[token]
     source = jnp.maximum(row, 0)
-    heads = pl.ds(0, rows)
-    real = lax.broadcasted_iota(jnp.int32, (num_splits, rows), 1) < group
-    # Empty splits have m = _M_INIT, l = 0, o = 0; padded rows read as the same.
-    m = pltriton.load(m_ref.at[source, kv_head, :, heads], mask=real, other=_M_INIT)  # [splits, rows]
-    l = pltriton.load(l_ref.at[source, kv_head, :, heads], mask=real, other=0)
-    m_all = m.max(axis=0)
-    total = (jnp.exp(m - m_all[None]) * l).sum(axis=0)
+    # Empty splits have m = _M_INIT, l = 0, o = 0.
+    m = m_ref[source, kv_head, :, row_in_group]  # [splits]
+    l = l_ref[source, kv_head, :, row_in_group]
+    m_all = m.max()
+    total = (jnp.exp(m - m_all) * l).sum()
     lanes = pl.ds(block * block_d, block_d)
-    chunk_real = lax.broadcasted_iota(jnp.int32, (splits_per_step, rows), 1) < group
-    chunk_rows = lax.broadcasted_iota(jnp.int32, (splits_per_step, rows, block_d), 1) < group
 
     def body(step, acc):
         chunk = pl.ds(step * splits_per_step, splits_per_step)
-        m_chunk = pltriton.load(m_ref.at[source, kv_head, chunk, heads], mask=chunk_real, other=_M_INIT)
-        o_chunk = pltriton.load(o_ref.at[source, kv_head, chunk, heads, lanes], mask=chunk_rows, other=0)
-        weight = jnp.exp(m_chunk - m_all[None])  # [splits_per_step, rows]
-        return acc + (weight[:, :, None] * o_chunk).sum(axis=0)
+        weight = jnp.exp(m_ref[source, kv_head, chunk, row_in_group] - m_all)  # [splits_per_step]
+        return acc + (weight[:, None] * o_ref[source, kv_head, chunk, row_in_group, lanes]).sum(axis=0)
 
-    acc = jnp.zeros((rows, block_d), jnp.float32)
+    acc = jnp.zeros((block_d,), jnp.float32)
     acc = lax.fori_loop(0, num_splits // splits_per_step, body, acc)
     keep = (total > 0) & (row >= 0)  # a query with no visible key gets zeros
-    out = jnp.where(keep[:, None], acc / jnp.where(total > 0, total, 1.0)[:, None], 0.0)
-    out_heads = pl.ds(kv_head * group, rows)
-    head_rows = lax.broadcasted_iota(jnp.int32, (rows, block_d), 0) < group
+    out = jnp.where(keep, acc / jnp.where(total > 0, total, 1.0), 0.0)
     if gated:
         gate_ref, bias_ref = gate_refs
         gate_dtype = gate_ref.dtype
         out = _rounded(out, attention_dtype)  # where the unfused attention output is rounded
-        gate = pltriton.load(gate_ref.at[token, out_heads, lanes], mask=head_rows, other=0).astype(jnp.float32)
-        bias_rows = lax.broadcasted_iota(jnp.int32, (rows,), 0) < group
-        bias = pltriton.load(bias_ref.at[out_heads], mask=bias_rows, other=0).astype(jnp.float32)
-        out = out * _rounded(jax.nn.sigmoid(_rounded(gate + bias[:, None], gate_dtype)), gate_dtype)
-    pltriton.store(out_ref.at[token, out_heads, lanes], out.astype(out_ref.dtype), mask=head_rows)
+        gate = gate_ref[token, head, lanes].astype(jnp.float32) + bias_ref[head].astype(jnp.float32)
+        out = out * _rounded(jax.nn.sigmoid(_rounded(gate, gate_dtype)), gate_dtype)
+    out_ref[token, head, lanes] = out.astype(out_ref.dtype)
 
 
-# The combine reads at most this many partial elements per loop step (fp32; 64 registers a thread
-# at 4 warps).
-_COMBINE_CHUNK_ELEMENTS = 8192
-# ... and aims for this many programs: with few (token, kv head) pairs, head_dim is split too.
-_COMBINE_TARGET_PROGRAMS = 128
+# The combine reads at most this many partial elements per loop step (fp32; 32 registers a thread
+# at 4 warps) ...
+_COMBINE_CHUNK_ELEMENTS = 4096
+# ... and aims for this many programs: with few (token, head) pairs, head_dim is split too.
+_COMBINE_TARGET_PROGRAMS = 256
 
 
 def paged_decode_attention_kernel(
@@ -917,7 +921,7 @@ def paged_decode_attention_kernel(
     (from `decode_metadata`, once per step) to keep its few small ops out of every layer.
 
     Two Pallas calls: the split kernel, grid (sequence, kv head, split), then the combine, grid
-    (token, kv head, head_dim block). Triton needs power-of-two page_size and head_dim.
+    (token, query head, head_dim block). Triton needs power-of-two page_size and head_dim.
 
     Fused (the model's GPU path): with `query_prologue`, `queries` are the raw projections and the
     split kernel applies the norm and RoPE / SSMax to its query rows first; with `output_gate`, the
@@ -939,6 +943,7 @@ def paged_decode_attention_kernel(
     split_kernel = functools.partial(
         _decode_split_kernel, window=window, softmax_scale=scale,
         pages_per_step=blocks.pages_per_step, num_splits=splits, group=group, rows=rows, prologue_spec=prologue_spec,
+        masked_loads=blocks.masked_loads,
     )
     partial_shape = (batch, kv_heads, splits, group)
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
@@ -966,14 +971,13 @@ def paged_decode_attention_kernel(
         name=f"paged_decode_split_{splits=}_pages_per_step={blocks.pages_per_step}",
     )(metadata.row_token, seq_lens, page_table, queries, k_pages, v_pages, *prologue)
 
-    # Few (token, kv head) pairs: split head_dim too, so that many SMs read the partials.
-    combine_rows = 1 << (group - 1).bit_length()
+    # Few (token, head) pairs: split head_dim too, so that many SMs read the partials.
     block_d = blocks.combine_block_d
     if block_d is None:
-        block_d = min(head_dim, max(8, _pow2_floor(head_dim * tokens * kv_heads // _COMBINE_TARGET_PROGRAMS)))
-    splits_per_step = min(splits, _pow2_floor(_COMBINE_CHUNK_ELEMENTS // (combine_rows * block_d)))
+        block_d = min(head_dim, max(8, _pow2_floor(head_dim * tokens * heads // _COMBINE_TARGET_PROGRAMS)))
+    splits_per_step = min(splits, _pow2_floor(_COMBINE_CHUNK_ELEMENTS // block_d))
     combine = functools.partial(
-        _decode_combine_kernel, splits_per_step=splits_per_step, group=group, rows=combine_rows, block_d=block_d,
+        _decode_combine_kernel, splits_per_step=splits_per_step, group=group, block_d=block_d,
         attention_dtype=v_pages.dtype, gated=output_gate is not None,
     )
     gate, gate_specs = [], []
@@ -983,7 +987,7 @@ def paged_decode_attention_kernel(
     out_dtype = v_pages.dtype if output_gate is None else output_gate.gate.dtype
     out = pl.pallas_call(
         combine,
-        grid=(tokens, kv_heads, head_dim // block_d),
+        grid=(tokens, heads, head_dim // block_d),
         in_specs=[
             whole((tokens,)),  # token_row
             whole((*partial_shape, head_dim)),
@@ -991,8 +995,7 @@ def paged_decode_attention_kernel(
             whole(partial_shape),
             *gate_specs,
         ],
-        # The whole output: a program writes its kv head's query heads (masked rows), so no padded
-        # copy needs slicing afterwards.
+        # The whole output: a program writes its head's lanes.
         out_specs=whole((tokens, heads, head_dim)),
         out_shape=jax.ShapeDtypeStruct((tokens, heads, head_dim), out_dtype),
         compiler_params=_triton_params(4, 1),

@@ -16,8 +16,8 @@ Variants:
            --decode-configs entry (and per --sweep-configs entry at the --sweep-points). A config is
            "auto" (decode_blocks' tuned choice, what the model runs) or letters with numbers that
            override it: p pages per step, s splits, t programs per SM the split aims for, m minimum
-           steps per split, w warps, n stages (split kernel), d the combine's head_dim block; e.g.
-           "p1t2m4w4n2". The step's DecodeMetadata is built once, outside the timed loop, as the
+           steps per split, w warps, n stages (split kernel), k masked loads (1) or gathers + select
+           (0), d the combine's head_dim block; e.g. "p2t2m1w4n1k1". The step's DecodeMetadata is built once, outside the timed loop, as the
            engine builds it once per step for all layers.
   old    : with --baseline-module FILE (e.g. `git show <commit>:pallas_kernels/paged_attention.py`),
            that file's decode kernels with their own default blocks: the previous kernel, same run.
@@ -369,7 +369,7 @@ def time_loop(loop, q, page_table, rest, *, target_ms, repeats, max_iters):
 
 
 CONFIG_LETTERS = {"p": "pages_per_step", "s": "num_splits", "t": "programs_per_sm", "m": "min_steps_per_split",
-                  "w": "num_warps", "n": "num_stages", "d": "combine_block_d"}
+                  "w": "num_warps", "n": "num_stages", "k": "masked_loads", "d": "combine_block_d"}
 
 
 def parse_decode_config(spec: str) -> dict:
@@ -379,7 +379,10 @@ def parse_decode_config(spec: str) -> dict:
     parts = re.fullmatch(r"(?:[a-z]\d+)+", spec) and re.findall(r"([a-z])(\d+)", spec)
     if not parts or any(letter not in CONFIG_LETTERS for letter, _ in parts):
         raise ValueError(f"bad decode config {spec!r}: 'auto' or letters {sorted(CONFIG_LETTERS)} with numbers")
-    return {CONFIG_LETTERS[letter]: int(number) for letter, number in parts}
+    config = {CONFIG_LETTERS[letter]: int(number) for letter, number in parts}
+    if "masked_loads" in config:
+        config["masked_loads"] = bool(config["masked_loads"])
+    return config
 
 
 def make_decode_blocks(spec: str, batch, kv_heads, max_pages, page_size, window):
@@ -462,7 +465,7 @@ def run_config(ctx, batch, shape_name, kind, args, interpret, timer=None, baseli
     metadata = pa.decode_metadata(query_start, q.shape[0])
 
     specs = list(args.decode_configs)
-    sweep = shape_name == "tp8" and kind == "full" and (ctx, batch) in args.sweep_points
+    sweep = kind == "full" and (ctx, batch) in args.sweep_points
     if sweep:
         specs += [c for c in args.sweep_configs if c not in specs]
     steps = {}
@@ -492,7 +495,7 @@ def run_config(ctx, batch, shape_name, kind, args, interpret, timer=None, baseli
         steps["old"] = (old_step, None)
         for spec in args.baseline_configs if sweep else []:  # the old kernel with the new configs' blocks
             b = make_decode_blocks(spec, batch, kvh, max_pages, page_size, window)
-            old_blocks = baseline.DecodeBlocks(b.pages_per_step, b.num_splits, b.num_warps, b.num_stages)
+            old_blocks = baseline.DecodeBlocks(b.pages_per_step, b.num_splits, b.num_warps, b.num_stages)  # noqa: F841
 
             def old_config_step(qq, pt, k_pages, v_pages, query_start, seq_lens, metadata, old_blocks=old_blocks):
                 return baseline.ragged_paged_attention(
@@ -625,7 +628,7 @@ def main():
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--block-q", type=int, default=2, help="general kernel: 2 tokens x 8 padded heads = 16 rows, Triton's minimum")
     p.add_argument("--decode-configs", default="auto", help="decode kernel configs to time, comma list (see the docstring)")
-    p.add_argument("--sweep-points", default="", help="tp8 full points CTXxBATCH that also time --sweep-configs")
+    p.add_argument("--sweep-points", default="", help="full-attention points CTXxBATCH (both shapes) that also time --sweep-configs")
     p.add_argument("--sweep-configs", default="", help="more decode configs, timed at --sweep-points only")
     p.add_argument("--baseline-module", default=None, help="a paged_attention.py whose decode kernels are timed as 'old'")
     p.add_argument("--baseline-configs", default="", help="decode configs the 'old' kernel also runs with (as old-<config>)")
