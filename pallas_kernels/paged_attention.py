@@ -696,22 +696,26 @@ class DecodeBlocks:
     num_warps: int = 4  # split kernel
     num_stages: int = 2  # split kernel (Triton's software pipelining depth)
     combine_block_d: int | None = None  # head_dim lanes per combine program; None: by the token count
-    # K/V loads masked to the visible keys (nothing else is read), or plain page gathers with the
-    # invisible values zeroed after the load (Triton pipelines these better: num_stages > 1).
-    masked_loads: bool = True
 
 
 # The H200 has 132 SMs.
 DECODE_NUM_SMS = 132
-# Tuned on one H200 at head_dim 128, pages of 64 (benchmarks/attention/RESULTS.md, run 4): the split
-# kernel's settings, and how many programs per SM the context split aims for, never giving a split
-# fewer than DECODE_MIN_STEPS_PER_SPLIT loop steps (a short program is all start-up latency).
+# Tuned on one H200 at head_dim 128, pages of 64, bf16 (benchmarks/attention/RESULTS.md, runs 4 and 5:
+# device time, cold L2). Against the alternatives swept there:
+#   - one stage: Triton's software pipelining (num_stages 2 or 3) made the split kernel 40-50% slower
+#     (probably its shared-memory buffers leaving fewer programs per SM; the masked loads also
+#     pipeline worse than the previous kernel's plain gathers did);
+#   - 2 pages (128 keys) per step: 1 page was 17-26% slower at batch >= 8, 4 pages 21-23% slower;
+#   - 2 programs per SM: 4 were 1-17% slower, 1 27-42% slower;
+#   - 4 warps (8 were slower; 2 were only tried with two stages);
+#   - no minimum of steps per split (DECODE_MIN_STEPS_PER_SPLIT = 1).
+# When the whole step has no more loop steps than there are SMs (batch 1 at <= 16K, sliding windows
+# at small batch), it is latency-bound: one page per step and per split was 13-17% faster.
 DECODE_PAGES_PER_STEP = 2
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 1
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_MIN_STEPS_PER_SPLIT = 1
-DECODE_MASKED_LOADS = True
 
 
 def _pow2_floor(n: int) -> int:
@@ -722,19 +726,24 @@ def decode_blocks(
     batch: int, kv_heads: int, max_pages: int, page_size: int, window: int | None, *,
     pages_per_step: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, programs_per_sm: int | None = None, min_steps_per_split: int | None = None,
-    masked_loads: bool | None = None, num_sms: int = DECODE_NUM_SMS,
+    num_sms: int = DECODE_NUM_SMS,
 ) -> DecodeBlocks:
     """The decode kernels' block sizes for a step's static shape; any argument given overrides the
     tuned value. The context is split until batch * kv_heads * num_splits programs reach
     `programs_per_sm` per SM, but a split never gets fewer than `min_steps_per_split` steps of a
     sequence's visible pages (all of `max_pages`, or with a window at most
-    cdiv(window - 1, page_size) + 1 whatever the context, so a sliding layer's blocks are flat)."""
+    cdiv(window - 1, page_size) + 1 whatever the context, so a sliding layer's blocks are flat).
+    A latency-bound step (fewer loop steps in all than SMs) gets one page per split instead."""
+    visible_pages = max_pages if window is None else min(max_pages, -(-(window - 1) // page_size) + 1)
+    if pages_per_step is None and num_splits is None and page_size >= 64:
+        steps = batch * kv_heads * -(-visible_pages // DECODE_PAGES_PER_STEP)
+        if steps <= num_sms:
+            pages_per_step, num_splits = 1, 1 << (visible_pages - 1).bit_length()
     if pages_per_step is None:
         # Pages of fewer than 64 keys: keep about 64 keys per step.
         pages_per_step = max(1, DECODE_PAGES_PER_STEP * 64 // page_size) if page_size < 64 else DECODE_PAGES_PER_STEP
     programs_per_sm = DECODE_PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
     min_steps_per_split = DECODE_MIN_STEPS_PER_SPLIT if min_steps_per_split is None else min_steps_per_split
-    visible_pages = max_pages if window is None else min(max_pages, -(-(window - 1) // page_size) + 1)
     if num_splits is None:
         steps = -(-visible_pages // pages_per_step)
         wanted = -(-(programs_per_sm * num_sms) // (batch * kv_heads))
@@ -744,7 +753,6 @@ def decode_blocks(
     return DecodeBlocks(
         pages_per_step, num_splits, DECODE_NUM_WARPS if num_warps is None else num_warps,
         DECODE_NUM_STAGES if num_stages is None else num_stages,
-        masked_loads=DECODE_MASKED_LOADS if masked_loads is None else masked_loads,
     )
 
 
@@ -767,7 +775,6 @@ def _decode_split_kernel(
     group: int,
     rows: int,
     prologue_spec: tuple,
-    masked_loads: bool,
 ):
     *prologue_refs, o_ref, m_ref, l_ref = refs
     sequence, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -806,24 +813,18 @@ def _decode_split_kernel(
         start = lo + step * pages_per_step
         logical = start + step_page
         physical = page_row_ref[jnp.minimum(logical, max_pages - 1)]
-        # Pages past this split's end or released (-1) are not read (masked loads) or are read from
-        # page 0 and masked.
+        # Pages past this split's end or released (-1) are not read (masked loads).
         page_live = (logical < hi) & (physical >= 0)
         page = jnp.broadcast_to(jnp.where(page_live, physical, 0)[:, None, None], tile)
         k_pos = start * page_size + key_offset
         visible = jnp.broadcast_to(page_live[:, None], (pages_per_step, page_size)).reshape(keys) & (k_pos <= q_pos)
         if window is not None:
             visible &= q_pos - k_pos < window
-        if masked_loads:
-            k = pltriton.load(k_pages_ref.at[page, page_key, lane],
-                              mask=jnp.broadcast_to(page_live[:, None, None], tile), other=0).reshape(keys, head_dim)
-            v = pltriton.load(v_pages_ref.at[page, page_key, lane],
-                              mask=jnp.broadcast_to(visible.reshape(tile[:2])[:, :, None], tile), other=0)
-            v = v.reshape(keys, head_dim)
-        else:  # plain gathers (dead pages read page 0), invisible values zeroed after the load
-            k = k_pages_ref[page[:, 0, 0]].reshape(keys, head_dim)
-            v = v_pages_ref[page[:, 0, 0]].reshape(keys, head_dim)
-            v = jnp.where(visible[:, None], v, jnp.zeros_like(v))
+        k = pltriton.load(k_pages_ref.at[page, page_key, lane],
+                          mask=jnp.broadcast_to(page_live[:, None, None], tile), other=0).reshape(keys, head_dim)
+        v = pltriton.load(v_pages_ref.at[page, page_key, lane],
+                          mask=jnp.broadcast_to(visible.reshape(tile[:2])[:, :, None], tile), other=0)
+        v = v.reshape(keys, head_dim)
         # Rounding points of the reference: fp32 dot -> q.dtype -> * scale -> q.dtype -> fp32.
         scores = lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), precision=_precision(q.dtype), preferred_element_type=jnp.float32
@@ -943,7 +944,6 @@ def paged_decode_attention_kernel(
     split_kernel = functools.partial(
         _decode_split_kernel, window=window, softmax_scale=scale,
         pages_per_step=blocks.pages_per_step, num_splits=splits, group=group, rows=rows, prologue_spec=prologue_spec,
-        masked_loads=blocks.masked_loads,
     )
     partial_shape = (batch, kv_heads, splits, group)
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))

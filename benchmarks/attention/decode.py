@@ -16,8 +16,8 @@ Variants:
            --decode-configs entry (and per --sweep-configs entry at the --sweep-points). A config is
            "auto" (decode_blocks' tuned choice, what the model runs) or letters with numbers that
            override it: p pages per step, s splits, t programs per SM the split aims for, m minimum
-           steps per split, w warps, n stages (split kernel), k masked loads (1) or gathers + select
-           (0), d the combine's head_dim block; e.g. "p2t2m1w4n1k1". The step's DecodeMetadata is built once, outside the timed loop, as the
+           steps per split, w warps, n stages (split kernel), d the combine's head_dim block; e.g.
+           "p2t2m1w4n1". The step's DecodeMetadata is built once, outside the timed loop, as the
            engine builds it once per step for all layers.
   old    : with --baseline-module FILE (e.g. `git show <commit>:pallas_kernels/paged_attention.py`),
            that file's decode kernels with their own default blocks: the previous kernel, same run.
@@ -369,7 +369,7 @@ def time_loop(loop, q, page_table, rest, *, target_ms, repeats, max_iters):
 
 
 CONFIG_LETTERS = {"p": "pages_per_step", "s": "num_splits", "t": "programs_per_sm", "m": "min_steps_per_split",
-                  "w": "num_warps", "n": "num_stages", "k": "masked_loads", "d": "combine_block_d"}
+                  "w": "num_warps", "n": "num_stages", "d": "combine_block_d"}
 
 
 def parse_decode_config(spec: str) -> dict:
@@ -379,10 +379,7 @@ def parse_decode_config(spec: str) -> dict:
     parts = re.fullmatch(r"(?:[a-z]\d+)+", spec) and re.findall(r"([a-z])(\d+)", spec)
     if not parts or any(letter not in CONFIG_LETTERS for letter, _ in parts):
         raise ValueError(f"bad decode config {spec!r}: 'auto' or letters {sorted(CONFIG_LETTERS)} with numbers")
-    config = {CONFIG_LETTERS[letter]: int(number) for letter, number in parts}
-    if "masked_loads" in config:
-        config["masked_loads"] = bool(config["masked_loads"])
-    return config
+    return {CONFIG_LETTERS[letter]: int(number) for letter, number in parts}
 
 
 def make_decode_blocks(spec: str, batch, kv_heads, max_pages, page_size, window):
@@ -495,7 +492,7 @@ def run_config(ctx, batch, shape_name, kind, args, interpret, timer=None, baseli
         steps["old"] = (old_step, None)
         for spec in args.baseline_configs if sweep else []:  # the old kernel with the new configs' blocks
             b = make_decode_blocks(spec, batch, kvh, max_pages, page_size, window)
-            old_blocks = baseline.DecodeBlocks(b.pages_per_step, b.num_splits, b.num_warps, b.num_stages)  # noqa: F841
+            old_blocks = baseline.DecodeBlocks(b.pages_per_step, b.num_splits, b.num_warps, b.num_stages)
 
             def old_config_step(qq, pt, k_pages, v_pages, query_start, seq_lens, metadata, old_blocks=old_blocks):
                 return baseline.ragged_paged_attention(
