@@ -12,6 +12,8 @@ Two kernels:
   elementwise on the CUDA cores (token blocks of <= 4); batches over 64 tokens use an fp32 dot.
 - select: one token per program (one warp). It adds the partials in split order, so the result
   never depends on scheduling, and selects on a [groups, group size] tile.
+`fused=True` runs the select in the logits kernel instead: the program that finishes last for a
+token block (an atomic counter per block) selects for it, so routing is one launch.
 The selections equal the reference's on 100k random tokens (H200, benchmarks/moe/RESULTS.md).
 
 Speed (benchmarks/moe/RESULTS.md): faster than XLA for decode batches on the H200, slower for
@@ -156,11 +158,10 @@ def _logits_kernel(x_ref, w_ref, partial_ref, *, block_t, **tile):
     partial_ref[split, pl.ds(t_block * block_t, block_t), pl.ds(e_block * block_e, block_e)] = acc
 
 
-def _select_kernel(partial_ref, bias_ref, weights_ref, ids_ref, *, experts, num_groups, select):
+def _select_token(partial_ref, bias_ref, weights_ref, ids_ref, token, *, experts, num_groups, select, volatile):
     """One token: sum its partial logits (in split order), select, store."""
     from jax.experimental.pallas import triton as plgpu
 
-    token = pl.program_id(0)
     size = experts // num_groups
     shape = (_next_pow2(num_groups), _next_pow2(size))
     group, column = lax.broadcasted_iota(jnp.int32, shape, 0), lax.broadcasted_iota(jnp.int32, shape, 1)
@@ -168,12 +169,40 @@ def _select_kernel(partial_ref, bias_ref, weights_ref, ids_ref, *, experts, num_
     expert = jnp.where(valid, group * size + column, 0)
     logits = jnp.zeros(shape, jnp.float32)
     for s in range(partial_ref.shape[0]):  # fixed order: the sum does not depend on scheduling
-        logits = logits + plgpu.load(partial_ref.at[jnp.int32(s), token, expert], mask=valid, other=0.0)
+        logits = logits + plgpu.load(partial_ref.at[jnp.int32(s), token, expert], mask=valid, other=0.0,
+                                     volatile=volatile)
     bias = plgpu.load(bias_ref.at[expert], mask=valid, other=0.0)
     weights, picks = select(logits, bias, valid)
     slots = lax.iota(jnp.int32, weights.shape[0])
     plgpu.store(weights_ref.at[token, slots], weights)
     plgpu.store(ids_ref.at[token, slots], (picks // shape[1]) * size + picks % shape[1])
+
+
+def _select_kernel(partial_ref, bias_ref, weights_ref, ids_ref, **kwargs):
+    _select_token(partial_ref, bias_ref, weights_ref, ids_ref, pl.program_id(0), volatile=False, **kwargs)
+
+
+def _fused_routing_kernel(x_ref, w_ref, bias_ref, counter_in_ref, partial_ref, weights_ref, ids_ref, counter_ref,
+                          *, block_t, interpret, select_args, **tile):
+    """Partial logits, then the program that finishes last in a token block (an atomic counter says
+    which) selects for the block's tokens: one launch."""
+    del counter_in_ref  # aliased to counter_ref
+    from jax.experimental.pallas import triton as plgpu
+
+    t_block, e_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    acc = _partial_logits(x_ref, w_ref, t_block, e_block, split, block_t=block_t, **tile)
+    block_e = tile["block_e"]
+    partial_ref[split, pl.ds(t_block * block_t, block_t), pl.ds(e_block * block_e, block_e)] = acc
+    if not interpret:
+        plgpu.debug_barrier()  # every thread's partial store is ordered before the release below
+    # a scalar atomic, so it runs once per program (acq_rel: this program's stores are released)
+    finished_before = plgpu.atomic_add(counter_ref, (jnp.asarray(t_block, jnp.int32),), jnp.ones((), jnp.int32))
+
+    @pl.when(finished_before == pl.num_programs(1) * pl.num_programs(2) - 1)
+    def _select_last():
+        for row in range(block_t):  # other programs' partials: volatile loads, past the L1
+            _select_token(partial_ref, bias_ref, weights_ref, ids_ref, t_block * block_t + row, volatile=True,
+                          **select_args)
 
 
 def routing_kernel(
@@ -192,13 +221,17 @@ def routing_kernel(
     splits: int | None = None,
     target_programs: int = 256,
     num_warps: int = 4,
+    fused: bool | None = None,
     logits_only: bool = False,
     interpret: bool = False,
 ):
     """The routing kernels (see the module docstring). By default batches of up to 64 tokens take
     the CUDA-core GEMV path in token blocks of at most 4, larger ones blocks of 16 on the dot path;
     `splits` divides the hidden axis so that the logits grid has about `target_programs`
-    programs (enough to stream the 5 MB router). `logits_only` returns the kernel's fp32 logits
+    programs (enough to stream the 5 MB router). `fused` selects in the logits kernel's last program
+    of each token block instead of a second launch; by default only for one token (H200, run H:
+    6.44 against 6.91 µs; slower from 2 tokens on, where that program selects one token after the
+    other). `logits_only` returns the kernel's fp32 logits
     [tokens, experts] (for tests)."""
     from jax.experimental.pallas import triton as plgpu
 
@@ -208,6 +241,8 @@ def routing_kernel(
         raise ValueError(f"{experts} experts cannot form {num_groups} groups of at least 2")
     if not 1 <= top_k <= groups_kept * (experts // num_groups):
         raise ValueError(f"top_k={top_k} needs 1..{groups_kept * (experts // num_groups)} experts in the kept groups")
+    if fused is None:
+        fused = tokens == 1
     if block_t is None:  # H200 (benchmarks/moe/RESULTS.md): GEMV blocks of <= 4 tokens beat the dot to T = 64
         block_t = min(_next_pow2(tokens), 4) if tokens <= 64 else 16
     if block_e is None:
@@ -224,31 +259,45 @@ def routing_kernel(
     splits = pl.cdiv(k_chunks, k_chunks_per_split)
     padded_tokens, padded_experts = token_blocks * block_t, expert_blocks * block_e
 
-    partial = pl.pallas_call(
-        functools.partial(_logits_kernel, block_t=block_t, block_e=block_e, block_k=block_k,
-                          k_chunks_per_split=k_chunks_per_split),
-        grid=(token_blocks, expert_blocks, splits),
-        out_shape=jax.ShapeDtypeStruct((splits, padded_tokens, padded_experts), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
-        interpret=interpret,
-        name="beam_router_logits",
-    )(x, router_weight.astype(jnp.float32))
+    tile = dict(block_e=block_e, block_k=block_k, k_chunks_per_split=k_chunks_per_split)
+    grid = (token_blocks, expert_blocks, splits)
+    partial_shape = jax.ShapeDtypeStruct((splits, padded_tokens, padded_experts), jnp.float32)
+    logits_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
+    router_weight = router_weight.astype(jnp.float32)
+
+    def partial_logits():
+        return pl.pallas_call(
+            functools.partial(_logits_kernel, block_t=block_t, **tile), grid=grid, out_shape=partial_shape,
+            compiler_params=logits_params, interpret=interpret, name="beam_router_logits",
+        )(x, router_weight)
+
     if logits_only:
-        return partial.sum(0)[:tokens, :experts]
+        return partial_logits().sum(0)[:tokens, :experts]
     select = functools.partial(_select, groups_kept=groups_kept, top_k=top_k, normalize=normalize, scaling=scaling)
+    select_args = dict(experts=experts, num_groups=num_groups, select=select)
     padded_k = _next_pow2(top_k)
+    selection_shapes = [jax.ShapeDtypeStruct((padded_tokens, padded_k), jnp.float32),
+                        jax.ShapeDtypeStruct((padded_tokens, padded_k), jnp.int32)]
+    bias = correction_bias.astype(jnp.float32)
+    if fused:
+        _, weights, ids, _ = pl.pallas_call(
+            functools.partial(_fused_routing_kernel, block_t=block_t, interpret=interpret, select_args=select_args,
+                              **tile),
+            grid=grid, out_shape=[partial_shape, *selection_shapes, jax.ShapeDtypeStruct((token_blocks,), jnp.int32)],
+            input_output_aliases={3: 3}, compiler_params=logits_params, interpret=interpret, name="beam_routing",
+        )(x, router_weight, bias, jnp.zeros((token_blocks,), jnp.int32))
+        return weights[:tokens, :top_k], ids[:tokens, :top_k]
     # One token per program and one warp: the selection's reductions stay inside a warp (shuffles,
     # no shared-memory round trips).
     weights, ids = pl.pallas_call(
-        functools.partial(_select_kernel, experts=experts, num_groups=num_groups, select=select),
-        grid=(tokens,),
-        out_shape=[jax.ShapeDtypeStruct((tokens, padded_k), jnp.float32),
-                   jax.ShapeDtypeStruct((tokens, padded_k), jnp.int32)],
+        functools.partial(_select_kernel, **select_args),
+        grid=(padded_tokens,),
+        out_shape=selection_shapes,
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="beam_router_select",
-    )(partial, correction_bias.astype(jnp.float32))
-    return weights[:, :top_k], ids[:, :top_k]
+    )(partial_logits(), bias)
+    return weights[:tokens, :top_k], ids[:tokens, :top_k]
 
 
 # Largest batch for which `routing()` picks the kernel on a GPU (H200: faster than XLA there).

@@ -242,18 +242,20 @@ def check_routing(rows, tokens=100_000):
         want = jnp.einsum("th,eh->te", x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST)
         logit_err = float(jnp.abs(logits - want).max())
         ref_w, ref_i = jax.jit(functools.partial(rt.routing_reference, **kw_args))(x, w, b)
-        got_w, got_i = jax.jit(functools.partial(rt.routing_kernel, **kw_args))(x, w, b)
-        differ = int(jnp.any(got_i != ref_i, axis=1).sum())
-        werr = float(jnp.abs(got_w - ref_w).max())
-        rows.append(dict(kind="check_routing", inputs=name, tokens=tokens, tokens_differing=differ,
-                         max_weight_err=werr, max_logit_err=logit_err))
-        print(f"check routing {name}: {differ} of {tokens} tokens select differently; "
-              f"max|w err|={werr:.3g}; max|logit err|={logit_err:.3g}", flush=True)
-        for t in (1, 3):  # the GEMV path (the 100k tokens above take the dot path)
-            got_w, got_i = jax.jit(functools.partial(rt.routing_kernel, **kw_args))(x[:t], w, b)
-            differ = int(jnp.any(got_i != ref_i[:t], axis=1).sum())
-            rows.append(dict(kind="check_routing", inputs=name, tokens=t, tokens_differing=differ))
-            print(f"check routing {name} T={t}: {differ} of {t} tokens select differently", flush=True)
+        for fused in (False, True):
+            got_w, got_i = jax.jit(functools.partial(rt.routing_kernel, fused=fused, **kw_args))(x, w, b)
+            differ = int(jnp.any(got_i != ref_i, axis=1).sum())
+            werr = float(jnp.abs(got_w - ref_w).max())
+            rows.append(dict(kind="check_routing", inputs=name, fused=fused, tokens=tokens, tokens_differing=differ,
+                             max_weight_err=werr, max_logit_err=logit_err))
+            print(f"check routing {name} fused={fused}: {differ} of {tokens} tokens select differently; "
+                  f"max|w err|={werr:.3g}; max|logit err|={logit_err:.3g}", flush=True)
+            for t in (1, 3):  # the GEMV path (the 100k tokens above take the dot path)
+                got_w, got_i = jax.jit(functools.partial(rt.routing_kernel, fused=fused, **kw_args))(x[:t], w, b)
+                differ = int(jnp.any(got_i != ref_i[:t], axis=1).sum())
+                rows.append(dict(kind="check_routing", inputs=name, fused=fused, tokens=t, tokens_differing=differ))
+                print(f"check routing {name} fused={fused} T={t}: {differ} of {t} tokens select differently",
+                      flush=True)
 
 
 def bench_routing(token_counts, rows, *, sweep: bool, repeats=16):
@@ -266,7 +268,10 @@ def bench_routing(token_counts, rows, *, sweep: bool, repeats=16):
     for t in token_counts:
         if past_deadline():
             continue
-        variants = {"pallas": rt.routing_kernel, "xla": rt.routing_reference}
+        variants = {"pallas": rt.routing_kernel, "xla": rt.routing_reference,
+                    "pallas_two_kernels": functools.partial(rt.routing_kernel, fused=False),
+                    **{f"pallas_fused[w{w}]": functools.partial(rt.routing_kernel, fused=True, num_warps=w)
+                       for w in (1, 2, 4)}}
         if sweep:  # tiles of the logits kernel (token block, expert block, programs, K splits)
             tilings = ([(1, 1, 256, 1), (1, 2, 128, 1), (1, 4, 64, 1), (1, 4, 256, None), (1, 8, 256, None),
                         (1, 8, 512, None), (1, 16, 256, None)] if t == 1 else

@@ -40,11 +40,12 @@ def _check(x, w, b, *, tiles=None, **kwargs):
     np.testing.assert_allclose(np.asarray(got_w), np.asarray(want_w), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["two_kernels", "fused"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_selection_equals_reference(shape):
+def test_selection_equals_reference(shape, fused):
     tokens, hidden, experts, groups, kept, top_k = shape
     x, w, b = _inputs(sum(shape), tokens, hidden, experts)
-    _check(x, w, b, num_groups=groups, groups_kept=kept, top_k=top_k, scaling=2.5)
+    _check(x, w, b, tiles=dict(fused=fused), num_groups=groups, groups_kept=kept, top_k=top_k, scaling=2.5)
 
 
 @pytest.mark.parametrize("tiles", [dict(block_t=1, block_k=32, splits=3), dict(block_t=1, block_e=1, splits=1),
@@ -89,8 +90,9 @@ def test_bad_grouping_is_rejected():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["two_kernels", "fused"])
 @pytest.mark.parametrize("inputs", ["exact_grid", "random"])
-def test_100k_tokens_select_bit_for_bit(inputs):
+def test_100k_tokens_select_bit_for_bit(inputs, fused):
     """Beam's routing shape. On the exact grid every logit is exact in fp32 whatever the summation
     order, so any difference is a selection bug; plain random inputs agreed too when measured."""
     kx, kw, kb = jax.random.split(jax.random.key(7), 3)
@@ -103,7 +105,7 @@ def test_100k_tokens_select_bit_for_bit(inputs):
         x = jax.random.normal(kx, (tokens, hidden), jnp.float32).astype(jnp.bfloat16)
         w = jax.random.normal(kw, (experts, hidden), jnp.float32) * 0.02
         b = jax.random.normal(kb, (experts,), jnp.float32) * 0.1
-    _check(x, w, b, num_groups=8, groups_kept=4, top_k=8, scaling=2.5)
+    _check(x, w, b, tiles=dict(fused=fused), num_groups=8, groups_kept=4, top_k=8, scaling=2.5)
 
 
 @pytest.mark.parametrize(("backend", "tokens", "kernel"), [("gpu", 1, True), ("gpu", rt.KERNEL_MAX_TOKENS, True),
