@@ -12,8 +12,8 @@ Two kernels:
   elementwise on the CUDA cores (token blocks of <= 4); batches over 64 tokens use an fp32 dot.
 - select: one token per program (one warp). It adds the partials in split order, so the result
   never depends on scheduling, and selects on a [groups, group size] tile.
-`fused=True` runs the select in the logits kernel instead: the program that finishes last for a
-token block (an atomic counter per block) selects for it, so routing is one launch.
+`fused=True` (the default for one token) runs the select in the logits kernel instead: the program
+that finishes last for a token block (an atomic counter per block) selects for it, one launch.
 The selections equal the reference's on 100k random tokens (H200, benchmarks/moe/RESULTS.md).
 
 Speed (benchmarks/moe/RESULTS.md): faster than XLA for decode batches on the H200, slower for
