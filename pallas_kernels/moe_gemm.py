@@ -261,8 +261,6 @@ class _Operand:
     num_arrays: int
     # NVFP4 only: "per_value", "packed" (PTX), or "packed_emulated" (the same values in plain jnp).
     decode: str = "per_value"
-    # accumulate acc^T = w @ x^T: the weight tile is the MMA's first operand (see MoEBlocks.swap_ab)
-    swap_ab: bool = False
 
     @classmethod
     def of(cls, w: ExpertWeights) -> _Operand:
@@ -354,12 +352,7 @@ def _accumulate_packed_nvfp4(acc, x_ref, token_rows, row_ok, op: _Operand, refs,
     cols = chunk * block_k + lax.iota(jnp.int32, half)
     x_even = plgpu.load(x_ref.at[token_rows[:, None], cols[None, :]], mask=row_ok[:, None], other=0)
     x_odd = plgpu.load(x_ref.at[token_rows[:, None], half + cols[None, :]], mask=row_ok[:, None], other=0)
-    return acc + _product(x_even, low.astype(dtype), op, dtype) + _product(x_odd, high.astype(dtype), op, dtype)
-
-
-def _product(x, w, op: _Operand, dtype):
-    """x @ w^T, or its transpose (w @ x^T) when the operand swaps the MMA's inputs."""
-    return _dot(w, x, dtype) if op.swap_ab else _dot(x, w, dtype)
+    return acc + _dot(x_even, low.astype(dtype), dtype) + _dot(x_odd, high.astype(dtype), dtype)
 
 
 def _accumulate(acc, x_ref, token_rows, row_ok, op: _Operand, refs, expert, n_idx, n_ok, chunk, block_k: int):
@@ -400,11 +393,11 @@ def _accumulate(acc, x_ref, token_rows, row_ok, op: _Operand, refs, expert, n_id
         scale = zero_scale_tail(scale.astype(jnp.float32) * _FP16_E2M1_FACTOR)
         low = (_e2m1_as_fp16(packed & 0x0F).astype(jnp.float32) * scale).astype(dtype)
         high = (_e2m1_as_fp16(packed >> 4).astype(jnp.float32) * scale).astype(dtype)
-        return acc + _product(load_x(even), low, op, dtype) + _product(load_x(even + 1), high, op, dtype)
+        return acc + _dot(load_x(even), low, dtype) + _dot(load_x(even + 1), high, dtype)
 
     cols = chunk * block_k + lax.iota(jnp.int32, block_k)
     zero_tail, w = load_w(refs[0], cols, k_total)
-    return acc + _product(load_x(cols), zero_tail(w.astype(dtype)), op, dtype)
+    return acc + _dot(load_x(cols), zero_tail(w.astype(dtype)), dtype)
 
 
 def _output_scale(acc, op: _Operand, refs, expert, n_idx, n_ok):
@@ -422,11 +415,9 @@ def _output_scale(acc, op: _Operand, refs, expert, n_idx, n_ok):
 
 
 def _project(x_ref, token_rows, row_ok, op, refs, expert, n_idx, n_ok, chunks, block_k, block_m):
-    shape = (n_idx.shape[0], block_m) if op.swap_ab else (block_m, n_idx.shape[0])
+    acc = jnp.zeros((block_m, n_idx.shape[0]), jnp.float32)
     body = lambda chunk, acc: _accumulate(acc, x_ref, token_rows, row_ok, op, refs, expert, n_idx, n_ok, chunk, block_k)
-    acc = lax.fori_loop(chunks[0], chunks[1], body, jnp.zeros(shape, jnp.float32))
-    if op.swap_ab:
-        acc = acc.T
+    acc = lax.fori_loop(chunks[0], chunks[1], body, acc)
     return _output_scale(acc, op, refs, expert, n_idx, n_ok)
 
 
@@ -511,9 +502,6 @@ class MoEBlocks:
     num_warps: int = 4
     num_stages: int = 3
     nvfp4_decode: Nvfp4Decode = "per_value"  # ignored by the other formats
-    # Weights as the MMA's first operand (acc^T = w @ x^T): for few pairs per block the weight
-    # tile fills the MMA's 64-row side and the padded pair rows its narrow side.
-    swap_ab: bool = False
 
 
 # Largest batch whose blocks are found in the kernel from `ids`: each of the programs scans all
@@ -610,7 +598,7 @@ def moe_gemm_kernel(
             if n * k // 2 < 4 * threads:
                 raise ValueError(f"packed NVFP4 decode needs weight tiles of >= {4 * threads} bytes, got {n}x{k // 2}")
     decode = ("packed_emulated" if interpret else "packed") if packed else "per_value"
-    operand = lambda w: dataclasses.replace(_Operand.of(w), decode=decode, swap_ab=blocks.swap_ab)
+    operand = lambda w: dataclasses.replace(_Operand.of(w), decode=decode)
     flat_ids = ids.reshape(-1).astype(jnp.int32)
     if blocks.source == "ids":
         meta = (flat_ids,)
