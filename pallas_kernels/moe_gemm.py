@@ -161,14 +161,19 @@ def moe_gemm_reference(
     gate: ExpertWeights,
     up: ExpertWeights,
     down: ExpertWeights,
+    *,
+    expert_offset: int | Int[Array, ""] | None = None,
 ) -> Float[Array, "tokens hidden"]:
-    """Plain jnp: each (token, expert) pair gathers its expert's dequantized weights."""
+    """Plain jnp: each (token, expert) pair gathers its expert's dequantized weights. With
+    `expert_offset`, the weights are one device's experts `expert_offset ..` (expert parallelism)
+    and pairs routed to other experts count zero."""
     dtype = x.dtype
     precision = lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
     tokens, top_k = ids.shape
+    local_ids, local = _local_pairs(ids, expert_offset, gate.values.shape[0])
     g, u, d = gate.dequantize(dtype), up.dequantize(dtype), down.dequantize(dtype)
     pair_x = jnp.repeat(x, top_k, axis=0)
-    pair_ids = ids.reshape(-1)
+    pair_ids = jnp.where(local, local_ids, 0).reshape(-1)
 
     def project(w, inputs):
         return jnp.einsum("pk,pnk->pn", inputs, w[pair_ids], precision=precision,
@@ -176,7 +181,24 @@ def moe_gemm_reference(
 
     act = _swiglu(project(g, pair_x), project(u, pair_x)).astype(dtype)
     out = project(d, act).astype(jnp.float32) * weights.reshape(-1, 1)
-    return out.astype(dtype).astype(jnp.float32).reshape(tokens, top_k, -1).sum(1).astype(dtype)
+    return _add_token_pairs(out.astype(dtype), local, tokens)
+
+
+def _local_pairs(ids: Int[Array, "tokens k"], expert_offset, num_experts: int):
+    """(ids relative to the local experts, with `num_experts` for other devices' pairs; whether each
+    pair is local). Without an offset every pair is local."""
+    if expert_offset is None:
+        return ids.astype(jnp.int32), jnp.ones(ids.shape, bool)
+    local_ids = ids.astype(jnp.int32) - expert_offset
+    local = (local_ids >= 0) & (local_ids < num_experts)
+    return jnp.where(local, local_ids, num_experts), local
+
+
+def _add_token_pairs(pair_out: Float[Array, "pairs hidden"], local: Array, tokens: int) -> Float[Array, "tokens hidden"]:
+    """A token's pair outputs added in fp32 and rounded once; other devices' pairs (never computed
+    here, so their rows hold anything) count zero."""
+    summed = jnp.where(local[:, :, None], pair_out.reshape(tokens, local.shape[1], -1).astype(jnp.float32), 0.0)
+    return summed.sum(1).astype(pair_out.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -203,7 +225,10 @@ def _block_from_ids(ids_ref, slot, *, num_experts: int, block_m: int):
 
         ids = plgpu.load(ids_ref.at[pair_iota], mask=pair_iota < pairs, other=num_experts)
     expert_iota = lax.iota(jnp.int32, padded_experts)
+    # ids == num_experts (padding lanes, other devices' pairs) match no expert, also when E is not a power of 2
     present = jnp.max((ids[:, None] == expert_iota[None, :]).astype(jnp.int32), axis=0)
+    if padded_experts != num_experts:
+        present = jnp.where(expert_iota < num_experts, present, 0)
     rank = jnp.cumsum(present) - 1
     expert = jnp.sum(jnp.where((present > 0) & (rank == slot), expert_iota, 0))
     expert = jnp.where(slot < jnp.sum(present), expert, -1)
@@ -221,8 +246,8 @@ def _block_from_table(block_expert_ref, block_rows_ref, block, pairs: int):
 
 
 def sorted_blocks(ids: Int[Array, "tokens k"], num_experts: int, block_m: int):
-    """Pairs sorted by expert and cut into blocks of `block_m` rows of one expert (XLA).
-    Returns block_expert [B] (-1: unused block) and block_rows [B, block_m] (pair index, -1: pad);
+    """Pairs sorted by expert and cut into blocks of `block_m` rows of one expert (XLA); ids equal
+    to `num_experts` (other devices' pairs) are left out. Returns block_expert [B] (-1: unused block) and block_rows [B, block_m] (pair index, -1: pad);
     B = a static bound on the number of blocks."""
     flat = ids.reshape(-1)
     pairs = flat.shape[0]
@@ -568,10 +593,12 @@ def moe_gemm_kernel(
     up: ExpertWeights,
     down: ExpertWeights,
     *,
+    expert_offset: int | Int[Array, ""] | None = None,
     blocks: MoEBlocks | None = None,
     interpret: bool = False,
 ) -> Float[Array, "tokens hidden"]:
-    """The two Pallas kernels (see the module docstring)."""
+    """The two Pallas kernels (see the module docstring). `expert_offset`: as in the reference, the
+    weights hold experts `expert_offset ..` only and other pairs count zero; they form no block."""
     from jax.experimental.pallas import triton as plgpu
 
     tokens, hidden = x.shape
@@ -599,7 +626,8 @@ def moe_gemm_kernel(
                 raise ValueError(f"packed NVFP4 decode needs weight tiles of >= {4 * threads} bytes, got {n}x{k // 2}")
     decode = ("packed_emulated" if interpret else "packed") if packed else "per_value"
     operand = lambda w: dataclasses.replace(_Operand.of(w), decode=decode)
-    flat_ids = ids.reshape(-1).astype(jnp.int32)
+    local_ids, local = _local_pairs(ids, expert_offset, num_experts)
+    flat_ids = local_ids.reshape(-1)
     if blocks.source == "ids":
         meta = (flat_ids,)
         grid0 = min(num_experts, pairs)
@@ -645,7 +673,7 @@ def moe_gemm_kernel(
         interpret=interpret,
         name="moe_down",
     )(*meta, act, weights.reshape(-1).astype(jnp.float32), *down.arrays())
-    return out.astype(jnp.float32).reshape(tokens, top_k, hidden).sum(1).astype(x.dtype)
+    return _add_token_pairs(out, local, tokens)
 
 
 def moe_gemm(
@@ -656,13 +684,16 @@ def moe_gemm(
     up: ExpertWeights,
     down: ExpertWeights,
     *,
+    expert_offset: int | Int[Array, ""] | None = None,
     use_kernel: bool | None = None,
     blocks: MoEBlocks | None = None,
     interpret: bool = False,
 ) -> Float[Array, "tokens hidden"]:
-    """Routed experts: the Pallas kernels on GPU (or `interpret=True`), the reference elsewhere."""
+    """Routed experts: the Pallas kernels on GPU (or `interpret=True`), the reference elsewhere.
+    `expert_offset`: the weights are one device's experts from that index on (expert parallelism)."""
     if use_kernel is None:
         use_kernel = jax.default_backend() == "gpu" or interpret
     if use_kernel:
-        return moe_gemm_kernel(x, weights, ids, gate, up, down, blocks=blocks, interpret=interpret)
-    return moe_gemm_reference(x, weights, ids, gate, up, down)
+        return moe_gemm_kernel(x, weights, ids, gate, up, down, expert_offset=expert_offset, blocks=blocks,
+                               interpret=interpret)
+    return moe_gemm_reference(x, weights, ids, gate, up, down, expert_offset=expert_offset)

@@ -10,6 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from beam_jax.config import BeamConfig
@@ -112,16 +113,16 @@ class Router(nnx.Module):
         self.normalize = config.norm_topk_prob
 
     def __call__(self, x: Float[Array, "tokens hidden"]):
-        return route(
-            x,
-            self.weight[...],
-            self.e_score_correction_bias[...],
-            num_groups=self.num_groups,
-            groups_kept=self.groups_kept,
-            top_k=self.top_k,
-            normalize=self.normalize,
-            use_kernel=False if mesh_shards_experts() else None,  # the kernel is not partitioned
+        route_here = functools.partial(
+            route, num_groups=self.num_groups, groups_kept=self.groups_kept, top_k=self.top_k, normalize=self.normalize
         )
+        args = (x, self.weight[...], self.e_score_correction_bias[...])
+        if mesh_shards_experts():
+            # Inputs and router are replicated: every device routes every token itself (the GPU's
+            # kernel is a pallas_call, which XLA does not partition). check_vma=False: pallas_call
+            # outputs carry no varying-axes annotation.
+            return jax.shard_map(route_here, in_specs=(P(), P(), P()), out_specs=(P(), P()), check_vma=False)(*args)
+        return route_here(*args)
 
 
 class Experts(nnx.Module):
@@ -188,14 +189,16 @@ def compute_experts(
     expert_offset: int | Int[Array, ""] | None = None,
 ) -> Float[Array, "tokens hidden"]:
     """The experts' output from their parameter arrays (`Experts.arrays()`, or one device's slices
-    of them, holding experts from `expert_offset` on). The GPU runs the Pallas kernels when every
-    expert is local; otherwise (and on CPU) the plain-jnp reference, dequantizing packed weights."""
+    of them, holding experts from `expert_offset` on). The GPU runs the Pallas kernels (pairs routed
+    to other devices' experts form no block there); the CPU the plain-jnp reference, dequantizing
+    packed weights."""
     if _DENSE_EXPERTS.get():
         if expert_format != "bf16" or expert_offset is not None:
             raise ValueError("training (dense experts) needs unquantized experts on one device")
         return experts_dense(x, weights, indices, _fused_gate_up(arrays["gate_up_proj"]), arrays["down_proj"])
-    if expert_offset is None and jax.default_backend() == "gpu":
-        return moe_gemm(x, weights, indices, *expert_weights(arrays, expert_format), use_kernel=True)
+    if jax.default_backend() == "gpu":
+        return moe_gemm(x, weights, indices, *expert_weights(arrays, expert_format), expert_offset=expert_offset,
+                        use_kernel=True)
     if expert_format == "bf16":
         gate_up, down = _fused_gate_up(arrays["gate_up_proj"]), arrays["down_proj"]
     else:

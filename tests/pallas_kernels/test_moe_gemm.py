@@ -4,12 +4,14 @@ code (negative zero included), scales are random, ids leave experts empty."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 from pallas_kernels import moe_gemm as mg
 
@@ -94,6 +96,61 @@ def test_sorted_blocks_cover_every_pair_once():
         real = block[block >= 0]
         assert (expert < 0) == (real.size == 0)
         assert np.all(flat[real] == expert)
+
+
+def share_of_experts(w: mg.ExpertWeights, start: int, stop: int) -> mg.ExpertWeights:
+    """Experts start..stop of every array (one device's share under expert parallelism)."""
+    scale = w.scale[start:stop] if w.scale is not None else None
+    global_scale = w.global_scale[start:stop] if w.global_scale is not None else None
+    return dataclasses.replace(w, values=w.values[start:stop], scale=scale, global_scale=global_scale)
+
+
+EP_CASES = {  # (tokens, experts, shares, blocks): 12 experts in shares of 6 or 4, not powers of two
+    "ids_two_shares": (5, 12, 2, mg.MoEBlocks("ids", 16, 32, 32, 1, 32, 32)),
+    "ids_split_k_three_shares": (3, 12, 3, mg.MoEBlocks("ids", 16, 16, 32, 2, 32, 32)),
+    "sorted_three_shares": (21, 12, 3, mg.MoEBlocks("sorted", 16, 32, 32, 1, 32, 32)),
+}
+
+
+@pytest.mark.parametrize(("case", "fmt"), [("ids_two_shares", fmt) for fmt in FORMATS]
+                         + [("ids_split_k_three_shares", "bf16"), ("sorted_three_shares", "bf16"),
+                            ("sorted_three_shares", "nvfp4")])
+def test_expert_parallel_shares(case, fmt):
+    """Each device's share of the experts (`expert_offset`): the kernel equals the reference on it,
+    pairs of other shares count zero, and the shares add up to the whole layer."""
+    tokens, experts, shares, blocks = EP_CASES[case]
+    x, weights, ids, gate, up, down = random_problem(len(case) + len(fmt), tokens, 64, 32, experts, 3, fmt)
+    # the first token's experts all in the first share, the last token's all in the last one
+    ids = ids.at[0].set(jnp.arange(3)).at[-1].set(experts - 1 - jnp.arange(3))
+    size = experts // shares
+    total = np.zeros((tokens, 64), np.float32)
+    for offset in range(0, experts, size):
+        local = [share_of_experts(w, offset, offset + size) for w in (gate, up, down)]
+        problem = (x, weights, ids, *local)
+        want = np.asarray(jax.jit(functools.partial(mg.moe_gemm_reference, expert_offset=offset))(*problem), np.float32)
+        kernel = functools.partial(mg.moe_gemm_kernel, expert_offset=offset, blocks=blocks, interpret=not ON_GPU)
+        got = np.asarray(jax.jit(kernel)(*problem), np.float32)
+        np.testing.assert_allclose(got, want, rtol=0, atol=4 * 2.0**-7 * np.abs(want).max())
+        no_local_pair = ~np.isin(np.asarray(ids), np.arange(offset, offset + size)).any(1)
+        assert no_local_pair.any() and np.all(got[no_local_pair] == 0)  # tokens with no pair here
+        total += got
+    whole = np.asarray(jax.jit(mg.moe_gemm_reference)(x, weights, ids, gate, up, down), np.float32)
+    np.testing.assert_allclose(total, whole, rtol=0, atol=shares * 4 * 2.0**-7 * np.abs(whole).max())
+
+
+def test_ids_source_skips_padding_when_experts_are_not_a_power_of_two():
+    """15 pairs padded to 16 lanes (filled with the "no expert" id 12) over 12 experts padded to
+    16: the padding must not become a 12th used expert (a block reading past the weights)."""
+    ids = jnp.asarray(np.array([[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 0], [1, 2, 3]]), jnp.int32).reshape(-1)
+    num_experts, slots = 12, 12
+
+    def kernel(ids_ref, out_ref):
+        expert, _, _ = mg._block_from_ids(ids_ref, pl.program_id(0), num_experts=num_experts, block_m=16)
+        out_ref[pl.program_id(0)] = expert
+
+    experts = pl.pallas_call(kernel, grid=(slots,), out_shape=jax.ShapeDtypeStruct((slots,), jnp.int32),
+                             interpret=True)(ids)
+    np.testing.assert_array_equal(np.asarray(experts), list(range(11)) + [-1])
 
 
 def test_ids_source_needs_every_pair_in_one_block():
