@@ -27,9 +27,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from beam_jax.config import BeamConfig
+from beam_jax.sharding import attention_head_axes
 from pallas_kernels.paged_attention import (
     DecodeMetadata,
     HeadPrologue,
@@ -142,7 +144,28 @@ class PagedKVCache:
     ) -> tuple[Float[Array, "tokens heads d"], PagedKVCache]:
         """Write this step's K/V of `layer` into its rows of the pages, then ragged paged attention.
         With `query_prologue` / `key_prologue`, `q` / `k` are raw projections that these normalize
-        and rotate / scale; with `output_gate` the output comes gated (see `fuses_attention`)."""
+        and rotate / scale; with `output_gate` the output comes gated (see `fuses_attention`).
+        On a mesh the kernels run per device over its own heads (`shard_map`; plain jnp is
+        partitioned by XLA)."""
+        args = (q, k, v, query_prologue, key_prologue, output_gate)
+        attend = functools.partial(PagedKVCache._attend_here, layer=layer, window=window)
+        if not self.use_kernel or jax.sharding.get_abstract_mesh().empty:
+            return attend(self, *args)
+        axes = attention_head_axes(q.shape[1], k.shape[1])
+        if axes is None:
+            raise ValueError(
+                f"the attention kernels need the {q.shape[1]} query heads and {k.shape[1]} KV heads split alike "
+                "on the mesh; use the plain-jnp path (use_kernel=False) for this mesh"
+            )
+        heads, pages = P(None, axes, None), P(None, None, axes, None)
+        cache = dataclasses.replace(self, k_pages=pages, v_pages=pages, batch=P())
+        gate = None if output_gate is None else OutputGate(heads, P(axes))
+        # check_vma=False: pallas_call outputs carry no varying-axes annotation
+        return jax.shard_map(attend, in_specs=(cache, heads, heads, heads, P(), P(), gate), out_specs=(heads, cache),
+                             check_vma=False)(self, *args)
+
+    def _attend_here(self, q, k, v, query_prologue, key_prologue, output_gate, *, layer: int, window: int | None):
+        """`attend` on the arrays as they are here (one device's heads under `shard_map`)."""
         batch = self._step_batch()
         written = self.write(layer, k, v, key_prologue=key_prologue)
         out = ragged_paged_attention(

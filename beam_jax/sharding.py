@@ -183,6 +183,18 @@ def kv_cache_spec(config: BeamConfig, mesh) -> P:
     return P(None, None, _split(config.num_key_value_heads, mesh), None)
 
 
+def attention_head_axes(num_heads: int, num_kv_heads: int, mesh=None) -> tuple[str, ...] | None:
+    """The mesh axes that split the query heads and the KV heads alike (`mesh`, default the one
+    set), so that each device attends with its own query heads over its own KV heads: the attention
+    kernels then run per device under `shard_map` (`PagedKVCache.attend`). None without a mesh, or
+    when the heads split differently (e.g. KV heads replicated): there attention stays in plain jnp."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if mesh.empty or not set(AXES) <= set(mesh.axis_names):
+        return None
+    axes = _split(num_heads, mesh)
+    return axes if axes is not None and axes == _split(num_kv_heads, mesh) else None
+
+
 def mesh_layout(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape a parameter has on the mesh: the fused bf16 `gate_up_proj [E, 2I, H]` becomes
     `[E, 2, I, H]` (gate rows, then up rows: a reshape, no data moves); every other is unchanged."""
@@ -290,16 +302,14 @@ def experts_on_mesh(
     all-reduce) and its own experts' slices of the weights: under EP the experts
     `offset .. offset + E/ep` (pairs routed elsewhere count zero), under TP a 1/tp slice of every
     expert's intermediate dim (SwiGLU is elementwise over it, and down_proj's contraction over it
-    is completed by the psum). `expert_offset=None` when ep == 1 (every expert is local), which
-    lets the GPU use the grouped-GEMM kernel on the local slices.
+    is completed by the psum). `expert_offset=None` when ep == 1 (every expert is local).
 
     Efficiency: the psum is one all-reduce of `[tokens, hidden]` per MoE layer (the blog's combine
     within one NVLink domain), summed in fp32 (twice the bytes of bf16, one rounding); every device
     sorts all the step's pairs, and under EP the pairs of other devices' experts still pass through
     the local sort. Dispatching tokens to their experts' devices (all-to-all) would avoid both at
-    large batch. The GPU kernel would need a mask for other devices' pairs (its "ids" path assumes
-    a token's pairs name distinct experts), so under EP the experts run the plain-jnp reference
-    (dequantized per layer) for now; under TP alone they run the kernel."""
+    large batch. On the GPU the grouped-GEMM kernel runs on the local experts, under TP and EP alike
+    (other devices' pairs form no block and count zero)."""
     mesh = jax.sharding.get_abstract_mesh()
     ep, _ = _sizes(mesh)
     arrays = {name: a.reshape(mesh_layout("mlp.experts." + name, a.shape)) for name, a in arrays.items()}

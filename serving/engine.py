@@ -60,7 +60,7 @@ class EngineConfig:
     quantization: str | None = None
     # The attention path, `pallas_kernels.paged_attention.ragged_paged_attention`'s `use_kernel`: False
     # (plain jnp), "decode" (decode tokens on the split decode kernel), True (all kernels). None: the
-    # backend's default (`default_use_kernel`: "decode" on GPU, plain jnp on CPU; plain jnp on a mesh).
+    # backend's default (`default_use_kernel`: "decode" on GPU, plain jnp on CPU; on a mesh as `ModelRunner` says).
     attention_kernel: bool | str | None = None
     # Speculative decoding (serving/speculative_step.py): "dflash" with a DFlash / DFlash2 drafter
     # checkpoint (`draft_model`, a directory or a shipped name) verifying `num_speculative_tokens`

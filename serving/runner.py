@@ -28,7 +28,7 @@ from beam_jax.config import BeamConfig
 from beam_jax.drafter import DrafterConfig
 from beam_jax.model import Params, forward
 from beam_jax.paged_cache import PagedBatch, PagedKVCache
-from beam_jax.sharding import constrain_cache, replicate, shard_params, sharded_cache
+from beam_jax.sharding import attention_head_axes, constrain_cache, replicate, shard_params, sharded_cache
 from serving.kv_cache import KVPool
 from serving.sampling import MAX_LOGPROBS, PENALTY_WIDTH_MIN, SamplerOutput, SamplingBatch, bucket, sample
 from serving.scheduler import ScheduledRequest
@@ -72,7 +72,8 @@ class ModelRunner:
         """With a `mesh` (beam_jax.sharding.make_mesh), the parameters and the KV pages are split
         over it and the step runs as one SPMD program on all its devices (of every process).
         `attention_kernel`: the attention path (`ragged_paged_attention`'s `use_kernel`); None: the
-        backend's default on one device, plain jnp on a mesh.
+        backend's default, also on a mesh whose devices each hold their own query and KV heads
+        (`beam_jax.sharding.attention_head_axes`), else plain jnp.
         `drafter` (its config and parameters): every step is the speculative program
         (serving/speculative_step.py) with `num_speculative_tokens` drafts per block (default: the
         drafter's block size - 1); the pool must have the drafter's layers (`D{j}` labels)."""
@@ -98,8 +99,11 @@ class ModelRunner:
         self.penalty_widths = tuple(sorted({PENALTY_WIDTH_MIN, widest}))
 
         # The attention path by default: the backend's (the decode kernel on GPU, plain jnp on CPU). On a
-        # mesh plain jnp: GSPMD does not split a pallas_call by KV head (that needs a shard_map).
-        use_kernel = attention_kernel if attention_kernel is not None else (None if mesh is None else False)
+        # mesh the kernels run per device under shard_map when query and KV heads split alike; else plain jnp.
+        use_kernel = attention_kernel
+        if use_kernel is None and mesh is not None:
+            heads_split = attention_head_axes(config.num_attention_heads, config.num_key_value_heads, mesh)
+            use_kernel = None if heads_split is not None else False
 
         def create_cache():
             return PagedKVCache.create(

@@ -47,16 +47,18 @@ def prompts(config, seed: int = 1) -> list[list[int]]:
     return [rng.integers(7, config.vocab_size, n).tolist() for n in PROMPT_LENGTHS]
 
 
-def engine_greedy(config, model, tp: int, ep: int, max_tokens: int = 8) -> list[list[int]]:
+def engine_greedy(config, model, tp: int, ep: int, max_tokens: int = 8, attention_kernel=None) -> list[list[int]]:
     """Greedy outputs of the serving engine (chunked prefill over the paged cache, then decode) for
-    `model`: params (fp32), or a checkpoint directory (then the engine loads it onto its mesh)."""
+    `model`: params (fp32), or a checkpoint directory (then the engine loads it onto its mesh).
+    `attention_kernel`: the engine's attention path (the kernels run in interpret mode on CPU)."""
     from beam_jax.api import Beam
     from beam_jax.tokenizer import load_tokenizer
     from serving.engine import LLM
     from serving.sampling import SamplingParams
 
     model = model if isinstance(model, str) else Beam(config, model, load_tokenizer())
-    llm = LLM(model, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, tp=tp, ep=ep, dtype="float32")
+    llm = LLM(model, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, tp=tp, ep=ep, dtype="float32",
+              attention_kernel=attention_kernel)
     outs = llm.generate(prompts(config), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     return [o.outputs[0].token_ids for o in outs]
 
@@ -93,6 +95,14 @@ def check_equivalence(expert_format: str) -> dict:
             "tokens": engine_greedy(config, params, tp, ep),
         }
     return results
+
+
+def check_attention_kernels() -> dict:
+    """The engine's greedy tokens with the decode attention kernel (and its fused prologues and
+    gate) running per device on the mesh, against one device on plain jnp."""
+    config, params = model("bf16")
+    return {"one_device_plain": engine_greedy(config, params, 1, 1, attention_kernel=False),
+            "tp2xep4": engine_greedy(config, params, *LAYOUTS["tp2xep4"], attention_kernel="decode")}
 
 
 LOADING_CASES = {"bf16": ("bf16", "per_expert"), "bf16_fused": ("bf16", "fused"), "nvfp4": ("nvfp4", "per_expert")}
@@ -183,7 +193,7 @@ def check_two_processes(coordinator: str, process_id: str, directory: str, tp: s
     }
 
 
-CHECKS = {"equivalence": check_equivalence, "loading": check_loading, "two_processes": check_two_processes}
+CHECKS = {"equivalence": check_equivalence, "attention_kernels": check_attention_kernels, "loading": check_loading, "two_processes": check_two_processes}
 
 if __name__ == "__main__":
     check, *args = sys.argv[1:]

@@ -219,6 +219,24 @@ def test_layouts_give_the_same_logits_and_greedy_tokens(expert_format):
         assert result["tokens"] == want, layout
 
 
+def test_attention_kernels_run_per_device_on_the_mesh():
+    """The decode attention kernel, its fused q/k prologues and output gate, and the K/V write
+    kernel, each device over its own heads (shard_map), give one device's greedy tokens (plain jnp)
+    under TP2xEP4, whose attention splits the heads 8 ways as TP8 does (fp32, kernels in interpret
+    mode)."""
+    results = run_worker("attention_kernels")
+    assert results["tp2xep4"] == results["one_device_plain"]
+
+
+def test_attention_kernels_need_heads_split_alike():
+    """The kernels' mesh path needs each device's query heads next to their KV heads."""
+    mesh = abstract_mesh(tp=8, ep=1)
+    assert sharding.attention_head_axes(16, 8, mesh) == sharding.AXES
+    assert sharding.attention_head_axes(16, 2, mesh) is None  # KV heads replicated
+    assert sharding.attention_head_axes(4, 2, abstract_mesh(tp=2, ep=4)) == (sharding.TP,)
+    assert sharding.attention_head_axes(16, 8, AbstractMesh((), ())) is None
+
+
 def test_sharded_loading_reads_only_each_devices_block(tmp_path):
     """Loaded onto TP2xEP4, every parameter equals the plain load and sits where its spec says;
     no read allocates more than its block (plus Python's constant overhead), and an expert block
