@@ -247,8 +247,9 @@ def _block_from_table(block_expert_ref, block_rows_ref, block, pairs: int):
 
 def sorted_blocks(ids: Int[Array, "tokens k"], num_experts: int, block_m: int):
     """Pairs sorted by expert and cut into blocks of `block_m` rows of one expert (XLA); ids equal
-    to `num_experts` (other devices' pairs) are left out. Returns block_expert [B] (-1: unused block) and block_rows [B, block_m] (pair index, -1: pad);
-    B = a static bound on the number of blocks."""
+    to `num_experts` (other devices' pairs) are left out. Returns block_expert [B] (-1: unused
+    block) and block_rows [B, block_m] (pair index, -1: pad); B = a static bound on the number of
+    blocks."""
     flat = ids.reshape(-1)
     pairs = flat.shape[0]
     used_bound = min(num_experts, pairs)
