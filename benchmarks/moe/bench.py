@@ -303,6 +303,10 @@ def bench_routing(token_counts, rows, *, sweep: bool, repeats=16):
 
 def sweep_configs(t, default: mg.MoEBlocks):
     """A few block-size variants around the default for one token count."""
+    if default.nvfp4_decode == "packed":
+        yield from packed_sweep_configs(t, default)
+        return
+
     def cfg(source, bm, n1, k1, splits, n2, warps=4, stages=3):
         return mg.MoEBlocks(source, bm, n1, k1, splits, n2, 64, warps, stages)
 
@@ -325,6 +329,26 @@ def sweep_configs(t, default: mg.MoEBlocks):
     else:
         for bm, n1, n2, warps in ((64, 64, 64, 4), (128, 64, 64, 4), (128, 128, 128, 8), (64, 128, 128, 4)):
             yield cfg("sorted", bm, n1, 64, 1, n2, warps)
+
+
+def packed_sweep_configs(t, default: mg.MoEBlocks):
+    """The packed NVFP4 decode around its default: fewer / more K splits (at decode sizes the
+    default's programs run as few as 2 K steps), pipeline depths, and other tile shapes. Every tile
+    holds >= 512 bytes (the PTX takes 4 bytes per thread at 4 warps)."""
+    packed = functools.partial(dataclasses.replace, default)
+    if t > 64:
+        shapes = ((64, 128, 64, 128, 3), (128, 128, 128, 64, 3), (64, 256, 128, 128, 2))
+        configs = [packed(gate_up_n=n1, gate_up_k=k1, down_n=n2, down_k=k2, num_stages=stages)
+                   for n1, k1, n2, k2, stages in shapes]
+    else:
+        a = default.gate_up_splits
+        configs = [packed(gate_up_splits=splits) for splits in (max(1, a // 4), max(1, a // 2), 2 * a)]
+        configs += [packed(num_stages=stages) for stages in (1, 2, 4)]
+        configs.append(packed(gate_up_splits=max(1, a // 2), num_stages=2))
+        for n1, k1, n2, k2 in ((32, 256, 64, 128), (128, 64, 256, 32), (64, 256, 128, 128)):
+            splits = max(1, min(pl_cdiv(H, k1) // 2, mg._TARGET_PROGRAMS // (min(E, t * TOP_K) * pl_cdiv(I, n1))))
+            configs.append(packed(gate_up_n=n1, gate_up_k=k1, gate_up_splits=splits, down_n=n2, down_k=k2))
+    yield from (c for c in dict.fromkeys(configs) if c != default)
 
 
 def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool):
@@ -350,7 +374,8 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
         if sweep:
             for cfg in sweep_configs(t, default):
                 variants[f"pallas[{cfg.source},m{cfg.block_m},n{cfg.gate_up_n},k{cfg.gate_up_k},s{cfg.gate_up_splits},"
-                         f"dn{cfg.down_n},w{cfg.num_warps}]"] = functools.partial(mg.moe_gemm_kernel, blocks=cfg)
+                         f"dn{cfg.down_n},dk{cfg.down_k},w{cfg.num_warps},st{cfg.num_stages}]"] = functools.partial(
+                    mg.moe_gemm_kernel, blocks=cfg)
         if baselines:
             variants["ragged_dot"] = ragged_dot_layer
             if t <= 64:
