@@ -467,7 +467,9 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("fused_combine", [True, False], ids=["one_launch", "two_launches"])
+# one launch: its own cases below (test_one_launch_matches_reference_and_two_launches); here in --run-slow
+@pytest.mark.parametrize("fused_combine", [pytest.param(True, marks=pytest.mark.slow, id="one_launch"),
+                                           pytest.param(False, id="two_launches")])
 @pytest.mark.parametrize("dtype, group, page_size, window, release, pages_per_step, num_splits", DECODE_CASES)
 def test_decode_kernel_interpret_matches_dense_and_reference(
     dtype, group, page_size, window, release, pages_per_step, num_splits, fused_combine
