@@ -574,7 +574,9 @@ def choose_blocks(tokens: int, top_k: int, num_experts: int, hidden: int, interm
         # packed: the best of three shapes timed on the H200 at T = 1, 8, 64 (benchmarks/moe/RESULTS.md)
         block_n, block_k = (64, 128) if packed else (32, 64)
         down_n, down_k = (128, 64) if packed else (64, 64)
-        min_chunks_per_split = 2 if packed else 4
+        # >= 4 K blocks per program: packed NVFP4 at T = 1 took 24.8 us with 10 splits against 26.1
+        # with 20 (H200, run J)
+        min_chunks_per_split = 4
         used = min(num_experts, tokens * top_k)
         k_chunks = pl.cdiv(hidden, block_k)
         splits = max(1, min(k_chunks // min_chunks_per_split,

@@ -81,6 +81,41 @@ def test_logits_are_the_fp32_gemv():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("tokens", [1, 6], ids=["one_block", "two_blocks"])
+def test_counter_chain(tokens):
+    """Calls that pass the ticket counters on (as the model's layers do) select as the reference in
+    every call, and the counters come back zero; a fresh zeros op starts the chain only."""
+    kwargs = dict(num_groups=8, groups_kept=4, top_k=8, scaling=2.5)
+    calls = [_inputs(40 + c, tokens, 300, 256) for c in range(3)]
+    blocks = -(-tokens // 4)  # token blocks of <= 4 on the GEMV path
+
+    @jax.jit
+    def chained(inputs):
+        counter, outs = jnp.zeros((blocks,), jnp.int32), []
+        for x, w, b in inputs:
+            weights, ids, counter = rt.routing_kernel(x, w, b, fused=True, counter=counter, interpret=not ON_GPU,
+                                                      **kwargs)
+            outs.append((weights, ids))
+        return outs, counter
+
+    outs, counter = chained(calls)
+    np.testing.assert_array_equal(np.asarray(counter), np.zeros(blocks, np.int32))
+    for (x, w, b), (got_w, got_i) in zip(calls, outs):
+        want_w, want_i = _run(rt.routing_reference, x, w, b, **kwargs)
+        np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+        np.testing.assert_allclose(np.asarray(got_w), np.asarray(want_w), rtol=1e-6, atol=1e-7)
+
+
+def test_counter_passes_through_unfused_paths():
+    """The two-kernel path and the reference return a given counter as it came."""
+    x, w, b = _inputs(7, 2, 64, 16)
+    kwargs = dict(num_groups=4, groups_kept=2, top_k=4)
+    counter = jnp.array([3], jnp.int32)
+    *_, out = rt.routing_kernel(x, w, b, fused=False, counter=counter, interpret=True, **kwargs)
+    *_, out_ref = rt.routing(x, w, b, use_kernel=False, counter=counter, **kwargs)
+    assert int(out[0]) == 3 and int(out_ref[0]) == 3
+
+
 def test_bad_grouping_is_rejected():
     x, w, b = _inputs(0, 2, 64, 12)
     with pytest.raises(ValueError, match="groups"):
