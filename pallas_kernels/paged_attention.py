@@ -28,8 +28,7 @@ give the same numbers:
 
 The decode kernels can also take the layer's per-head work (the model's GPU path): raw q with its
 `HeadPrologue` (RMSNorm, then RoPE or the SSMax scale) applied in the split kernel's prologue, and the
-`OutputGate` applied in the combine's epilogue (or, with `DecodeBlocks.fused_combine`, one launch, in
-the epilogue of the split kernel's last program); `write_kv_kernel` writes raw k with its prologue. The
+`OutputGate` applied in the combine's epilogue; `write_kv_kernel` writes raw k with its prologue. The
 references (`head_prologue_reference`, `output_gate_reference`) are the unfused math.
 
 Files in pallas_kernels import nothing from beam_jax or serving.
@@ -697,11 +696,6 @@ class DecodeBlocks:
     num_warps: int = 4  # split kernel
     num_stages: int = 2  # split kernel (Triton's software pipelining depth)
     combine_block_d: int | None = None  # head_dim lanes per combine program; None: by the token count
-    # True: one launch, the split kernel's last programs combine (see `paged_decode_attention_kernel`);
-    # False: the split kernel and a separate combine kernel.
-    fused_combine: bool = False
-    # One launch: partials merged per program, at each level of the merge tree (power of two).
-    combine_fan_in: int = 16
 
 
 # The H200 has 132 SMs.
@@ -717,21 +711,14 @@ DECODE_NUM_SMS = 132
 #   - no minimum of steps per split (DECODE_MIN_STEPS_PER_SPLIT = 1).
 # When the whole step has no more loop steps than there are SMs (batch 1 at <= 16K, sliding windows
 # at small batch), it is latency-bound: one page per step and per split was 13-17% faster.
+# Two launches (split kernel, then combine kernel): a one-launch variant, whose last split program per
+# (sequence, kv head) merged the partials after an atomic counter, was slower at every shape (run 6:
+# its split kernel slower, plus a zeros kernel for the counters) and was removed.
 DECODE_PAGES_PER_STEP = 2
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 1
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_MIN_STEPS_PER_SPLIT = 1
-# One launch (the last programs combine) or two (split kernel, then the combine kernel), and the merge
-# tree's fan-in of the one-launch path. The one-launch path has run only in interpret mode and through
-# the Triton lowering on CPU, never compiled on a GPU, so the default stays with the two launches
-# that runs 4-5 measured. Expected costs to weigh on the H200 before switching: it saves the combine's
-# launch and its re-read of the partials (~2-2.6 us device time), but adds a zeros array for the
-# counters per call, and the last program's merge levels (each an atomic round trip plus a read of
-# fan_in partials, serial at the tail; two levels of 16 at 256 splits) where the combine kernel reads
-# all partials in parallel.
-DECODE_FUSED_COMBINE = False
-DECODE_COMBINE_FAN_IN = 16
 
 
 def _pow2_floor(n: int) -> int:
@@ -742,7 +729,7 @@ def decode_blocks(
     batch: int, kv_heads: int, max_pages: int, page_size: int, window: int | None, *,
     pages_per_step: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, programs_per_sm: int | None = None, min_steps_per_split: int | None = None,
-    fused_combine: bool | None = None, combine_fan_in: int | None = None, num_sms: int = DECODE_NUM_SMS,
+    num_sms: int = DECODE_NUM_SMS,
 ) -> DecodeBlocks:
     """The decode kernels' block sizes for a step's static shape; any argument given overrides the
     tuned value. The context is split until batch * kv_heads * num_splits programs reach
@@ -764,29 +751,27 @@ def decode_blocks(
         steps = -(-visible_pages // pages_per_step)
         wanted = -(-(programs_per_sm * num_sms) // (batch * kv_heads))
         num_splits = max(1, min(_pow2_floor(wanted), _pow2_floor(steps // max(min_steps_per_split, 1))))
-    if fused_combine is None:
-        fused_combine = DECODE_FUSED_COMBINE
-    combine_fan_in = DECODE_COMBINE_FAN_IN if combine_fan_in is None else combine_fan_in
-    checked = [("num_splits", num_splits), ("pages_per_step", pages_per_step), ("combine_fan_in", combine_fan_in)]
-    for name, value in checked:
-        if value < 1 or value & (value - 1) or (name == "combine_fan_in" and value < 2):
-            raise ValueError(f"{name} {value} must be a power of two" + (" >= 2" if name == "combine_fan_in" else ""))
+    for name, value in (("num_splits", num_splits), ("pages_per_step", pages_per_step)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{name} {value} must be a power of two")
     return DecodeBlocks(
         pages_per_step, num_splits, DECODE_NUM_WARPS if num_warps is None else num_warps,
         DECODE_NUM_STAGES if num_stages is None else num_stages,
-        fused_combine=bool(fused_combine), combine_fan_in=combine_fan_in,
     )
 
 
-def _decode_split_attention(
+def _decode_split_kernel(
+    # inputs
     row_token_ref,  # [batch] int32
     seq_lens_ref,  # [batch] int32
     page_row_ref,  # [max_pages] int32: this sequence's page table row
     q_ref,  # [tokens, heads, head_dim]: all queries (raw projections when there is a prologue)
     k_pages_ref,  # [num_pages, page_size, head_dim] for this kv head
     v_pages_ref,  # [num_pages, page_size, head_dim] for this kv head
-    prologue_refs,  # the query prologue's arrays (`_prologue_arrays`)
-    *,
+    *refs,  # the query prologue's arrays (`_prologue_arrays`), then the outputs (whole arrays):
+    # o_ref [batch, kv_heads, splits, group, head_dim] fp32: unnormalized partial outputs
+    # m_ref [batch, kv_heads, splits, group] fp32: running maxima
+    # l_ref [batch, kv_heads, splits, group] fp32: running sums
     window: int | None,
     softmax_scale: float,
     pages_per_step: int,
@@ -795,8 +780,7 @@ def _decode_split_attention(
     rows: int,
     prologue_spec: tuple,
 ):
-    """One split program's attention over its share of the sequence's visible pages: (acc [rows, d]
-    unnormalized, m [rows] running max, l [rows] running sum), fp32; rows past `group` are padding."""
+    *prologue_refs, o_ref, m_ref, l_ref = refs
     sequence, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = q_ref.shape[-1]
     page_size = k_pages_ref.shape[1]
@@ -863,218 +847,13 @@ def _decode_split_attention(
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), _M_INIT, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
-    return lax.fori_loop(0, num_steps, body, (acc, m, l))
-
-
-def _store_partial(o_ref, m_ref, l_ref, sequence, kv_head, slot, acc, m, l, group: int):
-    """A partial's `group` real rows (of acc's padded rows) to o/m/l_ref[sequence, kv_head, slot]."""
-    rows, head_dim = acc.shape
+    acc, m, l = lax.fori_loop(0, num_steps, body, (acc, m, l))
+    # Only the `group` real rows are stored.
     heads = pl.ds(0, rows)
-    head_rows = lax.broadcasted_iota(jnp.int32, (rows, head_dim), 0) < group
-    pltriton.store(o_ref.at[sequence, kv_head, slot, heads, :], acc, mask=head_rows)
+    pltriton.store(o_ref.at[sequence, kv_head, split, heads, :], acc, mask=head_rows)
     real_rows = lax.broadcasted_iota(jnp.int32, (rows,), 0) < group
-    pltriton.store(m_ref.at[sequence, kv_head, slot, heads], m, mask=real_rows)
-    pltriton.store(l_ref.at[sequence, kv_head, slot, heads], l, mask=real_rows)
-
-
-def _decode_split_kernel(
-    row_token_ref, seq_lens_ref, page_row_ref, q_ref, k_pages_ref, v_pages_ref,
-    *refs,  # the query prologue's arrays (`_prologue_arrays`), then the outputs (whole arrays):
-    # o_ref [batch, kv_heads, splits, group, head_dim] fp32: unnormalized partial outputs
-    # m_ref [batch, kv_heads, splits, group] fp32: running maxima
-    # l_ref [batch, kv_heads, splits, group] fp32: running sums
-    group: int,
-    **attention,
-):
-    """The two-launch path's first kernel: each (sequence, kv head, split) stores its partial."""
-    *prologue_refs, o_ref, m_ref, l_ref = refs
-    acc, m, l = _decode_split_attention(row_token_ref, seq_lens_ref, page_row_ref, q_ref, k_pages_ref, v_pages_ref,
-                                        prologue_refs, group=group, **attention)
-    _store_partial(o_ref, m_ref, l_ref, pl.program_id(0), pl.program_id(1), pl.program_id(2), acc, m, l, group)
-
-
-# --- One launch: the split kernel's last program per (sequence, kv head) combines ---
-#
-# Each split program stores its partial, then takes a ticket from an atomic counter of its
-# (sequence, kv head); the program that draws the last ticket has every partial of its group and
-# merges them. One program reads only so much at once (its registers; a 128K batch-1 decode has 256
-# partials of 6 x 128 fp32 = 768 KiB), so the partials are merged in a tree of `combine_fan_in`: the
-# last of each `fan_in` splits merges theirs into one partial (stored in a slot past the splits'),
-# then takes a ticket at the next level, and so on; the last program at the top level normalizes,
-# gates and writes the token's output rows. With one split there is nothing to merge: the program
-# writes its output directly. Tokens that are not decodes get zeros, from programs that would otherwise
-# be done: the first to finish in each first-level group (or, with one split, every program at its end).
-#
-# Memory ordering: a program's partial is stored by all its threads; a barrier, then the scalar
-# atomic (Pallas lowers it to Triton's atomic_rmw with acq_rel semantics at GPU scope, done by one
-# thread) releases them; the program that draws the last ticket acquires, and reads the others'
-# partials with volatile loads (from L2, past its own L1, which is not coherent). The counters are a
-# fresh zeros input aliased to an output (one memset per call under jit), so no call depends on
-# what an earlier one left behind; nothing resets them.
-
-
-@dataclasses.dataclass(frozen=True)
-class _MergeLevel:
-    """One level of the one-launch path's merge tree, over `num_splits` split partials (slots
-    0 .. num_splits-1): `fan_in` partials starting at slot `read_slot + group * fan_in` merge into
-    slot `write_slot + group` (None at the top level: the output), for group = split // span."""
-
-    span: int  # splits under one partial of this level's output
-    fan_in: int
-    read_slot: int
-    write_slot: int | None
-    counter: int  # this level's first counter (one per group) in the [batch, kv_heads, counters] array
-
-
-def _merge_levels(num_splits: int, fan_in: int) -> tuple[tuple[_MergeLevel, ...], int, int]:
-    """(levels, partial slots, counters) of the merge tree."""
-    levels, span, read_slot, slots, counter = [], 1, 0, num_splits, 0
-    while span < num_splits:
-        wider = min(span * fan_in, num_splits)
-        top = wider == num_splits
-        levels.append(_MergeLevel(wider, wider // span, read_slot, None if top else slots, counter))
-        counter += num_splits // wider
-        if not top:
-            read_slot, slots = slots, slots + num_splits // wider
-        span = wider
-    return tuple(levels), slots, counter
-
-
-def _merge_partials(o_ref, m_ref, l_ref, sequence, kv_head, first_slot, count: int, group: int, rows: int,
-                    volatile: bool):
-    """The partials in slots [first_slot, first_slot + count) of (sequence, kv_head) merged:
-    (acc [rows, d] unnormalized, m [rows], l [rows]). Two passes as in `_decode_combine_kernel` (the
-    maxima and sums first, then the weighted outputs `chunk` slots at a time; each chunk reloads its
-    maxima, as Triton cannot slice a tensor)."""
-    head_dim = o_ref.shape[-1]
-    heads = pl.ds(0, rows)
-
-    def load(ref, start, size, other, lanes=False):
-        shape = (size, rows, head_dim) if lanes else (size, rows)
-        real = lax.broadcasted_iota(jnp.int32, shape, 1) < group  # padding rows: empty partials
-        index = (sequence, kv_head, pl.ds(start, size), heads) + ((slice(None),) if lanes else ())
-        return pltriton.load(ref.at[index], mask=real, other=other, volatile=volatile)
-
-    m = load(m_ref, first_slot, count, _M_INIT)  # [count, rows]
-    m_all = m.max(axis=0)
-    total = (jnp.exp(m - m_all[None, :]) * load(l_ref, first_slot, count, 0.0)).sum(axis=0)
-    chunk = min(count, _pow2_floor(max(1, _COMBINE_CHUNK_ELEMENTS // (rows * head_dim))))
-    acc = jnp.zeros((rows, head_dim), jnp.float32)
-    for start in range(0, count, chunk):  # unrolled: the chunks' loads may be in flight together
-        weight = jnp.exp(load(m_ref, first_slot + start, chunk, _M_INIT) - m_all[None, :])
-        acc = acc + (weight[:, :, None] * load(o_ref, first_slot + start, chunk, 0.0, lanes=True)).sum(axis=0)
-    return acc, m_all, total
-
-
-def _write_decode_output(out_ref, gate_refs, acc, l, *, token, kv_head, group: int, attention_dtype, gated: bool):
-    """The normalized (and, if `gated`, gated) output of `kv_head` for `token` (< 0: none):
-    `acc [rows, d] / l [rows]` for the first `group` rows, with `_decode_combine_kernel`'s rounding."""
-    rows, head_dim = acc.shape
-    heads = pl.ds(kv_head * group, rows)
-    real_rows = (lax.broadcasted_iota(jnp.int32, (rows,), 0) < group) & (token >= 0)
-    store = (lax.broadcasted_iota(jnp.int32, (rows, head_dim), 0) < group) & (token >= 0)
-    token = jnp.maximum(token, 0)
-    out = jnp.where((l > 0)[:, None], acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)  # no visible key: zeros
-    if gated:
-        gate_ref, bias_ref = gate_refs
-        gate_dtype = gate_ref.dtype
-        out = _rounded(out, attention_dtype)  # where the unfused attention output is rounded
-        gate = pltriton.load(gate_ref.at[token, heads, :], mask=store, other=0).astype(jnp.float32)
-        bias = pltriton.load(bias_ref.at[heads], mask=real_rows, other=0).astype(jnp.float32)
-        out = out * _rounded(jax.nn.sigmoid(_rounded(gate + bias[:, None], gate_dtype)), gate_dtype)
-    pltriton.store(out_ref.at[token, heads, :], out.astype(out_ref.dtype), mask=store)
-
-
-def _zero_other_tokens(token_row_ref, out_ref, kv_head, program, *, programs: int, group: int, rows: int):
-    """Zeros for `kv_head`'s rows of the tokens that are not decodes (prefill, padding). The tokens are
-    dealt out over `programs` zeroing programs: number `program` takes program, program + programs, ...
-    Each step waits for its token_row load before the store can issue, so the kernel gives this to
-    programs with nothing left to do (see `_decode_fused_kernel`)."""
-    tokens, _, head_dim = out_ref.shape
-    real = lax.broadcasted_iota(jnp.int32, (rows, head_dim), 0) < group
-    zeros = jnp.zeros((rows, head_dim), out_ref.dtype)
-    heads = pl.ds(kv_head * group, rows)
-
-    def body(i, carry):
-        token = program + i * programs
-        clamped = jnp.minimum(token, tokens - 1)
-        other = (token < tokens) & (token_row_ref[clamped] < 0)
-        pltriton.store(out_ref.at[clamped, heads, :], zeros, mask=real & other)
-        return carry
-
-    lax.fori_loop(0, -(-tokens // programs), body, 0)
-
-
-def _decode_fused_kernel(
-    row_token_ref, seq_lens_ref, page_row_ref, q_ref, k_pages_ref, v_pages_ref, token_row_ref,
-    *refs,  # the query prologue's arrays, the gate's (gate, bias) if `gated`, and when there are levels:
-    # the counters' input (aliased to counters_ref); then the outputs: when there are levels,
-    # o_ref [batch, kv_heads, slots, group, head_dim], m_ref / l_ref [batch, kv_heads, slots, group]
-    # (the splits' partials, then the merged ones), then out_ref [tokens, heads, head_dim], and
-    # counters_ref [batch, kv_heads, counters] int32 (zeros on entry)
-    levels: tuple[_MergeLevel, ...],
-    num_prologue: int,
-    group: int,
-    rows: int,
-    combine_rows: int,
-    gated: bool,
-    attention_dtype,
-    interpret: bool,
-    **attention,
-):
-    """One launch: attention of a split, then the merge tree (see the comment above `_MergeLevel`)."""
-    prologue_refs, refs = refs[:num_prologue], refs[num_prologue:]
-    gate_refs, refs = (refs[:2], refs[2:]) if gated else ((), refs)
-    if levels:
-        _, o_ref, m_ref, l_ref, out_ref, counters_ref = refs
-    else:
-        (out_ref,) = refs
-    sequence, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    batch = row_token_ref.shape[0]
-    zero_others = functools.partial(_zero_other_tokens, token_row_ref, out_ref, kv_head, group=group,
-                                    rows=combine_rows)
-    acc, m, l = _decode_split_attention(row_token_ref, seq_lens_ref, page_row_ref, q_ref, k_pages_ref, v_pages_ref,
-                                        prologue_refs, group=group, rows=rows, **attention)
-    token = row_token_ref[jnp.asarray(sequence)]
-    finish = functools.partial(_write_decode_output, out_ref, gate_refs, token=token, kv_head=kv_head, group=group,
-                               attention_dtype=attention_dtype, gated=gated)
-    if not levels:  # one split: this program's partial is the whole attention
-        finish(acc, l)
-        zero_others(sequence, programs=batch)
-        return
-    _store_partial(o_ref, m_ref, l_ref, sequence, kv_head, split, acc, m, l, group)
-    num_splits = attention["num_splits"]
-
-    def level(k):
-        this = levels[k]
-        if not interpret:
-            pltriton.debug_barrier()  # every thread's stores are ordered before the release below
-        # A scalar atomic: one per program (acq_rel: this program's stores are released).
-        ticket = pltriton.atomic_add(counters_ref, (sequence, kv_head, jnp.asarray(this.counter + split // this.span)),
-                                     jnp.ones((), jnp.int32))
-
-        if k == 0:  # the first of each first-level group to finish has time for the other tokens' zeros
-
-            @pl.when(ticket == 0)
-            def _first():
-                groups = num_splits // this.span
-                zero_others(sequence * groups + split // this.span, programs=batch * groups)
-
-        @pl.when(ticket == this.fan_in - 1)
-        def _last():
-            group_index = split // this.span
-            merged_acc, merged_m, merged_l = _merge_partials(
-                o_ref, m_ref, l_ref, sequence, kv_head, this.read_slot + group_index * this.fan_in, this.fan_in, group,
-                combine_rows, volatile=not interpret,
-            )
-            if this.write_slot is None:
-                finish(merged_acc, merged_l)
-            else:
-                _store_partial(o_ref, m_ref, l_ref, sequence, kv_head, this.write_slot + group_index, merged_acc,
-                               merged_m, merged_l, group)
-                level(k + 1)
-
-    level(0)
+    pltriton.store(m_ref.at[sequence, kv_head, split, heads], m, mask=real_rows)
+    pltriton.store(l_ref.at[sequence, kv_head, split, heads], l, mask=real_rows)
 
 
 def _decode_combine_kernel(
@@ -1146,10 +925,8 @@ def paged_decode_attention_kernel(
     zeros. Returns (output, token_row): token_row[t] >= 0 marks the decode tokens. Pass `metadata`
     (from `decode_metadata`, once per step) to keep its few small ops out of every layer.
 
-    `blocks.fused_combine`: one Pallas call, grid (sequence, kv head, split), whose last programs combine
-    the splits (a merge tree, `blocks.combine_fan_in` partials per merge). Otherwise (the default) two:
-    the split kernel, same grid, then the combine, grid (token, query head, head_dim block).
-    Triton needs power-of-two page_size and head_dim.
+    Two Pallas calls: the split kernel, grid (sequence, kv head, split), then the combine, grid
+    (token, query head, head_dim block). Triton needs power-of-two page_size and head_dim.
 
     Fused (the model's GPU path): with `query_prologue`, `queries` are the raw projections and the
     split kernel applies the norm and RoPE / SSMax to its query rows first; with `output_gate`, the
@@ -1168,69 +945,24 @@ def paged_decode_attention_kernel(
     splits = blocks.num_splits
 
     prologue, prologue_specs, prologue_spec = _prologue_arrays(query_prologue, head_dim)
-    attention = dict(window=window, softmax_scale=scale, pages_per_step=blocks.pages_per_step, num_splits=splits,
-                     prologue_spec=prologue_spec)
-    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-    split_specs = [
-        pl.BlockSpec((batch,), lambda b, h, s: (0,)),  # row_token
-        pl.BlockSpec((batch,), lambda b, h, s: (0,)),  # seq_lens
-        pl.BlockSpec((None, max_pages), lambda b, h, s: (b, 0)),  # the sequence's page table row
-        pl.BlockSpec((tokens, heads, head_dim), lambda b, h, s: (0, 0, 0)),  # queries: rows picked in the kernel
-        pl.BlockSpec((num_pages, page_size, None, head_dim), lambda b, h, s: (0, 0, h, 0)),  # k_pages
-        pl.BlockSpec((num_pages, page_size, None, head_dim), lambda b, h, s: (0, 0, h, 0)),  # v_pages
-    ]
-    split_args = (metadata.row_token, seq_lens, page_table, queries, k_pages, v_pages)
-    gate, gate_specs = [], []
-    if output_gate is not None:
-        gate = [output_gate.gate, output_gate.bias]
-        gate_specs = [whole((tokens, heads, head_dim)), whole((heads,))]
-    out_dtype = v_pages.dtype if output_gate is None else output_gate.gate.dtype
-    out_shape = jax.ShapeDtypeStruct((tokens, heads, head_dim), out_dtype)
-    name_suffix = f"{splits=}_pages_per_step={blocks.pages_per_step}" + ("_gated" if output_gate is not None else "")
-
-    if blocks.fused_combine:
-        levels, slots, counters = _merge_levels(splits, blocks.combine_fan_in)
-        partial_shape = (batch, kv_heads, slots, group)
-        in_specs = [*split_specs, whole((tokens,)), *prologue_specs, *gate_specs]
-        args = [*split_args, metadata.token_row, *prologue, *gate]
-        out_specs, out_shapes, aliases = [whole((tokens, heads, head_dim))], [out_shape], {}
-        if levels:
-            # A fresh zeros array per call, aliased to the counters output: see the comment above `_MergeLevel`.
-            counter_shape = (batch, kv_heads, counters)
-            aliases = {len(args): 4}
-            in_specs.append(whole(counter_shape))
-            args.append(jnp.zeros(counter_shape, jnp.int32))
-            out_specs = [whole((*partial_shape, head_dim)), whole(partial_shape), whole(partial_shape), *out_specs,
-                         whole(counter_shape)]
-            out_shapes = [jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
-                          jax.ShapeDtypeStruct(partial_shape, jnp.float32),
-                          jax.ShapeDtypeStruct(partial_shape, jnp.float32), out_shape,
-                          jax.ShapeDtypeStruct(counter_shape, jnp.int32)]
-        kernel = functools.partial(
-            _decode_fused_kernel, levels=levels, num_prologue=len(prologue), group=group, rows=rows,
-            combine_rows=1 << (group - 1).bit_length(), gated=output_gate is not None,
-            attention_dtype=v_pages.dtype, interpret=interpret, **attention,
-        )
-        outs = pl.pallas_call(
-            kernel,
-            grid=(batch, kv_heads, splits),
-            in_specs=in_specs,
-            # Whole arrays: a program stores its partial's rows and (last) its token's output rows.
-            out_specs=out_specs,
-            out_shape=out_shapes,
-            input_output_aliases=aliases,
-            compiler_params=_triton_params(blocks.num_warps, blocks.num_stages),
-            interpret=interpret,
-            name=f"paged_decode_one_launch_fan_in={blocks.combine_fan_in}_" + name_suffix,
-        )(*args)
-        return outs[3] if levels else outs[0], metadata.token_row
-
-    split_kernel = functools.partial(_decode_split_kernel, group=group, rows=rows, **attention)
+    split_kernel = functools.partial(
+        _decode_split_kernel, window=window, softmax_scale=scale,
+        pages_per_step=blocks.pages_per_step, num_splits=splits, group=group, rows=rows, prologue_spec=prologue_spec,
+    )
     partial_shape = (batch, kv_heads, splits, group)
+    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     o, m, l = pl.pallas_call(
         split_kernel,
         grid=(batch, kv_heads, splits),
-        in_specs=[*split_specs, *prologue_specs],
+        in_specs=[
+            pl.BlockSpec((batch,), lambda b, h, s: (0,)),  # row_token
+            pl.BlockSpec((batch,), lambda b, h, s: (0,)),  # seq_lens
+            pl.BlockSpec((None, max_pages), lambda b, h, s: (b, 0)),  # the sequence's page table row
+            pl.BlockSpec((tokens, heads, head_dim), lambda b, h, s: (0, 0, 0)),  # queries: rows picked in the kernel
+            pl.BlockSpec((num_pages, page_size, None, head_dim), lambda b, h, s: (0, 0, h, 0)),  # k_pages
+            pl.BlockSpec((num_pages, page_size, None, head_dim), lambda b, h, s: (0, 0, h, 0)),  # v_pages
+            *prologue_specs,
+        ],
         # Whole arrays: a program stores its `group` rows (masked) at (sequence, kv head, split).
         out_specs=[whole((*partial_shape, head_dim)), whole(partial_shape), whole(partial_shape)],
         out_shape=[
@@ -1241,7 +973,7 @@ def paged_decode_attention_kernel(
         compiler_params=_triton_params(blocks.num_warps, blocks.num_stages),
         interpret=interpret,
         name=f"paged_decode_split_{splits=}_pages_per_step={blocks.pages_per_step}",
-    )(*split_args, *prologue)
+    )(metadata.row_token, seq_lens, page_table, queries, k_pages, v_pages, *prologue)
 
     # Few (token, head) pairs: split head_dim too, so that many SMs read the partials.
     block_d = blocks.combine_block_d
@@ -1252,6 +984,11 @@ def paged_decode_attention_kernel(
         _decode_combine_kernel, splits_per_step=splits_per_step, group=group, block_d=block_d,
         attention_dtype=v_pages.dtype, gated=output_gate is not None,
     )
+    gate, gate_specs = [], []
+    if output_gate is not None:
+        gate = [output_gate.gate, output_gate.bias]
+        gate_specs = [whole((tokens, heads, head_dim)), whole((heads,))]
+    out_dtype = v_pages.dtype if output_gate is None else output_gate.gate.dtype
     out = pl.pallas_call(
         combine,
         grid=(tokens, heads, head_dim // block_d),
@@ -1264,7 +1001,7 @@ def paged_decode_attention_kernel(
         ],
         # The whole output: a program writes its head's lanes.
         out_specs=whole((tokens, heads, head_dim)),
-        out_shape=out_shape,
+        out_shape=jax.ShapeDtypeStruct((tokens, heads, head_dim), out_dtype),
         compiler_params=_triton_params(4, 1),
         interpret=interpret,
         name=f"paged_decode_combine_{splits=}" + ("_gated" if output_gate is not None else ""),

@@ -12,16 +12,14 @@ Kinds:
 
 Variants:
   decode-<config> : ragged_paged_attention(use_kernel=True, decode_only=True), i.e.
-           paged_decode_attention_kernel (one launch: the split kernel's last programs combine; or two:
-           split kernel + combine kernel), one variant per --decode-configs entry (and per
-           --sweep-configs entry at the --sweep-points). A config is "auto" (decode_blocks' tuned
-           choice, what the model runs) or letters with numbers that override it: p pages per step,
-           s splits, t programs per SM the split aims for, m minimum steps per split, w warps,
-           n stages (split kernel), d the combine's head_dim block (two launches), f one launch (f1)
-           or two (f0), c the one-launch merge tree's fan-in; e.g. "p2t2m1w4n1", "f0" (the tuned
-           blocks, two launches), "f1c256" (one launch, one merge level up to 256 splits). The step's
-           DecodeMetadata is built once, outside the timed loop, as the engine builds it once per
-           step for all layers.
+           paged_decode_attention_kernel (split kernel + combine kernel), one variant per
+           --decode-configs entry (and per --sweep-configs entry at the --sweep-points). A config is
+           "auto" (decode_blocks' tuned choice, what the model runs) or letters with numbers that
+           override it: p pages per step, s splits, t programs per SM the split aims for, m minimum
+           steps per split, w warps, n stages (split kernel), d the combine's head_dim block; e.g.
+           "p2t2m1w4n1". The step's DecodeMetadata is built once, outside the timed loop, as the
+           engine builds it once per step for all layers. (Run 6's letters f and c chose a one-launch
+           path and its merge fan-in; it was slower at every shape and is removed.)
   old    : with --baseline-module FILE (e.g. `git show <commit>:pallas_kernels/paged_attention.py`),
            that file's decode kernels with their own default blocks: the previous kernel, same run.
   kernel : ragged_paged_attention_kernel, the general kernel (one program per (query block, kv head)
@@ -372,8 +370,7 @@ def time_loop(loop, q, page_table, rest, *, target_ms, repeats, max_iters):
 
 
 CONFIG_LETTERS = {"p": "pages_per_step", "s": "num_splits", "t": "programs_per_sm", "m": "min_steps_per_split",
-                  "w": "num_warps", "n": "num_stages", "d": "combine_block_d", "f": "fused_combine",
-                  "c": "combine_fan_in"}
+                  "w": "num_warps", "n": "num_stages", "d": "combine_block_d"}
 
 
 def parse_decode_config(spec: str) -> dict:
@@ -389,8 +386,6 @@ def parse_decode_config(spec: str) -> dict:
 def make_decode_blocks(spec: str, batch, kv_heads, max_pages, page_size, window):
     kwargs = parse_decode_config(spec)
     combine_block_d = kwargs.pop("combine_block_d", None)
-    if "fused_combine" in kwargs:
-        kwargs["fused_combine"] = bool(kwargs["fused_combine"])
     blocks = pa.decode_blocks(batch, kv_heads, max_pages, page_size, window, **kwargs)
     return dataclasses.replace(blocks, combine_block_d=combine_block_d)
 
@@ -605,7 +600,6 @@ def print_sweep(rows):
             print(f"  {n:>22} {row[n + '_us']:8.1f} us {row[n + '_pct_floor']:5.1f} %  kernels {kernel_split(row, n):>14}"
                   f"  pps {b.get('pages_per_step')} splits {b.get('num_splits')} warps {b.get('num_warps')}"
                   f" stages {b.get('num_stages')} combine_d {b.get('combine_block_d')}"
-                  f" launches {1 if b.get('fused_combine') else 2} fan_in {b.get('combine_fan_in')}"
                   f"  maxdiff {row.get(n + '_max_abs_diff', float('nan')):.1e}")
 
 

@@ -6,7 +6,6 @@ and window edges, sliding (RoPE, window) and full (SSMax) layers."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import types
 
@@ -73,22 +72,11 @@ FUSED_CASES = [
 ]
 
 
-# One launch on every case runs with --run-slow; CI keeps Beam's TP8 ratio and a bf16 sliding case.
-FUSED_ONE_LAUNCH_IN_CI = (1, 4)
-
-
-@pytest.mark.parametrize(
-    "dtype, kv_heads, group, page_size, kind, pages_per_step, num_splits, fused_combine",
-    [pytest.param(*case, fused, id=f"{index}-{'one_launch' if fused else 'two_launches'}",
-                  marks=pytest.mark.slow if fused and index not in FUSED_ONE_LAUNCH_IN_CI else ())
-     for index, case in enumerate(FUSED_CASES) for fused in (True, False)],
-)
-def test_fused_decode_equals_unfused(dtype, kv_heads, group, page_size, kind, pages_per_step, num_splits,
-                                     fused_combine):
+@pytest.mark.parametrize("dtype, kv_heads, group, page_size, kind, pages_per_step, num_splits", FUSED_CASES)
+def test_fused_decode_equals_unfused(dtype, kv_heads, group, page_size, kind, pages_per_step, num_splits):
     """Decode-only step: raw q into the fused kernels equals the references' prologue, the plain decode
     kernels and the reference gate (same rounding points; interpret mode runs the same XLA ops), and
-    is within the usual tolerance of the all-jnp reference. Non-decode and padding tokens get zeros.
-    One launch (the gate in the last program's epilogue; a merge tree of 2) or two (in the combine's)."""
+    is within the usual tolerance of the all-jnp reference. Non-decode and padding tokens get zeros."""
     window = SLIDING_WINDOW if kind == "sliding" else None
     batch = make_batch(
         301 + 7 * group + kv_heads + page_size, DECODES, page_size=page_size, kv_heads=kv_heads, group=group,
@@ -100,8 +88,7 @@ def test_fused_decode_equals_unfused(dtype, kv_heads, group, page_size, kind, pa
     query, _ = layer_prologues(rng, token_positions(batch), kind)
     gate = random_gate(rng, tokens, heads, dtype)
     pages = (batch.k_pages, batch.v_pages, batch.query_start, batch.seq_lens, batch.page_table)
-    blocks = pa.DecodeBlocks(pages_per_step=pages_per_step, num_splits=num_splits, fused_combine=fused_combine,
-                             combine_fan_in=2)
+    blocks = pa.DecodeBlocks(pages_per_step=pages_per_step, num_splits=num_splits)
     kw = {"window": window, "use_kernel": "decode", "decode_only": True, "decode_block_sizes": blocks, "interpret": True}
 
     fused = op(raw_q, *pages, query_prologue=query, output_gate=gate, **kw)
@@ -194,32 +181,29 @@ def test_fused_kernels_lower_for_the_gpu(monkeypatch, kind):
             query, key = pa.HeadPrologue(weight, 1e-6, ssmax_scale=shape((tokens,), f32)), pa.HeadPrologue(weight, 1e-6)
         gate = pa.OutputGate(shape((tokens, 6, 128), bf16), shape((6,), bf16))
 
-        def layer(q, k, v, k_pages, v_pages, slots, query_start, seq_lens, table, query, key, gate, *, decode_only,
-                  blocks):
+        def layer(q, k, v, k_pages, v_pages, slots, query_start, seq_lens, table, query, key, gate, *, decode_only):
             k_pages, v_pages = pa.write_kv(k_pages, v_pages, k, v, slots, key_prologue=key, use_kernel=True)
             return pa.ragged_paged_attention(
                 q, k_pages, v_pages, query_start, seq_lens, table, window=window, use_kernel="decode",
-                decode_only=decode_only, decode_block_sizes=blocks, query_prologue=query, output_gate=gate,
+                decode_only=decode_only, query_prologue=query, output_gate=gate,
             )
 
         args = (shape((tokens, 6, 128), bf16), shape((tokens, 1, 128), bf16), shape((tokens, 1, 128), bf16), pages,
                 pages, shape((tokens,), i32), shape((batch + 1,), i32), shape((batch,), i32),
                 shape((batch, max_pages), i32), query, key, gate)
-        for fused_combine in (True, False):  # the gate in the one-launch epilogue, or in the combine's
-            blocks = dataclasses.replace(pa.decode_blocks(batch, 1, max_pages, 64, window), fused_combine=fused_combine)
-            step = functools.partial(layer, decode_only=decode_only, blocks=blocks)
-            text = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-            assert text.count("triton") == (2 if fused_combine else 3), text.count("triton")
-            assert "write_kv_norm_rope" in text if kind == "sliding" else "write_kv" in text
-            assert ("_gated" in text) and (("paged_decode_one_launch" in text) == fused_combine)
+        step = functools.partial(layer, decode_only=decode_only)
+        text = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        # The write kernel, the split kernel and the gated combine.
+        assert text.count("triton") == 3, text.count("triton")
+        assert "write_kv_norm_rope" in text if kind == "sliding" else "write_kv" in text
+        assert "paged_decode_split" in text and "paged_decode_combine" in text and "_gated" in text
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused_combine", [True, False], ids=["one_launch", "two_launches"])
 @pytest.mark.parametrize("dtype, kv_heads, group, page_size, kind", [(jnp.bfloat16, 1, 6, 64, "sliding"),
                                                                      (jnp.bfloat16, 2, 8, 16, "full"),
                                                                      (jnp.float32, 3, 6, 16, "sliding")])
-def test_fused_kernels_compiled_match_unfused_on_gpu(dtype, kv_heads, group, page_size, kind, fused_combine):
+def test_fused_kernels_compiled_match_unfused_on_gpu(dtype, kv_heads, group, page_size, kind):
     """Compiled through Triton: the fused decode (decode-only and mixed) and the write kernel against
     the references around the plain kernels. Triton computes rsqrt / the norm's sum / sigmoid its own
     way (and may contract RoPE's products into FMAs), so a prologue value can land one bf16 ulp off;
@@ -236,10 +220,7 @@ def test_fused_kernels_compiled_match_unfused_on_gpu(dtype, kv_heads, group, pag
         query, key = layer_prologues(rng, token_positions(batch), kind)
         gate = random_gate(rng, *batch.queries.shape[:2], dtype)
         pages = (batch.k_pages, batch.v_pages, batch.query_start, batch.seq_lens, batch.page_table)
-        sequences, max_pages = batch.page_table.shape
-        blocks = dataclasses.replace(pa.decode_blocks(sequences, kv_heads, max_pages, page_size, window),
-                                     fused_combine=fused_combine)
-        kw = {"window": window, "use_kernel": "decode", "decode_only": decode_only, "decode_block_sizes": blocks}
+        kw = {"window": window, "use_kernel": "decode", "decode_only": decode_only}
         fused = op(raw_q, *pages, query_prologue=query, output_gate=gate, **kw)
         unfused = gate_reference(op(prologue_reference(raw_q, query), *pages, **kw), gate)
         attention = {"atol": 1e-5, "rtol": 1e-5} if dtype == jnp.float32 else {"atol": 2e-2, "rtol": 2e-2}

@@ -467,20 +467,16 @@ DECODE_CASES = [
 ]
 
 
-# one launch: its own cases below (test_one_launch_matches_reference_and_two_launches); here in --run-slow
-@pytest.mark.parametrize("fused_combine", [pytest.param(True, marks=pytest.mark.slow, id="one_launch"),
-                                           pytest.param(False, id="two_launches")])
 @pytest.mark.parametrize("dtype, group, page_size, window, release, pages_per_step, num_splits", DECODE_CASES)
 def test_decode_kernel_interpret_matches_dense_and_reference(
-    dtype, group, page_size, window, release, pages_per_step, num_splits, fused_combine
+    dtype, group, page_size, window, release, pages_per_step, num_splits
 ):
     batch = make_batch(
         91 + group + page_size, DECODES, page_size=page_size, kv_heads=2, group=group, dtype=dtype,
         window=window, release=release, padding_tokens=3,
     )
     args = (batch.queries, batch.k_pages, batch.v_pages, batch.query_start, batch.seq_lens, batch.page_table)
-    blocks = pa.DecodeBlocks(pages_per_step=pages_per_step, num_splits=num_splits, fused_combine=fused_combine,
-                             combine_fan_in=4)
+    blocks = pa.DecodeBlocks(pages_per_step=pages_per_step, num_splits=num_splits)
     out = decode_op(*args, window=window, use_kernel=True, decode_only=True, decode_block_sizes=blocks, interpret=True)
     assert out.shape == batch.queries.shape and out.dtype == dtype
     check(batch, out, window, dtype)
@@ -515,11 +511,8 @@ def test_decode_kernel_never_reads_pages_out_of_the_window_past_the_query_or_unm
     k_pages[poisoned] = v_pages[poisoned] = np.nan
     assert len(poisoned) >= 10
     args = (batch.queries, jnp.asarray(k_pages), jnp.asarray(v_pages), batch.query_start, batch.seq_lens, jnp.asarray(table))
-    # Two launches, and one launch with and without a merge tree.
-    for pages_per_step, num_splits, fused_combine in [(1, 1, False), (4, 2, False), (2, 8, False), (1, 1, True),
-                                                      (2, 8, True)]:
-        blocks = pa.DecodeBlocks(pages_per_step=pages_per_step, num_splits=num_splits, fused_combine=fused_combine,
-                                 combine_fan_in=2)
+    for pages_per_step, num_splits in [(1, 1), (4, 2), (2, 8)]:
+        blocks = pa.DecodeBlocks(pages_per_step=pages_per_step, num_splits=num_splits)
         out = decode_op(*args, window=window, use_kernel=True, decode_only=True, decode_block_sizes=blocks,
                         interpret=interpret)
         check(batch, out, window, jnp.float32)
@@ -541,13 +534,6 @@ def test_mixed_step_sends_decodes_to_the_decode_kernel():
     decoded, _ = jax.jit(functools.partial(pa.paged_decode_attention_kernel, interpret=True))(*args, metadata=metadata)
     np.testing.assert_array_equal(np.asarray(mixed)[decode_tokens], np.asarray(decoded)[decode_tokens])
     np.testing.assert_array_equal(np.asarray(decoded)[token_row < 0], 0.0)  # non-decode tokens: zeros
-    # The other path (one launch or two) on the same step: the same decodes, zeros elsewhere.
-    default = pa.decode_blocks(len(MIXED), 2, batch.page_table.shape[1], 16, None)
-    other = dataclasses.replace(default, fused_combine=not default.fused_combine)
-    decoded_other, _ = jax.jit(functools.partial(pa.paged_decode_attention_kernel, blocks=other, interpret=True))(
-        *args, metadata=metadata)
-    np.testing.assert_allclose(np.asarray(decoded_other), np.asarray(decoded), atol=2e-6, rtol=2e-6)
-    np.testing.assert_array_equal(np.asarray(decoded_other)[token_row < 0], 0.0)
 
 
 # --- use_kernel="decode" (the GPU's default): decodes on the decode kernel, the rest in plain jnp ---
@@ -593,10 +579,7 @@ def test_decode_mode_runs_the_decode_kernel_and_no_general_kernel():
     batch = make_batch(77, DECODE_AND_PREFILL[:4], page_size=16, kv_heads=2, group=6, dtype=jnp.float32)
     args = (batch.queries, batch.k_pages, batch.v_pages, batch.query_start, batch.seq_lens, batch.page_table)
     text = str(jax.make_jaxpr(functools.partial(pa.ragged_paged_attention, use_kernel="decode", interpret=True))(*args))
-    one_launch = pa.decode_blocks(4, 2, batch.page_table.shape[1], 16, None).fused_combine
-    assert ("paged_decode_one_launch" in text) == one_launch
-    assert ("paged_decode_split" in text and "paged_decode_combine" in text) == (not one_launch)
-    assert "ragged_paged_attention_block" not in text
+    assert "paged_decode_split" in text and "paged_decode_combine" in text and "ragged_paged_attention_block" not in text
     assert "pallas_call" not in str(jax.make_jaxpr(pa.ragged_paged_attention)(*args))
     assert pa.default_use_kernel("gpu") == "decode" and pa.default_use_kernel("cpu") is False
     with pytest.raises(ValueError):
@@ -642,8 +625,7 @@ def test_decode_blocks_fill_the_gpu_and_stay_flat_for_windows():
 @pytest.mark.parametrize("heads, kv_heads, window", [(6, 1, None), (6, 1, 512), (48, 8, None), (8, 1, 512), (16, 16, None)])
 def test_decode_kernels_lower_for_the_gpu(monkeypatch, heads, kv_heads, window):
     """The Triton lowering (power-of-two tensors, supported ops) runs on CPU when told the GPU is sm_90:
-    at the benchmark's shapes (head_dim 128, pages of 64, bf16), decode-only and mixed; one launch
-    (with the default merge tree and a deep one) and two."""
+    at the benchmark's shapes (head_dim 128, pages of 64, bf16), decode-only and mixed."""
     import types
 
     from jax._src.pallas.triton import pallas_call_registration
@@ -657,155 +639,29 @@ def test_decode_kernels_lower_for_the_gpu(monkeypatch, heads, kv_heads, window):
         pages = shape((batch * max_pages, 64, kv_heads, 128), jnp.bfloat16)
         args = (shape((tokens, heads, 128), jnp.bfloat16), pages, pages, shape((batch + 1,), jnp.int32),
                 shape((batch,), jnp.int32), shape((batch, max_pages), jnp.int32))
-        tuned = pa.decode_blocks(batch, kv_heads, max_pages, 64, window)
-        for fused, fan_in in [(True, pa.DECODE_COMBINE_FAN_IN), (True, 2), (False, pa.DECODE_COMBINE_FAN_IN)]:
-            blocks = dataclasses.replace(tuned, fused_combine=fused, combine_fan_in=fan_in)
-            op = functools.partial(pa.ragged_paged_attention, window=window, use_kernel=True, decode_only=decode_only,
-                                   block_q=2, decode_block_sizes=blocks)
-            text = jax.jit(op).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-            launches = (1 if fused else 2) + (0 if decode_only else 1)
-            assert text.count("triton") == launches, (fused, fan_in, text.count("triton"))
-            assert ("paged_decode_one_launch" in text) == fused
+        op = functools.partial(pa.ragged_paged_attention, window=window, use_kernel=True, decode_only=decode_only, block_q=2)
+        text = jax.jit(op).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        # The split kernel and the combine kernel (and the general kernel in a mixed step).
+        assert text.count("triton") == (2 if decode_only else 3), text.count("triton")
+        assert "paged_decode_split" in text and "paged_decode_combine" in text
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused_combine, fan_in", [(False, 16), (True, 16), (True, 2)],
-                         ids=["two_launches", "one_launch", "one_launch_tree"])
 @pytest.mark.parametrize(
     "dtype, group, page_size, window, num_splits",
     [(jnp.bfloat16, 6, 64, None, 8), (jnp.bfloat16, 8, 16, 17, 2), (jnp.float32, 1, 16, 64, 4),
      (jnp.float32, 6, 16, None, 1)],
 )
-def test_decode_kernel_compiled_matches_reference_on_gpu(dtype, group, page_size, window, num_splits, fused_combine,
-                                                         fan_in):
+def test_decode_kernel_compiled_matches_reference_on_gpu(dtype, group, page_size, window, num_splits):
     batch = make_batch(
         67, DECODES, page_size=page_size, kv_heads=2, group=group, dtype=dtype,
         window=window, release="hole", padding_tokens=3,
     )
     args = (batch.queries, batch.k_pages, batch.v_pages, batch.query_start, batch.seq_lens, batch.page_table)
-    blocks = pa.DecodeBlocks(pages_per_step=2, num_splits=num_splits, fused_combine=fused_combine,
-                             combine_fan_in=fan_in)
+    blocks = pa.DecodeBlocks(pages_per_step=2, num_splits=num_splits)
     out = decode_op(*args, window=window, use_kernel=True, decode_only=True, decode_block_sizes=blocks)
     check(batch, out, window, dtype)
     tol = {"atol": 2e-6, "rtol": 2e-6} if dtype == jnp.float32 else {"atol": 2e-2, "rtol": 2e-2}
     expected = reference(*args, window=window)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32), **tol)
 
-
-# --- One launch: the split kernel's last programs merge the partials (a tree of `combine_fan_in`) ---
-
-# Batch 1 with odd contexts (a part-filled last page), several sequences with empty entries, and a
-# mixed step (prefill chunks and a verify block beside the decodes: their tokens get zeros).
-ONE_SEQUENCE = [(1013, 1)]
-SEVERAL = [(77, 1), (0, 0), (301, 1), (1, 1), (40, 0), (129, 1), (255, 1)]
-
-ONE_LAUNCH_CASES = [
-    # dtype, group, page_size, window, release, specs, pages_per_step, num_splits, fan_in
-    (jnp.float32, 6, 16, None, "none", ONE_SEQUENCE, 1, 64, 16),  # two levels (16, then 4)
-    (jnp.float32, 6, 16, None, "none", ONE_SEQUENCE, 2, 1, 16),  # one split: no merge at all
-    (jnp.float32, 1, 16, 17, "hole", ONE_SEQUENCE, 1, 4, 2),  # sliding: most splits empty
-    (jnp.float32, 8, 64, None, "none", SEVERAL, 1, 8, 2),  # three levels of 2
-    (jnp.float32, 6, 16, 64, "before_window", SEVERAL, 1, 32, 32),  # one level of 32
-    (jnp.float32, 1, 16, None, "none", MIXED, 2, 4, 16),
-    (jnp.bfloat16, 6, 64, None, "hole", SEVERAL, 2, 16, 4),
-    (jnp.bfloat16, 8, 16, 1000, "before_window", ONE_SEQUENCE, 4, 8, 16),
-    (jnp.bfloat16, 6, 16, 17, "hole", MIXED, 1, 2, 16),
-]
-
-
-def two_launches(blocks):
-    return dataclasses.replace(blocks, fused_combine=False)
-
-
-@pytest.mark.parametrize("dtype, group, page_size, window, release, specs, pages_per_step, num_splits, fan_in",
-                         ONE_LAUNCH_CASES)
-def test_one_launch_matches_reference_and_two_launches(
-    dtype, group, page_size, window, release, specs, pages_per_step, num_splits, fan_in
-):
-    batch = make_batch(
-        401 + 5 * group + num_splits + fan_in, specs, page_size=page_size, kv_heads=2, group=group, dtype=dtype,
-        window=window, release=release, padding_tokens=2,
-    )
-    args = (batch.queries, batch.k_pages, batch.v_pages, batch.query_start, batch.seq_lens, batch.page_table)
-    blocks = pa.DecodeBlocks(pages_per_step=pages_per_step, num_splits=num_splits, fused_combine=True,
-                             combine_fan_in=fan_in)
-    kernel = jax.jit(functools.partial(pa.paged_decode_attention_kernel, window=window, interpret=True),
-                     static_argnames="blocks")
-    out, token_row = kernel(*args, blocks=blocks)
-    assert out.shape == batch.queries.shape and out.dtype == dtype
-    is_decode = np.asarray(token_row) >= 0
-    got = np.asarray(out, np.float32)
-    np.testing.assert_array_equal(got[~is_decode], 0.0)  # prefill, verify and padding tokens
-    expected = np.asarray(reference(*args, window=window), np.float32)
-    loose = {"atol": 2e-6, "rtol": 2e-6} if dtype == jnp.float32 else {"atol": 2e-2, "rtol": 2e-2}
-    np.testing.assert_allclose(got[is_decode], expected[is_decode], **loose)
-    if all(q_len in (0, 1) for _, q_len in specs):
-        check(batch, out, window, dtype)
-    # The two-launch path merges the same partials in one level: equal up to fp32 order, then rounding.
-    two, _ = kernel(*args, blocks=two_launches(blocks))
-    close = {"atol": 2e-6, "rtol": 2e-6} if dtype == jnp.float32 else {"atol": 1e-6, "rtol": 2**-7}
-    np.testing.assert_allclose(got, np.asarray(two, np.float32), **close)
-
-
-def test_one_launch_repeated_calls_and_two_layers_in_one_program():
-    """The counters are a fresh zeros input per call: calls with other inputs (the same shapes, one
-    compiled program), the same call again, and two attention calls in one jitted program (whose
-    zeros XLA may share) all give the reference's result."""
-    page_size, group = 16, 6
-    blocks = pa.DecodeBlocks(pages_per_step=1, num_splits=16, fused_combine=True, combine_fan_in=4)
-    kernel = jax.jit(functools.partial(pa.ragged_paged_attention, use_kernel=True, decode_only=True,
-                                       decode_block_sizes=blocks, interpret=True))
-    batches = [make_batch(seed, SEVERAL, page_size=page_size, kv_heads=2, group=group, dtype=jnp.float32)
-               for seed in (5, 6)]
-    outs = []
-    for batch in [*batches, batches[0]]:
-        args = (batch.queries, batch.k_pages, batch.v_pages, batch.query_start, batch.seq_lens, batch.page_table)
-        outs.append(np.asarray(kernel(*args)))
-        np.testing.assert_allclose(outs[-1], np.asarray(reference(*args)), atol=2e-6, rtol=2e-6)
-    np.testing.assert_array_equal(outs[0], outs[2])
-
-    def two_layers(q, k_pages, v_pages, query_start, seq_lens, page_table, blocks):
-        op = functools.partial(pa.ragged_paged_attention, use_kernel=True, decode_only=True, decode_block_sizes=blocks,
-                               interpret=True)
-        first = op(q, k_pages, v_pages, query_start, seq_lens, page_table)
-        return first, op(first * 3.0, k_pages, v_pages, query_start, seq_lens, page_table)
-
-    batch = batches[1]
-    args = (batch.queries, batch.k_pages, batch.v_pages, batch.query_start, batch.seq_lens, batch.page_table)
-    first, second = jax.jit(two_layers, static_argnames="blocks")(*args, blocks=blocks)
-    np.testing.assert_array_equal(np.asarray(first), outs[1])
-    np.testing.assert_allclose(np.asarray(second), np.asarray(reference(first * 3.0, *args[1:])), atol=2e-6, rtol=2e-6)
-
-
-def test_merge_levels():
-    levels, slots, counters = pa._merge_levels(256, 16)
-    assert [(lv.span, lv.fan_in, lv.read_slot, lv.write_slot, lv.counter) for lv in levels] == [
-        (16, 16, 0, 256, 0), (256, 16, 256, None, 16)]
-    assert (slots, counters) == (272, 17)
-    levels, slots, counters = pa._merge_levels(32, 16)  # a narrower top level
-    assert [(lv.span, lv.fan_in) for lv in levels] == [(16, 16), (32, 2)] and (slots, counters) == (34, 3)
-    assert pa._merge_levels(8, 16) == ((pa._MergeLevel(8, 8, 0, None, 0),), 8, 1)
-    assert pa._merge_levels(1, 16) == ((), 1, 0)
-    with pytest.raises(ValueError):
-        pa.decode_blocks(1, 1, 64, 64, None, combine_fan_in=3)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch_size, context, fan_in", [(1, 16384, 16), (1, 16384, 2), (4, 4097, 4), (32, 1000, 16)])
-def test_one_launch_compiled_is_deterministic_and_matches_two_launches_on_gpu(batch_size, context, fan_in):
-    """Compiled, with many programs racing to finish (batch 1: 512 splits of one page): the merge reads
-    slots in a fixed order, so a partial read before it was written (a missing release / acquire)
-    would show as a call that differs from the others. 20 calls, bit-equal; close to the two-launch
-    path and the reference. TP8 shape: 6 q heads on 1 kv head, bf16, pages of 64."""
-    specs = [(context - 7 * b, 1) for b in range(batch_size)]
-    batch = make_batch(83 + batch_size, specs, page_size=64, kv_heads=1, group=6, dtype=jnp.bfloat16)
-    args = (batch.queries, batch.k_pages, batch.v_pages, batch.query_start, batch.seq_lens, batch.page_table)
-    tuned = pa.decode_blocks(batch_size, 1, batch.page_table.shape[1], 64, None)
-    blocks = dataclasses.replace(tuned, fused_combine=True, combine_fan_in=fan_in)
-    outs = [np.asarray(decode_op(*args, use_kernel=True, decode_only=True, decode_block_sizes=blocks), np.float32)
-            for _ in range(20)]
-    for out in outs[1:]:
-        np.testing.assert_array_equal(out, outs[0])
-    two = decode_op(*args, use_kernel=True, decode_only=True, decode_block_sizes=two_launches(blocks))
-    np.testing.assert_allclose(outs[0], np.asarray(two, np.float32), atol=1e-6, rtol=2**-7)
-    check(batch, outs[0], None, jnp.bfloat16)
