@@ -20,7 +20,6 @@ from beam_jax.config import BeamConfig
 from beam_jax.kv_cache import KVCache
 from beam_jax.layers.decoder import DecoderLayer
 from beam_jax.layers.linear import Embedding, Linear, linear
-from beam_jax.layers.moe import routing_counter_chain
 from beam_jax.layers.norm import RMSNorm
 
 Params = nnx.State
@@ -53,13 +52,12 @@ class BeamForCausalLM(nnx.Module):
         config = self.config
         x = self.model.embed_tokens(tokens)
         hidden, routing = {}, []
-        with routing_counter_chain():
-            for i, layer in enumerate(self.model.layers):
-                x, cache, expert_indices = layer(x, positions, cache)
-                if i in hidden_layers:
-                    hidden[i] = x
-                if expert_indices is not None and return_routing:
-                    routing.append(expert_indices.reshape(*tokens.shape, -1))
+        for i, layer in enumerate(self.model.layers):
+            x, cache, expert_indices = layer(x, positions, cache)
+            if i in hidden_layers:
+                hidden[i] = x
+            if expert_indices is not None and return_routing:
+                routing.append(expert_indices.reshape(*tokens.shape, -1))
         if logits_at is not None:  # only these token positions need logits (a serving step's last tokens)
             x = x[:, logits_at]
         x = self.model.norm(x)

@@ -679,6 +679,13 @@ def moe_gemm_kernel(
     return _add_token_pairs(out, local, tokens)
 
 
+def kernel_is_faster(tokens: int, fmt: Format) -> bool:
+    """Whether the kernels beat XLA's compile of `moe_gemm_reference` on a GPU: everywhere but bf16
+    at one token, where XLA fuses the weight gather into its GEMV (H200: 23.3 against 30.5 us in
+    run K, 23.3 against 27.1 in run E; benchmarks/moe/RESULTS.md)."""
+    return not (fmt == "bf16" and tokens == 1)
+
+
 def moe_gemm(
     x: Float[Array, "tokens hidden"],
     weights: Float[Array, "tokens k"],
@@ -692,10 +699,11 @@ def moe_gemm(
     blocks: MoEBlocks | None = None,
     interpret: bool = False,
 ) -> Float[Array, "tokens hidden"]:
-    """Routed experts: the Pallas kernels on GPU (or `interpret=True`), the reference elsewhere.
-    `expert_offset`: the weights are one device's experts from that index on (expert parallelism)."""
+    """Routed experts: by default the Pallas kernels on GPU where they are the faster path
+    (`kernel_is_faster`) or with `interpret=True`, the reference elsewhere. `expert_offset`: the
+    weights are one device's experts from that index on (expert parallelism)."""
     if use_kernel is None:
-        use_kernel = jax.default_backend() == "gpu" or interpret
+        use_kernel = (jax.default_backend() == "gpu" and kernel_is_faster(x.shape[0], gate.format)) or interpret
     if use_kernel:
         return moe_gemm_kernel(x, weights, ids, gate, up, down, expert_offset=expert_offset, blocks=blocks,
                                interpret=interpret)

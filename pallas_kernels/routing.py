@@ -198,20 +198,11 @@ def _fused_routing_kernel(x_ref, w_ref, bias_ref, counter_in_ref, partial_ref, w
     # a scalar atomic, so it runs once per program (acq_rel: this program's stores are released)
     finished_before = plgpu.atomic_add(counter_ref, (jnp.asarray(t_block, jnp.int32),), jnp.ones((), jnp.int32))
 
-    tickets = pl.num_programs(1) * pl.num_programs(2)
-
-    @pl.when(finished_before == tickets - 1)
+    @pl.when(finished_before == pl.num_programs(1) * pl.num_programs(2) - 1)
     def _select_last():
         for row in range(block_t):  # other programs' partials: volatile loads, past the L1
             _select_token(partial_ref, bias_ref, weights_ref, ids_ref, t_block * block_t + row, volatile=True,
                           **select_args)
-        # every program of the block has drawn its ticket: leave the counter zero for a next call
-        plgpu.atomic_add(counter_ref, (jnp.asarray(t_block, jnp.int32),), -jnp.asarray(tickets, jnp.int32))
-
-
-def fuses_by_default(tokens: int) -> bool:
-    """Whether `routing_kernel` runs its one-launch (fused) variant for this many tokens."""
-    return tokens == 1
 
 
 def routing_kernel(
@@ -230,9 +221,8 @@ def routing_kernel(
     splits: int | None = None,
     target_programs: int = 256,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     fused: bool | None = None,
-    counter: Int[Array, " blocks"] | None = None,
     logits_only: bool = False,
     interpret: bool = False,
 ):
@@ -243,13 +233,7 @@ def routing_kernel(
     of each token block instead of a second launch; by default only for one token (H200, run H:
     6.44 against 6.91 µs; slower from 2 tokens on, where that program selects one token after the
     other). `logits_only` returns the kernel's fp32 logits
-    [tokens, experts] (for tests).
-
-    `counter`: the fused kernel's ticket counters, int32 zeros of shape [token blocks] (one block of
-    one token at T = 1). The kernel leaves them zero again and then returns them as a third output,
-    so a chain of calls (a model's layers) needs one zeros op instead of one per call (a 0.6 us kernel
-    on the H200). Without it the kernel makes fresh zeros. A counter of another shape, or a call that
-    does not fuse, leaves it unused and returns it as it came."""
+    [tokens, experts] (for tests)."""
     from jax.experimental.pallas import triton as plgpu
 
     tokens, hidden = x.shape
@@ -259,19 +243,24 @@ def routing_kernel(
     if not 1 <= top_k <= groups_kept * (experts // num_groups):
         raise ValueError(f"top_k={top_k} needs 1..{groups_kept * (experts // num_groups)} experts in the kept groups")
     if fused is None:
-        fused = fuses_by_default(tokens)
+        fused = tokens == 1
     if block_t is None:  # H200 (benchmarks/moe/RESULTS.md): GEMV blocks of <= 4 tokens beat the dot to T = 64
         block_t = min(_next_pow2(tokens), 4) if tokens <= 64 else 16
+    # One token, fused: one load of a [4 experts, 1024] slice per program (H200, run L: 6.45 against
+    # 7.1 us for 8 x 256 slices in 3 pipelined steps)
+    one_load = fused and block_t == 1
     if block_e is None:
-        block_e = 8 if block_t == 1 else 16
+        block_e = 4 if one_load else 8 if block_t == 1 else 16
     if block_k is None:
-        block_k = 256 // block_t if block_t < 16 else 64
+        block_k = min(1024, _next_pow2(hidden)) if one_load else 256 // block_t if block_t < 16 else 64
     block_e = min(block_e, _next_pow2(experts))
     token_blocks = pl.cdiv(tokens, block_t)
     expert_blocks = pl.cdiv(experts, block_e)
     k_chunks = pl.cdiv(hidden, block_k)
     if splits is None:
-        splits = max(1, min(k_chunks, target_programs // (token_blocks * expert_blocks)))
+        splits = k_chunks if one_load else max(1, min(k_chunks, target_programs // (token_blocks * expert_blocks)))
+    if num_stages is None:
+        num_stages = 1 if one_load else 2
     k_chunks_per_split = pl.cdiv(k_chunks, splits)
     splits = pl.cdiv(k_chunks, k_chunks_per_split)
     padded_tokens, padded_experts = token_blocks * block_t, expert_blocks * block_e
@@ -290,10 +279,6 @@ def routing_kernel(
 
     if logits_only:
         return partial_logits().sum(0)[:tokens, :experts]
-
-    def outputs(weights, ids, counter_out):
-        selected = weights[:tokens, :top_k], ids[:tokens, :top_k]
-        return selected if counter is None else (*selected, counter_out)
     select = functools.partial(_select, groups_kept=groups_kept, top_k=top_k, normalize=normalize, scaling=scaling)
     select_args = dict(experts=experts, num_groups=num_groups, select=select)
     padded_k = _next_pow2(top_k)
@@ -301,14 +286,13 @@ def routing_kernel(
                         jax.ShapeDtypeStruct((padded_tokens, padded_k), jnp.int32)]
     bias = correction_bias.astype(jnp.float32)
     if fused:
-        fresh = counter is None or counter.shape != (token_blocks,) or counter.dtype != jnp.int32
-        _, weights, ids, counter_out = pl.pallas_call(
+        _, weights, ids, _ = pl.pallas_call(
             functools.partial(_fused_routing_kernel, block_t=block_t, interpret=interpret, select_args=select_args,
                               **tile),
             grid=grid, out_shape=[partial_shape, *selection_shapes, jax.ShapeDtypeStruct((token_blocks,), jnp.int32)],
             input_output_aliases={3: 3}, compiler_params=logits_params, interpret=interpret, name="beam_routing",
-        )(x, router_weight, bias, jnp.zeros((token_blocks,), jnp.int32) if fresh else counter)
-        return outputs(weights, ids, counter if fresh else counter_out)
+        )(x, router_weight, bias, jnp.zeros((token_blocks,), jnp.int32))
+        return weights[:tokens, :top_k], ids[:tokens, :top_k]
     # One token per program and one warp: the selection's reductions stay inside a warp (shuffles,
     # no shared-memory round trips).
     weights, ids = pl.pallas_call(
@@ -319,16 +303,11 @@ def routing_kernel(
         interpret=interpret,
         name="beam_router_select",
     )(partial_logits(), bias)
-    return outputs(weights, ids, counter)
+    return weights[:tokens, :top_k], ids[:tokens, :top_k]
 
 
 # Largest batch for which `routing()` picks the kernel on a GPU (H200: faster than XLA there).
 KERNEL_MAX_TOKENS = 16
-
-
-def kernel_by_default(tokens: int) -> bool:
-    """Whether `routing()` picks the kernel for this many tokens."""
-    return jax.default_backend() == "gpu" and tokens <= KERNEL_MAX_TOKENS
 
 
 def routing(
@@ -342,19 +321,16 @@ def routing(
     normalize: bool = True,
     scaling: float = 1.0,
     use_kernel: bool | None = None,
-    counter: Int[Array, " blocks"] | None = None,
     interpret: bool = False,
-):
-    """Beam's routing: (weights, ids). `use_kernel=None`: the kernel on a GPU for decode batches of at
-    most `KERNEL_MAX_TOKENS` tokens, where it beats XLA's fusion of the reference; the reference
-    otherwise. With `counter` (see `routing_kernel`) it returns (weights, ids, counter); the
-    reference leaves the counter as it came."""
+) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
+    """Beam's routing. `use_kernel=None`: the kernel on a GPU for decode batches of at most
+    `KERNEL_MAX_TOKENS` tokens, where it beats XLA's fusion of the reference; the reference
+    otherwise."""
     kwargs = dict(
         num_groups=num_groups, groups_kept=groups_kept, top_k=top_k, normalize=normalize, scaling=scaling
     )
     if use_kernel is None:
-        use_kernel = kernel_by_default(x.shape[0])
+        use_kernel = jax.default_backend() == "gpu" and x.shape[0] <= KERNEL_MAX_TOKENS
     if use_kernel:
-        return routing_kernel(x, router_weight, correction_bias, counter=counter, interpret=interpret, **kwargs)
-    selected = routing_reference(x, router_weight, correction_bias, **kwargs)
-    return selected if counter is None else (*selected, counter)
+        return routing_kernel(x, router_weight, correction_bias, interpret=interpret, **kwargs)
+    return routing_reference(x, router_weight, correction_bias, **kwargs)

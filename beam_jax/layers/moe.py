@@ -19,7 +19,6 @@ from beam_jax.layers.mlp import swiglu
 from beam_jax.layers.quantized import QuantizedExpertLinear, dequantize_experts, packed_expert_weights
 from beam_jax.sharding import experts_on_mesh, mesh_shards_experts
 from pallas_kernels.moe_gemm import ExpertWeights, moe_gemm
-from pallas_kernels import routing as routing_kernels
 from pallas_kernels.routing import routing as route  # fp32 routing (the kernel for GPU decode batches)
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -102,21 +101,6 @@ def dense_experts_for_training():
         _DENSE_EXPERTS.reset(token)
 
 
-_ROUTING_COUNTER = contextvars.ContextVar("routing_counter", default=None)
-
-
-@contextlib.contextmanager
-def routing_counter_chain():
-    """Inside this block (one forward pass being traced), the routers pass the fused routing kernel's
-    ticket counter from layer to layer: the kernel leaves it zero, so the pass needs one zeros op
-    instead of one per layer (`pallas_kernels.routing.routing_kernel`)."""
-    token = _ROUTING_COUNTER.set([jnp.zeros((1,), jnp.int32)])  # one token block: decode at T = 1
-    try:
-        yield
-    finally:
-        _ROUTING_COUNTER.reset(token)
-
-
 class Router(nnx.Module):
     """`mlp.gate`: fp32 weight and correction bias, whatever the model's dtype."""
 
@@ -138,11 +122,6 @@ class Router(nnx.Module):
             # kernel is a pallas_call, which XLA does not partition). check_vma=False: pallas_call
             # outputs carry no varying-axes annotation.
             return jax.shard_map(route_here, in_specs=(P(), P(), P()), out_specs=(P(), P()), check_vma=False)(*args)
-        chain = _ROUTING_COUNTER.get()
-        tokens = x.shape[0]
-        if chain is not None and routing_kernels.kernel_by_default(tokens) and routing_kernels.fuses_by_default(tokens):
-            weights, ids, chain[0] = route_here(*args, counter=chain[0])
-            return weights, ids
         return route_here(*args)
 
 
@@ -211,15 +190,15 @@ def compute_experts(
 ) -> Float[Array, "tokens hidden"]:
     """The experts' output from their parameter arrays (`Experts.arrays()`, or one device's slices
     of them, holding experts from `expert_offset` on). The GPU runs the Pallas kernels (pairs routed
-    to other devices' experts form no block there); the CPU the plain-jnp reference, dequantizing
+    to other devices' experts form no block there), or XLA's gather + einsum where that is faster
+    (`pallas_kernels.moe_gemm.kernel_is_faster`); the CPU the plain-jnp reference, dequantizing
     packed weights."""
     if _DENSE_EXPERTS.get():
         if expert_format != "bf16" or expert_offset is not None:
             raise ValueError("training (dense experts) needs unquantized experts on one device")
         return experts_dense(x, weights, indices, _fused_gate_up(arrays["gate_up_proj"]), arrays["down_proj"])
-    if jax.default_backend() == "gpu":
-        return moe_gemm(x, weights, indices, *expert_weights(arrays, expert_format), expert_offset=expert_offset,
-                        use_kernel=True)
+    if jax.default_backend() == "gpu":  # the kernels, or XLA where it is faster (`moe_gemm`)
+        return moe_gemm(x, weights, indices, *expert_weights(arrays, expert_format), expert_offset=expert_offset)
     if expert_format == "bf16":
         gate_up, down = _fused_gate_up(arrays["gate_up_proj"]), arrays["down_proj"]
     else:

@@ -160,21 +160,6 @@ def chain(op):
     return jax.jit(run)
 
 
-def counter_chain(kwargs):
-    """Like `chain` for the fused routing kernel, with its ticket counter passed from call to call
-    (one zeros op for the whole chain, as in the model's forward pass)."""
-
-    def run(stacked, bias):
-        xs, ws = stacked
-        counter, outs = jnp.zeros((1,), jnp.int32), []
-        for r in range(xs.shape[0]):
-            weights, ids, counter = rt.routing_kernel(xs[r], ws[r], bias, counter=counter, **kwargs)
-            outs.append((weights, ids))
-        return outs, counter
-
-    return jax.jit(run)
-
-
 def time_chain(fn, stacked, *rest, repeats: int, wall: bool = True):
     from jax.experimental.mosaic.gpu import profiler
 
@@ -287,15 +272,13 @@ def bench_routing(token_counts, rows, *, sweep: bool, repeats=16):
                     "pallas_two_kernels": functools.partial(rt.routing_kernel, fused=False),
                     **{f"pallas_fused[w{w}]": functools.partial(rt.routing_kernel, fused=True, num_warps=w)
                        for w in (1, 2, 4)}}
-        chained = {}  # one token: the fused kernel with its counter passed from call to call, as the model runs it
-        if t == 1:
-            chained["pallas_chained"] = {}
-            if sweep:  # one load per program (a K split of one block) or pipelined ones: (e, k, splits, stages)
-                for block_e, block_k, splits, stages in ((8, 512, 10, 1), (4, 1024, 5, 1), (8, 1024, 5, 1),
-                                                         (16, 512, 10, 1), (4, 512, 10, 1), (8, 256, None, 1),
-                                                         (8, 256, None, 3), (8, 128, None, 3)):
-                    chained[f"pallas_chained[e{block_e},k{block_k},s{splits},st{stages}]"] = dict(
-                        block_e=block_e, block_k=block_k, splits=splits, num_stages=stages)
+        if sweep and t == 1:  # the fused kernel's logits tiles: (experts, K block, K splits, stages, warps)
+            for block_e, block_k, splits, stages, warps in (
+                    (4, 1024, 5, 1, 4), (4, 1024, 5, 2, 4), (4, 1024, 5, 1, 2), (4, 1024, 5, 1, 8), (2, 1024, 5, 1, 4),
+                    (4, 512, 10, 1, 4), (8, 512, 10, 1, 4), (2, 2048, 3, 1, 4), (8, 256, None, 2, 4)):
+                variants[f"pallas_fused[e{block_e},k{block_k},s{splits},st{stages},w{warps}]"] = functools.partial(
+                    rt.routing_kernel, fused=True, block_e=block_e, block_k=block_k, splits=splits,
+                    num_stages=stages, num_warps=warps)
         if sweep:  # tiles of the logits kernel (token block, expert block, programs, K splits)
             tilings = ([(1, 1, 256, 1), (1, 2, 128, 1), (1, 4, 64, 1), (1, 4, 256, None), (1, 8, 256, None),
                         (1, 8, 512, None), (1, 16, 256, None)] if t == 1 else
@@ -310,12 +293,6 @@ def bench_routing(token_counts, rows, *, sweep: bool, repeats=16):
             f = chain(lambda xx, ww, bb, op=op: op(xx, ww, bb, **kw_args))
             try:
                 res[name] = time_chain(f, (x, weights), bias, repeats=repeats, wall=not sweep)
-            except Exception as e:  # noqa: BLE001 - report and go on
-                print(f"routing {name} T={t}: {type(e).__name__}: {e}"[:400], flush=True)
-        for name, tile in chained.items():
-            try:
-                res[name] = time_chain(counter_chain(dict(kw_args, fused=True, **tile)), (x, weights), bias,
-                                       repeats=repeats, wall=not sweep)
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"routing {name} T={t}: {type(e).__name__}: {e}"[:400], flush=True)
         breakdown = {}

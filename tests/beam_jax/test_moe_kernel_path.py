@@ -69,40 +69,10 @@ def test_kernel_path_under_expert_parallelism(expert_format):
         assert np.abs(want).max() > 0
 
 
-def test_routers_chain_the_fused_kernels_counter(monkeypatch):
-    """One-token forward with the routing kernel (interpret mode; the GPU's default at T = 1): every
-    sparse layer's router gets the ticket counter the previous one left, and the selections equal
-    the reference routing's."""
-    from beam_jax.layers import moe as moe_module
-    from beam_jax.model import jit_forward
-    from pallas_kernels import routing as rt
-
-    config = preset("beam-tiny")
-    params = init_params(config, seed=4, dtype=jnp.float32)
-    tokens, positions = jnp.array([[17]]), jnp.array([[0]])
-    want = jit_forward(params, tokens, positions, config=config, return_routing=True).expert_indices
-
-    counters = []
-
-    def route(*args, counter=None, **kwargs):
-        counters.append(counter)
-        return rt.routing(*args, counter=counter, use_kernel=True, interpret=True, **kwargs)
-
-    monkeypatch.setattr(moe_module, "route", route)
-    monkeypatch.setattr(rt, "kernel_by_default", lambda tokens: True)
-    forward = functools.partial(jit_forward.__wrapped__, config=config, return_routing=True)
-    got = forward(params, tokens, positions).expert_indices
-    sparse = config.mlp_layer_types.count(SPARSE)
-    assert len(got) == len(want) == sparse and len(counters) == sparse
-    assert all(c is not None for c in counters) and len({id(c) for c in counters}) == sparse  # each layer's own
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-
-
 @pytest.mark.gpu
 def test_gpu_forward_routes_as_the_reference(monkeypatch):
-    """On a GPU a one-token forward routes with the fused kernel, its counter chained through the
-    layers (the default there): two calls of the compiled forward select as the reference routing."""
+    """On a GPU a one-token forward routes with the fused kernel (the default there): two calls of
+    the compiled forward select as the reference routing in every sparse layer."""
     from beam_jax.layers import moe as moe_module
     from beam_jax.model import forward
     from pallas_kernels import routing as rt

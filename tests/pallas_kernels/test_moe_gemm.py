@@ -327,3 +327,11 @@ def test_nvfp4_kernels_lower_for_cuda(monkeypatch, tokens, decode):
         lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+def test_kernel_is_chosen_where_it_is_faster():
+    """bf16 at one token goes to XLA's gather + einsum (faster on the H200); every other shape and
+    format to the kernels."""
+    assert not mg.kernel_is_faster(1, "bf16")
+    assert all(mg.kernel_is_faster(t, f) for t in (2, 8, 64, 8192) for f in ("bf16", "fp8_channel", "nvfp4"))
+    assert mg.kernel_is_faster(1, "nvfp4") and mg.kernel_is_faster(1, "fp8_channel")

@@ -16,9 +16,10 @@ ON_GPU = jax.default_backend() == "gpu"
 
 # (tokens, hidden, experts, groups, groups kept, top_k): Beam's own 256/8/4/8 routing; odd sizes
 # (hidden and experts not powers of two, 3 groups, hidden not a multiple of the K block); one token
-# and three tokens (the GEMV path, a token block with a padded row).
+# (one K block of 1024 per fused program: a hidden of 2100 ends in a partial one) and three tokens
+# (the GEMV path, a token block with a padded row).
 SHAPES = [(20, 100, 256, 8, 4, 8), (37, 42, 12, 3, 2, 3), (1, 64, 16, 4, 2, 4), (1, 300, 256, 8, 4, 8),
-          (3, 130, 40, 5, 3, 6)]
+          (1, 2100, 256, 8, 4, 8), (3, 130, 40, 5, 3, 6)]
 
 
 def _inputs(seed, tokens, hidden, experts):
@@ -81,39 +82,21 @@ def test_logits_are_the_fp32_gemv():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("tokens", [1, 6], ids=["one_block", "two_blocks"])
-def test_counter_chain(tokens):
-    """Calls that pass the ticket counters on (as the model's layers do) select as the reference in
-    every call, and the counters come back zero; a fresh zeros op starts the chain only."""
-    kwargs = dict(num_groups=8, groups_kept=4, top_k=8, scaling=2.5)
-    calls = [_inputs(40 + c, tokens, 300, 256) for c in range(3)]
-    blocks = -(-tokens // 4)  # token blocks of <= 4 on the GEMV path
+@pytest.mark.parametrize("tokens,fused", [(1, True), (1, False), (6, True), (16, False), (100, False)])
+def test_kernels_lower_for_cuda(monkeypatch, tokens, fused):
+    """Beam's routing shape lowers to Triton for an sm_90 GPU (lowering only; runs on the CPU:
+    interpret mode does not lower)."""
+    import types
 
-    @jax.jit
-    def chained(inputs):
-        counter, outs = jnp.zeros((blocks,), jnp.int32), []
-        for x, w, b in inputs:
-            weights, ids, counter = rt.routing_kernel(x, w, b, fused=True, counter=counter, interpret=not ON_GPU,
-                                                      **kwargs)
-            outs.append((weights, ids))
-        return outs, counter
+    from jax._src.pallas.triton import pallas_call_registration
 
-    outs, counter = chained(calls)
-    np.testing.assert_array_equal(np.asarray(counter), np.zeros(blocks, np.int32))
-    for (x, w, b), (got_w, got_i) in zip(calls, outs):
-        want_w, want_i = _run(rt.routing_reference, x, w, b, **kwargs)
-        np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
-        np.testing.assert_allclose(np.asarray(got_w), np.asarray(want_w), rtol=1e-6, atol=1e-7)
-
-
-def test_counter_passes_through_unfused_paths():
-    """The two-kernel path and the reference return a given counter as it came."""
-    x, w, b = _inputs(7, 2, 64, 16)
-    kwargs = dict(num_groups=4, groups_kept=2, top_k=4)
-    counter = jnp.array([3], jnp.int32)
-    *_, out = rt.routing_kernel(x, w, b, fused=False, counter=counter, interpret=True, **kwargs)
-    *_, out_ref = rt.routing(x, w, b, use_kernel=False, counter=counter, **kwargs)
-    assert int(out[0]) == 3 and int(out_ref[0]) == 3
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                        lambda: types.SimpleNamespace(compute_capability=90))
+    spec = jax.ShapeDtypeStruct
+    args = [spec((tokens, 5120), jnp.bfloat16), spec((256, 5120), jnp.float32), spec((256,), jnp.float32)]
+    op = functools.partial(rt.routing_kernel, num_groups=8, groups_kept=4, top_k=8, scaling=2.5, fused=fused)
+    text = jax.jit(op).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == (1 if fused else 2)
 
 
 def test_bad_grouping_is_rejected():
