@@ -230,8 +230,8 @@ def routing_kernel(
     the CUDA-core GEMV path in token blocks of at most 4, larger ones blocks of 16 on the dot path;
     `splits` divides the hidden axis so that the logits grid has about `target_programs`
     programs (enough to stream the 5 MB router). `fused` selects in the logits kernel's last program
-    of each token block instead of a second launch; by default only for one token (H200, run H:
-    6.44 against 6.91 µs; slower from 2 tokens on, where that program selects one token after the
+    of each token block instead of a second launch; by default only for one token (H200, run M:
+    5.89 against 6.91 µs; slower from 2 tokens on, where that program selects one token after the
     other). `logits_only` returns the kernel's fp32 logits
     [tokens, experts] (for tests)."""
     from jax.experimental.pallas import triton as plgpu
@@ -246,11 +246,11 @@ def routing_kernel(
         fused = tokens == 1
     if block_t is None:  # H200 (benchmarks/moe/RESULTS.md): GEMV blocks of <= 4 tokens beat the dot to T = 64
         block_t = min(_next_pow2(tokens), 4) if tokens <= 64 else 16
-    # One token, fused: one load of a [4 experts, 1024] slice per program (H200, run L: 6.45 against
-    # 7.1 us for 8 x 256 slices in 3 pipelined steps)
+    # One token, fused: one load of a [2 experts, 1024] slice per program, 640 programs (H200, run M:
+    # 5.73 us; 5.89 with 4 experts, 6.84 with run H's 8 x 256 slices in 3 pipelined steps)
     one_load = fused and block_t == 1
     if block_e is None:
-        block_e = 4 if one_load else 8 if block_t == 1 else 16
+        block_e = 2 if one_load else 8 if block_t == 1 else 16
     if block_k is None:
         block_k = min(1024, _next_pow2(hidden)) if one_load else 256 // block_t if block_t < 16 else 64
     block_e = min(block_e, _next_pow2(experts))
