@@ -229,10 +229,10 @@ def routing_kernel(
     """The routing kernels (see the module docstring). By default batches of up to 64 tokens take
     the CUDA-core GEMV path in token blocks of at most 4, larger ones blocks of 16 on the dot path;
     `splits` divides the hidden axis so that the logits grid has about `target_programs`
-    programs (enough to stream the 5 MB router). `fused` selects in the logits kernel's last program
-    of each token block instead of a second launch; by default only for one token (H200, run M:
-    5.89 against 6.91 µs; slower from 2 tokens on, where that program selects one token after the
-    other). `logits_only` returns the kernel's fp32 logits
+    programs (enough to stream the 5 MB router); one fused token instead loads one [2, 1024] router
+    slice per program. `fused` selects in the logits kernel's last program of each token block
+    instead of a second launch; by default only for one token (H200, run M: 5.73 against 6.91 µs;
+    slower from 2 tokens on, where that program selects one token after the other). `logits_only` returns the kernel's fp32 logits
     [tokens, experts] (for tests)."""
     from jax.experimental.pallas import triton as plgpu
 
