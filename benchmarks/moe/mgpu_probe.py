@@ -1,0 +1,127 @@
+"""GPU probe of the Mosaic GPU NVFP4 grouped GEMM (`pallas_kernels/nvfp4_mgpu.py`): checks it against
+plain jnp, then times it at Beam's TP8 expert shapes beside the Triton NVFP4 layer of `moe_gemm` in the
+same run. CUPTI device time per call; weights rotate over fresh expert ids so they come from HBM.
+
+    OUT=dir python3 -u benchmarks/moe/mgpu_probe.py [--no-check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # noqa: E402
+from bench import mg  # noqa: E402
+from pallas_kernels import nvfp4_mgpu as nm  # noqa: E402
+
+HBM_BYTES_PER_S = 4.2e12  # the floor rate of benchmarks/moe (RESULTS.md)
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def make_expert_weights(rng, experts, n, k, tile_k):
+    """Random codes and e4m3 block scales -> (packed, kernel scales, dequantized fp32 [E, N, K])."""
+    codes = rng.integers(0, 16, (experts, n, k), dtype=np.uint8)
+    scale = rng.uniform(0.02, 4, (experts, n, k // 16)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    dequant = E2M1[codes] * np.repeat(scale, 16, axis=-1)
+    return (jnp.asarray(nm.pack_kernel_layout(codes)), jnp.asarray(nm.pack_scales(scale, tile_k)),
+            dequant)
+
+
+def check(rng, experts, n, k, blocks, block_t, tile_k, splits):
+    packed, scales, dequant = make_expert_weights(rng, experts, n, k, tile_k)
+    x = rng.standard_normal((blocks * block_t, k)).astype(ml_dtypes.bfloat16)
+    block_expert = rng.integers(0, experts, blocks).astype(np.int32)
+    out = nm.grouped_matmul(jnp.asarray(x[:, nm.kernel_k_order(k)]), jnp.asarray(block_expert), packed, scales,
+                            block_t=block_t, tile_k=tile_k, splits=splits)
+    got = np.asarray(out).sum(0) * nm.OUTPUT_FACTOR
+    want = np.einsum("btk,bnk->nbt", x.astype(np.float32).reshape(blocks, block_t, k),
+                     dequant[block_expert]).reshape(n, -1)
+    err = float(np.abs(got - want).max() / np.abs(want).max())
+    return dict(kind="check", experts=experts, n=n, k=k, blocks=blocks, block_t=block_t, tile_k=tile_k,
+                splits=splits, rel_err=err, ok=err < 1e-5)
+
+
+def time_kernel(rng, n, k, blocks, block_t, tile_k, splits, stages, repeats=4):
+    from jax.experimental.mosaic.gpu import profiler
+
+    # Random bytes and scales made on the device: timing does not need known values.
+    kp, ks = jax.random.split(jax.random.key(n * k + splits))
+    packed = jax.random.bits(kp, (bench.E, n, k // 2), jnp.uint8)
+    scales = jax.random.uniform(ks, (bench.E, k // tile_k, n * tile_k // 16 // 64, 64), jnp.float32, 0.5, 4)
+    scales = (scales * nm.SCALE_FACTOR).astype(jnp.bfloat16)
+    xs = jnp.asarray(rng.standard_normal((repeats, blocks * block_t, k)), jnp.bfloat16)
+    ids = jnp.asarray(np.stack([rng.permutation(bench.E)[:blocks] for _ in range(repeats)]).astype(np.int32))
+    op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits, stages=stages)
+    fn = bench.chain(lambda x, e: op(x, e, packed, scales))
+    jax.block_until_ready(fn((xs, ids)))
+    _, ms = profiler.measure(fn)((xs, ids))
+    us = ms * 1e3 / repeats
+    weight_bytes = blocks * n * k // 2 + blocks * n * k // 16  # values + e4m3 scales (the layer's floor bytes)
+    return dict(kind="time", n=n, k=k, blocks=blocks, block_t=block_t, tile_k=tile_k, splits=splits,
+                stages=stages, us=us, floor_us=weight_bytes / HBM_BYTES_PER_S * 1e6,
+                pct_floor=100 * weight_bytes / HBM_BYTES_PER_S / (us * 1e-6))
+
+
+def time_triton_layer(t, repeats=4):
+    """Same-run baseline: the Triton NVFP4 MoE layer (per kernel, one call) and its total per call."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    gate, up, down = bench.make_weights("nvfp4", jax.random.key(0))
+    x, w, ids = bench.make_tokens(t, repeats, jax.random.key(t))
+    layer = lambda x, w, ids: mg.moe_gemm_kernel(x, w, ids, gate, up, down)  # noqa: E731
+    total, _ = bench.time_chain(bench.chain(layer), (x, w, ids), repeats=repeats, wall=False)
+    _, kernels = profiler.measure(jax.jit(layer), aggregate=False)(x[0], w[0], ids[0])
+    return dict(kind="triton_layer", t=t, us=total, kernels=[(name, ms * 1e3) for name, ms in kernels])
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--no-check", action="store_true", help="skip the checks against plain numpy")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    rows = []
+    out = os.path.join(os.environ.get("OUT", "."), "mgpu-probe.json")
+
+    def record(row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+    if not args.no_check:
+        for case in [(16, 128, 512, 3, 8, 256, 1), (16, 192, 320, 5, 16, 64, 1), (32, 640, 5120, 4, 8, 256, 4)]:
+            try:
+                record(check(rng, *case))
+            except Exception as e:  # noqa: BLE001 - report and go on
+                record(dict(kind="check", case=case, error=repr(e)[:2000]))
+    # (tokens, distinct experts): T=1 uses 8 experts; T=8/64 about 57/223 of 256 (random top-8 ids).
+    # Each T: the Triton layer first (same-run baseline), then the Mosaic GEMMs, gate/up then down.
+    plans = {1: [(640, 5120, 256, 4, 2), (640, 5120, 256, 8, 2), (640, 5120, 256, 4, 3), (5120, 320, 64, 1, 2)],
+             8: [(640, 5120, 256, 1, 2), (640, 5120, 256, 2, 2), (5120, 320, 64, 1, 2)],
+             64: [(640, 5120, 256, 1, 2), (5120, 320, 64, 1, 2)]}
+    for t, blocks in [(1, 8), (8, 57), (64, 223)]:
+        try:
+            record(time_triton_layer(t))
+        except Exception as e:  # noqa: BLE001
+            record(dict(kind="triton_layer", t=t, error=repr(e)[:2000]))
+        for n, k, tile_k, splits, stages in plans[t]:
+            try:
+                record(dict(t=t, **time_kernel(rng, n, k, blocks, 8, tile_k, splits, stages)))
+            except Exception as e:  # noqa: BLE001
+                record(dict(kind="time", t=t, n=n, splits=splits, stages=stages, error=repr(e)[:2000]))
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    main()
+    print(f"done in {time.time() - t0:.0f} s")

@@ -1,0 +1,215 @@
+"""Grouped NVFP4 x bf16 GEMM for Hopper in Pallas Mosaic GPU: weights decoded in the wgmma registers.
+
+Computes, for every block b of `block_t` activation rows (one expert per block),
+`out[s, n, b*block_t + t] = sum_k W[e_b, n, k] * x[b*block_t + t, k]` over the K range of split s, in
+fp32, without the global scale. The weight tile is the wgmma's A operand (64 rows of W per warpgroup)
+and lives in registers: it is loaded as bytes and decoded there, so decoded weights never go
+through shared memory. The activations are the B operand, read by wgmma from shared memory.
+
+Why a kernel layout. wgmma's register layout gives each thread, per row and per 32 K values, four
+bf16x2 registers. A thread loads those 32 K values' 4 bytes as one 32-bit word; the load-time
+repacking below (`pack_kernel_layout`) places each value's four bits in that word so that a register
+needs one `and` (pair 0), a rotate and an `and` (pairs 1, 2), or an `and`, a multiply and an `and`
+(pair 3), then one `fma.rn.bf16x2` by the block scales: 1 integer operation per value (the Triton
+kernel issues 5.1 instructions per value, RESULTS.md run I). The bits land on a bf16 bit pattern
+with the E2M1 magnitude at bits 6-8 and the sign at bit 15: value * 2^-126, subnormals included.
+A register's low half comes from the first 16-value scale block of the 32 and its high half from the
+second, so the pair `(scale[2c], scale[2c+1])` (adjacent in memory) multiplies it with no shuffle.
+The K order this gives (`kernel_k_order`) is applied to the activations, not undone in registers:
+the contraction does not care about the order of K as long as both operands agree.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# bf16 bit positions of an E2M1 code's bits (m, e0, e1, sign) in the low half of a register.
+_CODE_BIT_POSITIONS = (6, 7, 8, 15)
+_PAIR_MASK = 0x81C081C0
+# Pairs 0-2: stored rotated left by these amounts. Pair 3: stored at _REST_BITS, moved into place by
+# one multiply (shifts 2, 7, 12; the shifted copies do not overlap, so the product is an OR).
+_ROTATIONS = (0, 3, 6)
+_REST_BITS = (0, 1, 3, 4, 16, 17, 19, 20)
+_REST_MULTIPLIER = (1 << 2) | (1 << 7) | (1 << 12)
+# The decoded weight is value * 2^-126 * (scale * 2^119): the output is multiplied by 2^7.
+SCALE_FACTOR = 2.0**119
+OUTPUT_FACTOR = 2.0**7
+_VALUES_PER_WORD = 8
+_K_PER_WORD_GROUP = 32  # one 32-bit word per thread per row per 32 K values
+_SCALE_ROW = 64  # the kernel layout's scales fold into rows of 64
+
+
+def _stored_position(pair: int, target: int) -> int:
+    """Bit of the packed word that holds the bit decoded to `target` for register pair `pair`."""
+    if pair < 3:
+        return (target + _ROTATIONS[pair]) % 32
+    sources = [target - shift for shift in (2, 7, 12) if target - shift in _REST_BITS]
+    assert len(sources) == 1, (target, sources)
+    return sources[0]
+
+
+def kernel_k_order(k: int) -> np.ndarray:
+    """`order[L]` = the original K index that logical (wgmma) column L holds."""
+    if k % _K_PER_WORD_GROUP:
+        raise ValueError(f"K={k} must be a multiple of {_K_PER_WORD_GROUP}")
+    logical = np.arange(k)
+    block, within = np.divmod(logical, _K_PER_WORD_GROUP)
+    pair, rest = np.divmod(within, 8)
+    thread, half = np.divmod(rest, 2)
+    return block * _K_PER_WORD_GROUP + 16 * half + 4 * thread + pair
+
+
+def pack_kernel_layout(codes: np.ndarray) -> np.ndarray:
+    """E2M1 codes `[..., K]` (uint8, one code per value, original K order) -> bytes `[..., K/2]`."""
+    k = codes.shape[-1]
+    if k % _K_PER_WORD_GROUP:
+        raise ValueError(f"K={k} must be a multiple of {_K_PER_WORD_GROUP}")
+    codes = codes.astype(np.uint32).reshape(*codes.shape[:-1], k // 32, 2, 4, 4)  # [.., c, half, thread, pair]
+    words = np.zeros(codes.shape[:-3] + (4,), np.uint32)  # [.., c, thread]
+    for pair in range(4):
+        for half in range(2):
+            code = codes[..., half, :, pair]
+            for bit, position in enumerate(_CODE_BIT_POSITIONS):
+                stored = _stored_position(pair, position + 16 * half)
+                words |= ((code >> bit) & 1) << np.uint32(stored)
+    return words.astype("<u4").view(np.uint8).reshape(*codes.shape[:-4], k // 2)
+
+
+def pack_scales(scale: np.ndarray, tile_k: int) -> np.ndarray:
+    """Block scales `[E, N, K/16]` (e4m3 values) -> bf16 `[E, K/tile_k, N*tile_k/16/64, 64]` times
+    SCALE_FACTOR.
+
+    One K step's scales of every row are contiguous (row-major `[N, tile_k/16]`, folded into rows of 64
+    for TMA's box limits), so a step's tile is one box whatever tile_k is; a `[64, tile_k/16]` box
+    would be narrower than TMA's 16 bytes for tile_k = 64."""
+    e, n, blocks = scale.shape
+    per_step = tile_k // 16
+    if blocks % per_step:
+        raise ValueError(f"K={blocks * 16} must be a multiple of tile_k={tile_k}")
+    steps = scale.reshape(e, n, blocks // per_step, per_step).transpose(0, 2, 1, 3)
+    scaled = (steps.astype(np.float32) * SCALE_FACTOR).astype(jnp.bfloat16)
+    return scaled.reshape(e, blocks // per_step, n * per_step // _SCALE_ROW, _SCALE_ROW)
+
+
+def _decode_pair_asm(pair: int) -> str:
+    """PTX: $1 = packed word, $2 = bf16x2 block scales (times 2^119) -> $0 = bf16x2 weights * 2^-7."""
+    if pair == 0:
+        extract = "and.b32 t, $1, MASK;"
+    elif pair < 3:
+        extract = f"shf.r.wrap.b32 t, $1, $1, {_ROTATIONS[pair]}; and.b32 t, t, MASK;"
+    else:
+        rest_mask = sum(1 << b for b in _REST_BITS)
+        extract = f"and.b32 t, $1, {rest_mask:#x}; mul.lo.u32 t, t, {_REST_MULTIPLIER:#x}; and.b32 t, t, MASK;"
+    extract = extract.replace("MASK", f"{_PAIR_MASK:#x}")
+    return "{ .reg .b32 t, negzero; mov.b32 negzero, 0x80008000; " + extract + " fma.rn.bf16x2 $0, t, $2, negzero; }"
+
+
+def _decode_tile(tile_k: int):
+    """inline_mgpu body: bytes [64, tile_k/2] (WGMMA_8BIT layout) + scale smem -> bf16 [64, tile_k] (WGMMA)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, gpu, llvm, vector
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils
+
+    def body(ctx, packed, scale_ref):
+        del ctx
+        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+        bf16 = ir.BF16Type.get()
+        tid = arith.remui(gpu.thread_id(gpu.Dimension.x), utils.c(128, index))
+        warp, lane = arith.divui(tid, utils.c(32, index)), arith.remui(tid, utils.c(32, index))
+        row0 = arith.addi(arith.muli(warp, utils.c(16, index)), arith.divui(lane, utils.c(4, index)))
+        groups = tile_k // _K_PER_WORD_GROUP
+        scale_rows = []
+        for half in range(2):
+            row = arith.addi(row0, utils.c(8 * half, index))
+            start = arith.muli(row, utils.c(2 * groups, index))
+            position = [arith.divui(start, utils.c(_SCALE_ROW, index)), arith.remui(start, utils.c(_SCALE_ROW, index))]
+            scale_rows.append(vector.load(ir.VectorType.get((2 * groups,), bf16), scale_ref, position))
+        out = np.empty(fa.WGMMA_LAYOUT.registers_shape((64, tile_k)), dtype=object)
+        for c in range(groups):
+            for half in range(2):
+                word = utils.bitcast(packed.registers[0, c, 0, 0, half, 0, 0, 0, 0], i32)
+                scales = utils.bitcast(utils.vector_slice(scale_rows[half], slice(2 * c, 2 * c + 2)), i32)
+                for pair in range(4):
+                    reg = llvm.inline_asm(i32, [word, scales], _decode_pair_asm(pair), "=r,r,r")
+                    out[0, 4 * c + pair, 0, 0, half, 0, 0, 0, 0] = utils.bitcast(reg, ir.VectorType.get((2,), bf16))
+        return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+    return body
+
+
+def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
+                   stages: int = 4):
+    """`xs [B*block_t, K]` bf16 (K in `kernel_k_order`), `block_expert [B]` int32, `packed [E, N, K/2]`
+    uint8 (`pack_kernel_layout`), `scales` bf16 (`pack_scales`) ->
+    `[splits, N, B*block_t]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale)."""
+    rows, k = xs.shape
+    _, n, half_k = packed.shape
+    blocks = block_expert.shape[0]
+    tile_n = 64
+    if (rows != blocks * block_t or half_k * 2 != k or n % tile_n or k % (tile_k * splits)
+            or scales.shape[1:] != (k // tile_k, n * tile_k // 16 // _SCALE_ROW, _SCALE_ROW)):
+        raise ValueError(f"shapes: xs {xs.shape}, packed {packed.shape}, blocks {blocks}, block_t {block_t}, "
+                         f"tile_k {tile_k}, splits {splits}")
+    k_steps = k // (tile_k * splits)
+    byte_swizzle = plgpu.find_swizzle(tile_k // 2 * 8, "lhs")
+    x_swizzle = plgpu.find_swizzle(tile_k * 16, "rhs")
+    packed_transforms = (plgpu.TilingTransform((8, byte_swizzle)), plgpu.SwizzleTransform(byte_swizzle))
+    x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
+    decode = plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA_8BIT, plgpu.RefType()),
+        return_type=plgpu.ShapeDtypeStruct((tile_n, tile_k), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+    )(_decode_tile(tile_k))
+
+    def kernel(block_expert_gmem, xs_gmem, packed_gmem, scales_gmem, out_gmem, out_smem):
+        b, ni, si = (jax.lax.axis_index(a) for a in ("b", "n", "s"))
+        expert = block_expert_gmem[b]
+        k0 = si * k_steps
+
+        def acc_scope(acc_ref):
+            def step(_, w_smem, s_smem, x_smem):
+                w = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT)
+                a = decode(w, s_smem)
+                plgpu.wgmma(acc_ref, a, x_smem.transpose((1, 0)))
+                plgpu.wgmma_wait(0)
+
+            plgpu.emit_pipeline(
+                step,
+                grid=(k_steps,),
+                in_specs=[
+                    plgpu.BlockSpec((tile_n, tile_k // 2), lambda kk: (ni, k0 + kk), transforms=packed_transforms),
+                    plgpu.BlockSpec((None, tile_n * tile_k // 16 // _SCALE_ROW, _SCALE_ROW),
+                                    lambda kk: (k0 + kk, ni, 0)),
+                    plgpu.BlockSpec((block_t, tile_k), lambda kk: (b, k0 + kk), transforms=x_transforms),
+                ],
+                max_concurrent_steps=stages,
+            )(packed_gmem.at[expert], scales_gmem.at[expert], xs_gmem)
+            return acc_ref[...]
+
+        acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, block_t)))
+        out_smem[...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, pl.ds(ni * tile_n, tile_n), pl.ds(b * block_t, block_t)])
+        plgpu.wait_smem_to_gmem(0)
+
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((splits, n, rows), jnp.float32),
+        grid=(blocks, n // tile_n, splits),
+        grid_names=("b", "n", "s"),
+        scratch_types=dict(out_smem=plgpu.SMEM((tile_n, block_t), jnp.float32)),
+    )
+    return call(block_expert, xs, packed, scales)
+
+
+def grouped_matmul_reference(xs, block_expert, w, *, block_t: int):
+    """Plain jnp: `w [E, N, K]` dequantized weights (original K order), `xs` in original K order."""
+    x = xs.reshape(block_expert.shape[0], block_t, -1).astype(jnp.float32)
+    w = w[block_expert].astype(jnp.float32)
+    return jnp.einsum("btk,bnk->nbt", x, w, precision=jax.lax.Precision.HIGHEST).reshape(w.shape[1], -1)
+
+

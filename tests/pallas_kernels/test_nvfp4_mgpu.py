@@ -1,0 +1,103 @@
+"""The Mosaic GPU NVFP4 grouped GEMM: its load-time layouts (checked on the CPU by emulating the
+kernel's PTX decode bit for bit), its lowering for sm_90, and its output on a GPU."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels import nvfp4_mgpu as nm
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def _emulate_decode(word: np.ndarray, pair: int) -> np.ndarray:
+    """The PTX of `_decode_pair_asm` without the scale: uint32 words -> the bf16x2 bit patterns."""
+    word = word.astype(np.uint64)
+    if pair == 0:
+        t = word
+    elif pair < 3:
+        r = nm._ROTATIONS[pair]
+        t = (word >> r) | (word << (32 - r))
+    else:
+        t = (word & sum(1 << b for b in nm._REST_BITS)) * nm._REST_MULTIPLIER
+    return (t & 0xFFFFFFFF & nm._PAIR_MASK).astype(np.uint32)
+
+
+@pytest.mark.parametrize("k", [32, 96, 320, 5120])
+def test_packed_words_decode_to_the_codes_in_kernel_k_order(k):
+    rng = np.random.default_rng(k)
+    codes = rng.integers(0, 16, (5, k), dtype=np.uint8)
+    words = nm.pack_kernel_layout(codes).view("<u4").reshape(5, k // 32, 4)  # [row, 32-block, thread]
+    got = np.zeros((5, k), np.float32)
+    for pair in range(4):
+        bits = _emulate_decode(words, pair)
+        for half in range(2):
+            pattern = ((bits >> (16 * half)) & 0xFFFF).astype(np.uint16).view(ml_dtypes.bfloat16)
+            # wgmma column of this register half: 32c + 8 * pair + 2 * thread + half
+            columns = 32 * np.arange(k // 32)[:, None] + 8 * pair + 2 * np.arange(4)[None, :] + half
+            got[:, columns] = pattern.astype(np.float32) * 2.0**126
+    np.testing.assert_array_equal(got, E2M1[codes][:, nm.kernel_k_order(k)])
+
+
+def test_kernel_k_order_keeps_scale_blocks_and_halves():
+    order = nm.kernel_k_order(64)
+    assert sorted(order) == list(range(64))
+    # A register's low half comes from the first 16-value scale block of its 32, the high half from the second.
+    assert np.all(order[0::2] % 32 < 16) and np.all(order[1::2] % 32 >= 16)
+
+
+def test_pack_scales_puts_a_step_of_every_row_together():
+    rng = np.random.default_rng(1)
+    scale = rng.uniform(0.02, 4, (2, 128, 20)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    packed = nm.pack_scales(scale, tile_k=64).reshape(2, 5, 128, 4).astype(np.float32)
+    np.testing.assert_array_equal(packed, scale.reshape(2, 128, 5, 4).transpose(0, 2, 1, 3) * nm.SCALE_FACTOR)
+
+
+def test_bad_shapes_are_rejected():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        nm.pack_kernel_layout(np.zeros((2, 48), np.uint8))
+    with pytest.raises(ValueError, match="tile_k"):
+        nm.pack_scales(np.ones((1, 64, 20), np.float32), tile_k=256)
+    xs = jnp.zeros((16, 512), jnp.bfloat16)
+    with pytest.raises(ValueError, match="shapes"):
+        nm.grouped_matmul(xs, jnp.zeros((3,), jnp.int32), jnp.zeros((4, 64, 256), jnp.uint8),
+                          jnp.zeros((4, 2, 1, 64), jnp.bfloat16), block_t=8)
+
+
+def _specs(experts, n, k, blocks, block_t, tile_k):
+    spec = jax.ShapeDtypeStruct
+    return (spec((blocks * block_t, k), jnp.bfloat16), spec((blocks,), jnp.int32),
+            spec((experts, n, k // 2), jnp.uint8), spec((experts, k // tile_k, n * tile_k // 16 // 64, 64), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits", [(640, 5120, 8, 8, 256, 4), (5120, 320, 5, 16, 64, 1)])
+def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits):
+    """Beam's gate/up and down shapes lower to Mosaic GPU on the CPU (the PTX is built on the GPU)."""
+    op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits)
+    text = jax.jit(op).trace(*_specs(256, n, k, blocks, block_t, tile_k)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts,n,k,blocks,block_t,tile_k,splits", [
+    (16, 128, 512, 3, 8, 256, 1), (16, 192, 320, 5, 16, 64, 1), (8, 64, 1024, 2, 8, 256, 2), (32, 640, 5120, 4, 8, 256, 4),
+])
+def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits):
+    rng = np.random.default_rng(n + k)
+    codes = rng.integers(0, 16, (experts, n, k), dtype=np.uint8)
+    scale = rng.uniform(0.02, 4, (experts, n, k // 16)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    x = rng.standard_normal((blocks * block_t, k)).astype(ml_dtypes.bfloat16)
+    block_expert = rng.integers(0, experts, blocks).astype(np.int32)
+    out = nm.grouped_matmul(jnp.asarray(x[:, nm.kernel_k_order(k)]), jnp.asarray(block_expert),
+                            jnp.asarray(nm.pack_kernel_layout(codes)), jnp.asarray(nm.pack_scales(scale, tile_k)),
+                            block_t=block_t, tile_k=tile_k, splits=splits)
+    got = np.asarray(out).sum(0) * nm.OUTPUT_FACTOR
+    w = jnp.asarray(E2M1[codes] * np.repeat(scale, 16, axis=-1))
+    want = np.asarray(nm.grouped_matmul_reference(jnp.asarray(x), jnp.asarray(block_expert), w, block_t=block_t))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
