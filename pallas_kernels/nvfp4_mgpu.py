@@ -63,23 +63,27 @@ def kernel_k_order(k: int) -> np.ndarray:
     return block * _K_PER_WORD_GROUP + 16 * half + 4 * thread + pair
 
 
-def pack_kernel_layout(codes: np.ndarray) -> np.ndarray:
-    """E2M1 codes `[..., K]` (uint8, one code per value, original K order) -> bytes `[..., K/2]`."""
+def pack_kernel_layout(codes) -> jax.Array:
+    """E2M1 codes `[..., K]` (one code per value, original K order) -> bytes `[..., K/2]` (jnp)."""
     k = codes.shape[-1]
     if k % _K_PER_WORD_GROUP:
         raise ValueError(f"K={k} must be a multiple of {_K_PER_WORD_GROUP}")
-    codes = codes.astype(np.uint32).reshape(*codes.shape[:-1], k // 32, 2, 4, 4)  # [.., c, half, thread, pair]
-    words = np.zeros(codes.shape[:-3] + (4,), np.uint32)  # [.., c, thread]
+    codes = jnp.asarray(codes, jnp.uint32).reshape(*codes.shape[:-1], k // 32, 2, 4, 4)  # [.., c, half, thread, pair]
+    words = jnp.zeros(codes.shape[:-3] + (4,), jnp.uint32)  # [.., c, thread]
     for pair in range(4):
         for half in range(2):
             code = codes[..., half, :, pair]
             for bit, position in enumerate(_CODE_BIT_POSITIONS):
-                stored = _stored_position(pair, position + 16 * half)
-                words |= ((code >> bit) & 1) << np.uint32(stored)
-    return words.astype("<u4").view(np.uint8).reshape(*codes.shape[:-4], k // 2)
+                words |= ((code >> bit) & 1) << _stored_position(pair, position + 16 * half)
+    return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(*codes.shape[:-4], k // 2)
 
 
-def pack_scales(scale: np.ndarray, tile_k: int) -> np.ndarray:
+def checkpoint_codes(values) -> jax.Array:
+    """Checkpoint NVFP4 bytes `[..., K/2]` (element 2j in the low nibble) -> codes `[..., K]`."""
+    return jnp.stack([values & 0x0F, values >> 4], axis=-1).reshape(*values.shape[:-1], -1)
+
+
+def pack_scales(scale, tile_k: int) -> jax.Array:
     """Block scales `[E, N, K/16]` (e4m3 values) -> bf16 `[E, K/tile_k, N*tile_k/16/64, 64]` times
     SCALE_FACTOR.
 
@@ -90,9 +94,22 @@ def pack_scales(scale: np.ndarray, tile_k: int) -> np.ndarray:
     per_step = tile_k // 16
     if blocks % per_step:
         raise ValueError(f"K={blocks * 16} must be a multiple of tile_k={tile_k}")
-    steps = scale.reshape(e, n, blocks // per_step, per_step).transpose(0, 2, 1, 3)
-    scaled = (steps.astype(np.float32) * SCALE_FACTOR).astype(jnp.bfloat16)
+    steps = jnp.asarray(scale).reshape(e, n, blocks // per_step, per_step).transpose(0, 2, 1, 3)
+    scaled = (steps.astype(jnp.float32) * SCALE_FACTOR).astype(jnp.bfloat16)
     return scaled.reshape(e, blocks // per_step, n * per_step // _SCALE_ROW, _SCALE_ROW)
+
+
+def decode_pair_bits(words, pair: int) -> jax.Array:
+    """Plain-jnp twin of `_decode_pair_asm` without the scale: uint32 words -> bf16x2 bit patterns
+    (value * 2^-126 in each half)."""
+    words = jnp.asarray(words, jnp.uint32)
+    if pair == 0:
+        moved = words
+    elif pair < 3:
+        moved = (words >> _ROTATIONS[pair]) | (words << (32 - _ROTATIONS[pair]))
+    else:
+        moved = (words & sum(1 << b for b in _REST_BITS)) * jnp.uint32(_REST_MULTIPLIER)
+    return moved & jnp.uint32(_PAIR_MASK)
 
 
 def _decode_pair_asm(pair: int) -> str:
@@ -144,7 +161,7 @@ def _decode_tile(tile_k: int):
 
 def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
                    stages: int = 4):
-    """`xs [B*block_t, K]` bf16 (K in `kernel_k_order`), `block_expert [B]` int32, `packed [E, N, K/2]`
+    """`xs [B*block_t, K]` bf16 (K in `kernel_k_order`), `block_expert [B]` int32 (-1: skip the block), `packed [E, N, K/2]`
     uint8 (`pack_kernel_layout`), `scales` bf16 (`pack_scales`) ->
     `[splits, N, B*block_t]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale)."""
     rows, k = xs.shape
@@ -190,11 +207,13 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
             )(packed_gmem.at[expert], scales_gmem.at[expert], xs_gmem)
             return acc_ref[...]
 
-        acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, block_t)))
-        out_smem[...] = acc
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, pl.ds(ni * tile_n, tile_n), pl.ds(b * block_t, block_t)])
-        plgpu.wait_smem_to_gmem(0)
+        @pl.when(expert >= 0)  # unused blocks (expert -1) are skipped; their output is left unwritten
+        def _():
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, block_t)))
+            out_smem[...] = acc
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, pl.ds(ni * tile_n, tile_n), pl.ds(b * block_t, block_t)])
+            plgpu.wait_smem_to_gmem(0)
 
     call = plgpu.kernel(
         kernel,

@@ -2,7 +2,7 @@
 plain jnp, then times it at Beam's TP8 expert shapes beside the Triton NVFP4 layer of `moe_gemm` in the
 same run. CUPTI device time per call; weights rotate over fresh expert ids so they come from HBM.
 
-    OUT=dir python3 -u benchmarks/moe/mgpu_probe.py [--no-check]
+    OUT=dir python3 -u benchmarks/moe/mgpu_probe.py [--no-check | --layers]
 """
 
 from __future__ import annotations
@@ -84,9 +84,38 @@ def time_triton_layer(t, repeats=4):
     return dict(kind="triton_layer", t=t, us=total, kernels=[(name, ms * 1e3) for name, ms in kernels])
 
 
+def time_layers(t, splits, repeats=4):
+    """The whole NVFP4 MoE layer, Triton kernels against the Mosaic GEMMs, same weights and tokens:
+    CUPTI total per call and one call's kernels; plus the Mosaic layer's error against the reference."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    from pallas_kernels import nvfp4_moe_mgpu as nmm
+
+    gate, up, down = bench.make_weights("nvfp4", jax.random.key(0))
+    gate_up_k, down_k = (nmm.KernelNvfp4.from_expert_weights(gate, up, tile_k=256),
+                         nmm.KernelNvfp4.from_expert_weights(down, tile_k=64))
+    x, w, ids = bench.make_tokens(t, repeats, jax.random.key(t))
+    layers = {
+        "triton": lambda x, w, ids: mg.moe_gemm_kernel(x, w, ids, gate, up, down),
+        "mosaic": lambda x, w, ids: nmm.moe_nvfp4(x, w, ids, gate_up_k, down_k, gate_up_splits=splits),
+    }
+    want = np.asarray(mg.moe_gemm_reference(x[0], w[0], ids[0], gate, up, down), np.float32)
+    row = dict(kind="layers", t=t, gate_up_splits=splits)
+    for name, layer in layers.items():
+        total, _ = bench.time_chain(bench.chain(layer), (x, w, ids), repeats=repeats, wall=False)
+        _, kernels = profiler.measure(jax.jit(layer), aggregate=False)(x[0], w[0], ids[0])
+        got = np.asarray(jax.jit(layer)(x[0], w[0], ids[0]), np.float32)
+        row[name] = dict(us=total, kernels=[(k, ms * 1e3) for k, ms in kernels],
+                         max_err=float(np.abs(got - want).max()), max_ref=float(np.abs(want).max()))
+    floor_bytes = bench.expert_bytes(gate, up, down) * len(np.unique(np.asarray(ids[0])))
+    row["floor_us"] = floor_bytes / HBM_BYTES_PER_S * 1e6
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-check", action="store_true", help="skip the checks against plain numpy")
+    parser.add_argument("--layers", action="store_true", help="only the whole layer, Triton against Mosaic")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows = []
@@ -98,6 +127,13 @@ def main():
         with open(out, "w") as f:
             json.dump(rows, f, indent=1)
 
+    if args.layers:
+        for t, splits in [(1, 4), (8, 1), (16, 1), (64, 1)]:
+            try:
+                record(time_layers(t, splits))
+            except Exception as e:  # noqa: BLE001
+                record(dict(kind="layers", t=t, error=repr(e)[:2000]))
+        return
     if not args.no_check:
         for case in [(16, 128, 512, 3, 8, 256, 1), (16, 192, 320, 5, 16, 64, 1), (32, 640, 5120, 4, 8, 256, 4)]:
             try:

@@ -1,5 +1,6 @@
-"""The Mosaic GPU NVFP4 grouped GEMM: its load-time layouts (checked on the CPU by emulating the
-kernel's PTX decode bit for bit), its lowering for sm_90, and its output on a GPU."""
+"""The Mosaic GPU NVFP4 grouped GEMM: its load-time layouts (checked on the CPU through
+`decode_pair_bits`, the PTX decode's plain-jnp twin), its lowering for sm_90, its output on a GPU, and
+the MoE layer built on it (its glue on the CPU with the GEMM emulated; the whole layer on a GPU)."""
 
 from __future__ import annotations
 
@@ -11,32 +12,21 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from pallas_kernels import moe_gemm as mg
 from pallas_kernels import nvfp4_mgpu as nm
+from pallas_kernels import nvfp4_moe_mgpu as nmm
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
-
-
-def _emulate_decode(word: np.ndarray, pair: int) -> np.ndarray:
-    """The PTX of `_decode_pair_asm` without the scale: uint32 words -> the bf16x2 bit patterns."""
-    word = word.astype(np.uint64)
-    if pair == 0:
-        t = word
-    elif pair < 3:
-        r = nm._ROTATIONS[pair]
-        t = (word >> r) | (word << (32 - r))
-    else:
-        t = (word & sum(1 << b for b in nm._REST_BITS)) * nm._REST_MULTIPLIER
-    return (t & 0xFFFFFFFF & nm._PAIR_MASK).astype(np.uint32)
 
 
 @pytest.mark.parametrize("k", [32, 96, 320, 5120])
 def test_packed_words_decode_to_the_codes_in_kernel_k_order(k):
     rng = np.random.default_rng(k)
     codes = rng.integers(0, 16, (5, k), dtype=np.uint8)
-    words = nm.pack_kernel_layout(codes).view("<u4").reshape(5, k // 32, 4)  # [row, 32-block, thread]
+    words = np.asarray(nm.pack_kernel_layout(codes)).view("<u4").reshape(5, k // 32, 4)  # [row, 32-block, thread]
     got = np.zeros((5, k), np.float32)
     for pair in range(4):
-        bits = _emulate_decode(words, pair)
+        bits = np.asarray(nm.decode_pair_bits(words, pair))
         for half in range(2):
             pattern = ((bits >> (16 * half)) & 0xFFFF).astype(np.uint16).view(ml_dtypes.bfloat16)
             # wgmma column of this register half: 32c + 8 * pair + 2 * thread + half
@@ -55,7 +45,7 @@ def test_kernel_k_order_keeps_scale_blocks_and_halves():
 def test_pack_scales_puts_a_step_of_every_row_together():
     rng = np.random.default_rng(1)
     scale = rng.uniform(0.02, 4, (2, 128, 20)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    packed = nm.pack_scales(scale, tile_k=64).reshape(2, 5, 128, 4).astype(np.float32)
+    packed = np.asarray(nm.pack_scales(scale, tile_k=64)).reshape(2, 5, 128, 4).astype(np.float32)
     np.testing.assert_array_equal(packed, scale.reshape(2, 128, 5, 4).transpose(0, 2, 1, 3) * nm.SCALE_FACTOR)
 
 
@@ -101,3 +91,47 @@ def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits
     w = jnp.asarray(E2M1[codes] * np.repeat(scale, 16, axis=-1))
     want = np.asarray(nm.grouped_matmul_reference(jnp.asarray(x), jnp.asarray(block_expert), w, block_t=block_t))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def _layer_problem(seed, tokens, hidden, intermediate, experts, top_k, tile_k):
+    from tests.pallas_kernels.test_moe_gemm import random_problem
+
+    x, weights, ids, gate, up, down = random_problem(seed, tokens, hidden, intermediate, experts, top_k, "nvfp4")
+    kernel_weights = (nmm.KernelNvfp4.from_expert_weights(gate, up, tile_k=tile_k),
+                      nmm.KernelNvfp4.from_expert_weights(down, tile_k=64))
+    return (x, weights, ids, gate, up, down), kernel_weights
+
+
+def _assert_layer_close(problem, got):
+    # The reference rounds each dequantized weight (value * block * global) to bf16; the kernel applies
+    # the global scale to the fp32 sums: a few output ulps apart.
+    want = np.asarray(jax.jit(mg.moe_gemm_reference)(*problem), np.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0, atol=4 * 2.0**-7 * np.abs(want).max())
+    assert np.abs(want).max() > 0
+
+
+@pytest.mark.parametrize("tokens,block_t", [(1, 8), (5, 2), (13, 2), (13, 8)])
+def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t):
+    """Blocks, gathers, splits, scales, SwiGLU and combine, with the GEMM emulated in plain jnp:
+    experts with more pairs than a block (tails), unused experts, and unused blocks."""
+    problem, (gate_up, down) = _layer_problem(tokens, tokens, 256, 64, 16, 4, tile_k=128)
+    layer = functools.partial(nmm.moe_nvfp4, block_t=block_t, gate_up_splits=2, matmul=nmm.emulated_matmul)
+    _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
+
+
+def test_blocks_hold_every_pair_once():
+    ids = jnp.asarray(np.random.default_rng(3).integers(0, 6, (11, 3)), jnp.int32)
+    pair_row, block_expert, row_token = nmm._blocks(ids, 6, 4)
+    pair_row, block_expert, row_token = map(np.asarray, (pair_row, block_expert, row_token))
+    assert len(set(pair_row)) == ids.size
+    np.testing.assert_array_equal(block_expert[pair_row // 4], np.asarray(ids).reshape(-1))
+    np.testing.assert_array_equal(row_token[pair_row], np.arange(ids.size) // 3)
+    assert (row_token[np.setdiff1d(np.arange(row_token.size), pair_row)] == 11).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 64, 300])
+def test_layer_matches_reference_on_gpu(tokens):
+    """Beam's per-GPU TP8 expert shape on the kernel."""
+    problem, (gate_up, down) = _layer_problem(tokens, tokens, 5120, 320, 256, 8, tile_k=256)
+    _assert_layer_close(problem, jax.jit(nmm.moe_nvfp4)(*problem[:3], gate_up, down))

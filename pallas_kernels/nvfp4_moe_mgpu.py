@@ -1,0 +1,108 @@
+"""Beam's NVFP4 MoE layer on the Mosaic GPU grouped GEMM (`nvfp4_mgpu.grouped_matmul`), Hopper only.
+
+The weights are repacked once into the kernel's layouts (`KernelNvfp4.from_expert_weights`, at load
+time); per call, XLA sorts the (token, expert) pairs into blocks of `block_t` rows of one expert,
+gathers their activations (in the kernel's K order), and after each GEMM adds the K splits, applies
+the global scales, SwiGLU and the routing weights. Rounding follows `moe_gemm_reference`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import moe_gemm as mg
+from pallas_kernels import nvfp4_mgpu as nm
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["packed", "scales", "global_scale"],
+                   meta_fields=["tile_k"])
+@dataclasses.dataclass(frozen=True)
+class KernelNvfp4:
+    """One projection of every expert in the kernel's layouts; `global_scale [E, N]` per output row."""
+
+    packed: jax.Array
+    scales: jax.Array
+    global_scale: jax.Array
+    tile_k: int
+
+    @classmethod
+    def from_expert_weights(cls, *projections: mg.ExpertWeights, tile_k: int) -> KernelNvfp4:
+        """NVFP4 `ExpertWeights` with the same K, their used rows stacked (gate then up for gate/up)."""
+        packed, scales, global_scale = [], [], []
+        for w in projections:
+            if w.format != "nvfp4":
+                raise ValueError(f"KernelNvfp4 takes nvfp4 weights, got {w.format}")
+            rows = slice(w.row_offset, w.row_offset + w.num_rows)
+            packed.append(nm.pack_kernel_layout(nm.checkpoint_codes(w.values[:, rows])))
+            scales.append(w.scale[:, rows].astype(jnp.float32))
+            global_scale.append(jnp.broadcast_to(w.global_scale[:, None], (w.values.shape[0], w.num_rows)))
+        return cls(jnp.concatenate(packed, 1), nm.pack_scales(jnp.concatenate(scales, 1), tile_k),
+                   jnp.concatenate(global_scale, 1).astype(jnp.float32), tile_k)
+
+
+def _blocks(ids, num_experts: int, block_t: int):
+    """Pairs sorted into blocks of one expert: (row of each pair, expert of each block (-1: unused),
+    token of each row (`tokens` for padding rows))."""
+    tokens, top_k = ids.shape
+    pairs = tokens * top_k
+    num_blocks = -(-pairs // block_t) + min(num_experts, pairs)  # static bound on sum(ceil(count / block_t))
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    counts = jnp.bincount(flat, length=num_experts)
+    first_pair = jnp.cumsum(counts) - counts
+    first_block = jnp.cumsum(-(-counts // block_t)) - (-(-counts // block_t))
+    sorted_experts = flat[order]
+    rank = jnp.arange(pairs) - first_pair[sorted_experts]
+    sorted_rows = (first_block[sorted_experts] + rank // block_t) * block_t + rank % block_t
+    pair_row = jnp.zeros(pairs, jnp.int32).at[order].set(sorted_rows.astype(jnp.int32))
+    block_expert = jnp.full(num_blocks, -1, jnp.int32).at[sorted_rows // block_t].set(sorted_experts.astype(jnp.int32))
+    row_token = jnp.full(num_blocks * block_t, tokens, jnp.int32).at[sorted_rows].set((order // top_k).astype(jnp.int32))
+    return pair_row, block_expert, row_token
+
+
+def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int = 8,
+              gate_up_splits: int = 1, matmul=nm.grouped_matmul):
+    """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
+    gate rows then up rows. `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation)."""
+    tokens, top_k = ids.shape
+    hidden, intermediate = x.shape[1], down.packed.shape[2] * 2
+    pair_row, block_expert, row_token = _blocks(ids, gate_up.packed.shape[0], block_t)
+    row_expert = jnp.maximum(jnp.repeat(block_expert, block_t), 0)  # unused rows: any expert, never read back
+    xs = jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)])[row_token][:, nm.kernel_k_order(hidden)]
+    gu = matmul(xs, block_expert, gate_up.packed, gate_up.scales, block_t=block_t, tile_k=gate_up.tile_k,
+                splits=gate_up_splits)
+    gu = gu.sum(0).T * nm.OUTPUT_FACTOR * gate_up.global_scale[row_expert]
+    gate, up = gu[:, :intermediate].astype(x.dtype), gu[:, intermediate:].astype(x.dtype)
+    act = mg._swiglu(gate, up).astype(x.dtype)[:, nm.kernel_k_order(intermediate)]
+    out = matmul(act, block_expert, down.packed, down.scales, block_t=block_t, tile_k=down.tile_k, splits=1)
+    out = (out[0].T * nm.OUTPUT_FACTOR * down.global_scale[row_expert]).astype(x.dtype)
+    pair_out = out[pair_row].astype(jnp.float32) * weights.reshape(-1, 1)
+    return pair_out.astype(x.dtype).astype(jnp.float32).reshape(tokens, top_k, hidden).sum(1).astype(x.dtype)
+
+
+def emulated_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int):
+    """`grouped_matmul`'s contract in plain jnp (CPU tests of the glue): decodes the kernel layouts."""
+    e, n, half_k = packed.shape
+    k = half_k * 2
+    order = nm.kernel_k_order(k)
+    words = jax.lax.bitcast_convert_type(packed.reshape(e, n, k // 32, 4, 4), jnp.uint32)  # [e, n, c, thread]
+    values = jnp.zeros((e, n, k), jnp.float32)
+    for pair in range(4):
+        bits = nm.decode_pair_bits(words, pair)
+        for half in range(2):
+            # The bf16 pattern is value * 2^-126, subnormal in fp32 too (XLA's CPU flushes those): read
+            # the code back from its bits (magnitude 6-8, sign 15) instead of converting.
+            pattern = (bits >> (16 * half)) & 0xFFFF
+            code = ((pattern >> 6) & 7) | ((pattern >> 12) & 8)
+            logical = (32 * jnp.arange(k // 32)[:, None] + 8 * pair + 2 * jnp.arange(4)[None, :] + half)
+            values = values.at[:, :, logical].set(jnp.asarray(mg._E2M1_VALUES)[code])
+    block_scale = scales.reshape(e, k // tile_k, n, tile_k // 16).transpose(0, 2, 1, 3).reshape(e, n, k // 16)
+    w = values * jnp.repeat(block_scale.astype(jnp.float32) / nm.SCALE_FACTOR, 16, axis=-1)[:, :, order]
+    safe = jnp.maximum(block_expert, 0)
+    out = jnp.einsum("btk,bnk->nbt", xs.reshape(-1, block_t, k).astype(jnp.float32), w[safe],
+                     precision=jax.lax.Precision.HIGHEST).reshape(n, -1)
+    return (out / nm.OUTPUT_FACTOR)[None]
