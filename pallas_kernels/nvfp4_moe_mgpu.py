@@ -49,6 +49,11 @@ def _blocks(ids, num_experts: int, block_t: int):
     token of each row (`tokens` for padding rows))."""
     tokens, top_k = ids.shape
     pairs = tokens * top_k
+    if tokens == 1:  # a token picks an expert once: one block per pair, no sort (XLA's sort and scatters
+        # cost more than the GEMMs at one token: H200 run Q)
+        pair_row = jnp.arange(top_k, dtype=jnp.int32) * block_t
+        row_token = jnp.ones(top_k * block_t, jnp.int32).at[pair_row].set(0)
+        return pair_row, ids[0].astype(jnp.int32), row_token
     num_blocks = -(-pairs // block_t) + min(num_experts, pairs)  # static bound on sum(ceil(count / block_t))
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
