@@ -125,8 +125,9 @@ def _decode_pair_asm(pair: int) -> str:
     return "{ .reg .b32 t, negzero; mov.b32 negzero, 0x80008000; " + extract + " fma.rn.bf16x2 $0, t, $2, negzero; }"
 
 
-def _decode_tile(tile_k: int):
-    """inline_mgpu body: bytes [64, tile_k/2] (WGMMA_8BIT layout) + scale smem -> bf16 [64, tile_k] (WGMMA)."""
+def _decode_tile(tile_n: int, tile_k: int):
+    """inline_mgpu body: bytes [tile_n, tile_k/2] (WGMMA_8BIT layout) + scale smem -> bf16 [tile_n, tile_k]
+    (WGMMA). Each 64-row tile m of the layouts is register index 0; rows 16 * warp + lane / 4 (+ 8)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, gpu, llvm, vector
     from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -140,38 +141,38 @@ def _decode_tile(tile_k: int):
         warp, lane = arith.divui(tid, utils.c(32, index)), arith.remui(tid, utils.c(32, index))
         row0 = arith.addi(arith.muli(warp, utils.c(16, index)), arith.divui(lane, utils.c(4, index)))
         groups = tile_k // _K_PER_WORD_GROUP
-        scale_rows = []
-        for half in range(2):
-            row = arith.addi(row0, utils.c(8 * half, index))
-            start = arith.muli(row, utils.c(2 * groups, index))
-            position = [arith.divui(start, utils.c(_SCALE_ROW, index)), arith.remui(start, utils.c(_SCALE_ROW, index))]
-            scale_rows.append(vector.load(ir.VectorType.get((2 * groups,), bf16), scale_ref, position))
-        out = np.empty(fa.WGMMA_LAYOUT.registers_shape((64, tile_k)), dtype=object)
-        for c in range(groups):
+        out = np.empty(fa.WGMMA_LAYOUT.registers_shape((tile_n, tile_k)), dtype=object)
+        for m in range(tile_n // 64):
             for half in range(2):
-                word = utils.bitcast(packed.registers[0, c, 0, 0, half, 0, 0, 0, 0], i32)
-                scales = utils.bitcast(utils.vector_slice(scale_rows[half], slice(2 * c, 2 * c + 2)), i32)
-                for pair in range(4):
-                    reg = llvm.inline_asm(i32, [word, scales], _decode_pair_asm(pair), "=r,r,r")
-                    out[0, 4 * c + pair, 0, 0, half, 0, 0, 0, 0] = utils.bitcast(reg, ir.VectorType.get((2,), bf16))
+                row = arith.addi(row0, utils.c(64 * m + 8 * half, index))
+                start = arith.muli(row, utils.c(2 * groups, index))
+                position = [arith.divui(start, utils.c(_SCALE_ROW, index)),
+                            arith.remui(start, utils.c(_SCALE_ROW, index))]
+                scale_row = vector.load(ir.VectorType.get((2 * groups,), bf16), scale_ref, position)
+                for c in range(groups):
+                    word = utils.bitcast(packed.registers[m, c, 0, 0, half, 0, 0, 0, 0], i32)
+                    scales = utils.bitcast(utils.vector_slice(scale_row, slice(2 * c, 2 * c + 2)), i32)
+                    for pair in range(4):
+                        reg = llvm.inline_asm(i32, [word, scales], _decode_pair_asm(pair), "=r,r,r")
+                        out[m, 4 * c + pair, 0, 0, half, 0, 0, 0, 0] = utils.bitcast(reg, ir.VectorType.get((2,), bf16))
         return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
     return body
 
 
 def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
-                   stages: int = 4):
+                   stages: int = 4, tile_n: int = 64):
     """`xs [B*block_t, K]` bf16 (K in `kernel_k_order`), `block_expert [B]` int32 (-1: skip the block), `packed [E, N, K/2]`
     uint8 (`pack_kernel_layout`), `scales` bf16 (`pack_scales`) ->
-    `[splits, N, B*block_t]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale)."""
+    `[splits, N, B*block_t]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
+    computes `tile_n` (a multiple of 64) rows of one block and split."""
     rows, k = xs.shape
     _, n, half_k = packed.shape
     blocks = block_expert.shape[0]
-    tile_n = 64
-    if (rows != blocks * block_t or half_k * 2 != k or n % tile_n or k % (tile_k * splits)
+    if (rows != blocks * block_t or half_k * 2 != k or tile_n % 64 or n % tile_n or k % (tile_k * splits)
             or scales.shape[1:] != (k // tile_k, n * tile_k // 16 // _SCALE_ROW, _SCALE_ROW)):
         raise ValueError(f"shapes: xs {xs.shape}, packed {packed.shape}, blocks {blocks}, block_t {block_t}, "
-                         f"tile_k {tile_k}, splits {splits}")
+                         f"tile_n {tile_n}, tile_k {tile_k}, splits {splits}")
     k_steps = k // (tile_k * splits)
     byte_swizzle = plgpu.find_swizzle(tile_k // 2 * 8, "lhs")
     x_swizzle = plgpu.find_swizzle(tile_k * 16, "rhs")
@@ -180,7 +181,7 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     decode = plgpu.inline_mgpu(
         arg_types=(plgpu.Layout.WGMMA_8BIT, plgpu.RefType()),
         return_type=plgpu.ShapeDtypeStruct((tile_n, tile_k), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-    )(_decode_tile(tile_k))
+    )(_decode_tile(tile_n, tile_k))
 
     def kernel(block_expert_gmem, xs_gmem, packed_gmem, scales_gmem, out_gmem, out_smem):
         b, ni, si = (jax.lax.axis_index(a) for a in ("b", "n", "s"))

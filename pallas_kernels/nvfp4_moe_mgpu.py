@@ -70,7 +70,7 @@ def _blocks(ids, num_experts: int, block_t: int):
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int = 8,
-              gate_up_splits: int = 1, matmul=nm.grouped_matmul):
+              gate_up_splits: int = 1, gate_up_tile_n: int = 64, down_tile_n: int = 64, matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation)."""
     tokens, top_k = ids.shape
@@ -79,18 +79,20 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     row_expert = jnp.maximum(jnp.repeat(block_expert, block_t), 0)  # unused rows: any expert, never read back
     xs = jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)])[row_token][:, nm.kernel_k_order(hidden)]
     gu = matmul(xs, block_expert, gate_up.packed, gate_up.scales, block_t=block_t, tile_k=gate_up.tile_k,
-                splits=gate_up_splits)
+                splits=gate_up_splits, tile_n=gate_up_tile_n)
     gu = gu.sum(0).T * nm.OUTPUT_FACTOR * gate_up.global_scale[row_expert]
     gate, up = gu[:, :intermediate].astype(x.dtype), gu[:, intermediate:].astype(x.dtype)
     act = mg._swiglu(gate, up).astype(x.dtype)[:, nm.kernel_k_order(intermediate)]
-    out = matmul(act, block_expert, down.packed, down.scales, block_t=block_t, tile_k=down.tile_k, splits=1)
+    out = matmul(act, block_expert, down.packed, down.scales, block_t=block_t, tile_k=down.tile_k, splits=1,
+                 tile_n=down_tile_n)
     out = (out[0].T * nm.OUTPUT_FACTOR * down.global_scale[row_expert]).astype(x.dtype)
     pair_out = out[pair_row].astype(jnp.float32) * weights.reshape(-1, 1)
     return pair_out.astype(x.dtype).astype(jnp.float32).reshape(tokens, top_k, hidden).sum(1).astype(x.dtype)
 
 
-def emulated_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int):
+def emulated_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int, tile_n: int = 64):
     """`grouped_matmul`'s contract in plain jnp (CPU tests of the glue): decodes the kernel layouts."""
+    del tile_n
     e, n, half_k = packed.shape
     k = half_k * 2
     order = nm.kernel_k_order(k)

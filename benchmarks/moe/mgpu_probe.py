@@ -84,7 +84,7 @@ def time_triton_layer(t, repeats=4):
     return dict(kind="triton_layer", t=t, us=total, kernels=[(name, ms * 1e3) for name, ms in kernels])
 
 
-def time_layers(t, splits, repeats=4):
+def time_layers(t, variants, repeats=4):
     """The whole NVFP4 MoE layer, Triton kernels against the Mosaic GEMMs, same weights and tokens:
     CUPTI total per call and one call's kernels; plus the Mosaic layer's error against the reference."""
     from jax.experimental.mosaic.gpu import profiler
@@ -95,12 +95,13 @@ def time_layers(t, splits, repeats=4):
     gate_up_k, down_k = (nmm.KernelNvfp4.from_expert_weights(gate, up, tile_k=256),
                          nmm.KernelNvfp4.from_expert_weights(down, tile_k=64))
     x, w, ids = bench.make_tokens(t, repeats, jax.random.key(t))
-    layers = {
-        "triton": lambda x, w, ids: mg.moe_gemm_kernel(x, w, ids, gate, up, down),
-        "mosaic": lambda x, w, ids: nmm.moe_nvfp4(x, w, ids, gate_up_k, down_k, gate_up_splits=splits),
-    }
+    layers = {"triton": lambda x, w, ids: mg.moe_gemm_kernel(x, w, ids, gate, up, down)}
+    for splits, gate_up_tile_n, down_tile_n in variants:
+        layers[f"mosaic[splits={splits},gate_up_tile_n={gate_up_tile_n},down_tile_n={down_tile_n}]"] = functools.partial(
+            lambda x, w, ids, **kw: nmm.moe_nvfp4(x, w, ids, gate_up_k, down_k, **kw), gate_up_splits=splits,
+            gate_up_tile_n=gate_up_tile_n, down_tile_n=down_tile_n)
     want = np.asarray(mg.moe_gemm_reference(x[0], w[0], ids[0], gate, up, down), np.float32)
-    row = dict(kind="layers", t=t, gate_up_splits=splits)
+    row = dict(kind="layers", t=t)
     for name, layer in layers.items():
         total, _ = bench.time_chain(bench.chain(layer), (x, w, ids), repeats=repeats, wall=False)
         _, kernels = profiler.measure(jax.jit(layer), aggregate=False)(x[0], w[0], ids[0])
@@ -128,9 +129,10 @@ def main():
             json.dump(rows, f, indent=1)
 
     if args.layers:
-        for t, splits in [(1, 4), (64, 1), (16, 1)]:
+        plans = {1: [(4, 64, 64), (4, 64, 128)], 64: [(1, 64, 64), (1, 128, 256)], 16: [(1, 64, 64), (1, 128, 256)]}
+        for t, variants in plans.items():
             try:
-                record(time_layers(t, splits))
+                record(time_layers(t, variants))
             except Exception as e:  # noqa: BLE001
                 record(dict(kind="layers", t=t, error=repr(e)[:2000]))
         return

@@ -66,19 +66,21 @@ def _specs(experts, n, k, blocks, block_t, tile_k):
             spec((experts, n, k // 2), jnp.uint8), spec((experts, k // tile_k, n * tile_k // 16 // 64, 64), jnp.bfloat16))
 
 
-@pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits", [(640, 5120, 8, 8, 256, 4), (5120, 320, 5, 16, 64, 1)])
-def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits):
+@pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits,tile_n",
+                         [(640, 5120, 8, 8, 256, 4, 64), (640, 5120, 8, 8, 256, 1, 128), (5120, 320, 5, 16, 64, 1, 256)])
+def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n):
     """Beam's gate/up and down shapes lower to Mosaic GPU on the CPU (the PTX is built on the GPU)."""
-    op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits)
+    op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits, tile_n=tile_n)
     text = jax.jit(op).trace(*_specs(256, n, k, blocks, block_t, tile_k)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("experts,n,k,blocks,block_t,tile_k,splits", [
-    (16, 128, 512, 3, 8, 256, 1), (16, 192, 320, 5, 16, 64, 1), (8, 64, 1024, 2, 8, 256, 2), (32, 640, 5120, 4, 8, 256, 4),
+@pytest.mark.parametrize("experts,n,k,blocks,block_t,tile_k,splits,tile_n", [
+    (16, 128, 512, 3, 8, 256, 1, 64), (16, 192, 320, 5, 16, 64, 1, 64), (8, 64, 1024, 2, 8, 256, 2, 64),
+    (32, 640, 5120, 4, 8, 256, 4, 64), (16, 384, 320, 3, 8, 64, 1, 128), (16, 512, 320, 2, 8, 64, 1, 256),
 ])
-def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits):
+def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits, tile_n):
     rng = np.random.default_rng(n + k)
     codes = rng.integers(0, 16, (experts, n, k), dtype=np.uint8)
     scale = rng.uniform(0.02, 4, (experts, n, k // 16)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
@@ -86,7 +88,7 @@ def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits
     block_expert = rng.integers(0, experts, blocks).astype(np.int32)
     out = nm.grouped_matmul(jnp.asarray(x[:, nm.kernel_k_order(k)]), jnp.asarray(block_expert),
                             jnp.asarray(nm.pack_kernel_layout(codes)), jnp.asarray(nm.pack_scales(scale, tile_k)),
-                            block_t=block_t, tile_k=tile_k, splits=splits)
+                            block_t=block_t, tile_k=tile_k, splits=splits, tile_n=tile_n)
     got = np.asarray(out).sum(0) * nm.OUTPUT_FACTOR
     w = jnp.asarray(E2M1[codes] * np.repeat(scale, 16, axis=-1))
     want = np.asarray(nm.grouped_matmul_reference(jnp.asarray(x), jnp.asarray(block_expert), w, block_t=block_t))
@@ -130,8 +132,9 @@ def test_blocks_hold_every_pair_once():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 8, 64, 300])
-def test_layer_matches_reference_on_gpu(tokens):
+@pytest.mark.parametrize("tokens,down_tile_n", [(1, 64), (8, 128), (64, 256), (300, 64)])
+def test_layer_matches_reference_on_gpu(tokens, down_tile_n):
     """Beam's per-GPU TP8 expert shape on the kernel."""
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 5120, 320, 256, 8, tile_k=256)
-    _assert_layer_close(problem, jax.jit(nmm.moe_nvfp4)(*problem[:3], gate_up, down))
+    layer = functools.partial(nmm.moe_nvfp4, down_tile_n=down_tile_n)
+    _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
