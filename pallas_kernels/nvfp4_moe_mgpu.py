@@ -69,11 +69,24 @@ def _blocks(ids, num_experts: int, block_t: int):
     return pair_row, block_expert, row_token
 
 
-def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int = 8,
-              gate_up_splits: int = 1, gate_up_tile_n: int = 64, down_tile_n: int = 64, matmul=nm.grouped_matmul):
+def default_config(tokens: int) -> dict:
+    """Block rows and gate/up K splits by token count. H200 (benchmarks/moe/RESULTS.md, runs O and P):
+    4 splits fill the GPU at one token (7.3 us against 11.5 with one); one split is best at T = 8
+    (32.9 against 34.0). Blocks of 8 rows (wgmma's narrowest N) suit decode, where an expert gets a
+    pair or two; 64-row blocks for prefill are not measured yet."""
+    return dict(block_t=8 if tokens <= 64 else 64, gate_up_splits=4 if tokens == 1 else 1)
+
+
+def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
+              gate_up_splits: int | None = None, gate_up_tile_n: int = 64, down_tile_n: int = 64,
+              matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
-    gate rows then up rows. `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation)."""
+    gate rows then up rows. Unset block_t / gate_up_splits come from `default_config`. `matmul` is the
+    GEMM (the kernel; tests on the CPU pass an emulation)."""
     tokens, top_k = ids.shape
+    config = default_config(tokens)
+    block_t = config["block_t"] if block_t is None else block_t
+    gate_up_splits = config["gate_up_splits"] if gate_up_splits is None else gate_up_splits
     hidden, intermediate = x.shape[1], down.packed.shape[2] * 2
     pair_row, block_expert, row_token = _blocks(ids, gate_up.packed.shape[0], block_t)
     row_expert = jnp.maximum(jnp.repeat(block_expert, block_t), 0)  # unused rows: any expert, never read back

@@ -18,6 +18,8 @@ Variants (MoE layer = both GEMMs, SwiGLU, routing-weight combine; routing exclud
               dequantized to bf16 first (the model's reference path)
   gather      XLA: every pair gathers its expert's (dequantized) weights, then einsum (T <= 64)
   mgpu        JAX's Mosaic GPU ragged_dot_mgpu for both GEMMs (bf16 only), pairs sorted in XLA
+  mosaic      nvfp4 only: pallas_kernels.nvfp4_moe_mgpu.moe_nvfp4 (our Mosaic GPU GEMM, weights decoded
+              in the wgmma registers; weights repacked once before timing, as at load time)
 Routing: pallas_kernels.routing.routing_kernel against the jitted plain-jnp reference.
 
 Timing: each variant runs R times on R different inputs inside one jitted function; the figure is
@@ -363,6 +365,12 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
 
     gate, up, down = weights
     per_expert = expert_bytes(gate, up, down)
+    mosaic_weights = None
+    if fmt == "nvfp4":  # the Mosaic GPU layer takes its weights repacked once (load time)
+        from pallas_kernels import nvfp4_moe_mgpu as nmm
+
+        mosaic_weights = (nmm.KernelNvfp4.from_expert_weights(gate, up, tile_k=256),
+                          nmm.KernelNvfp4.from_expert_weights(down, tile_k=64))
     for t in token_counts:
         if past_deadline():
             print(f"moe {fmt} T={t}: skipped (deadline)", flush=True)
@@ -383,6 +391,8 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
                 variants[f"pallas[{cfg.source},m{cfg.block_m},n{cfg.gate_up_n},k{cfg.gate_up_k},s{cfg.gate_up_splits},"
                          f"dn{cfg.down_n},dk{cfg.down_k},w{cfg.num_warps},st{cfg.num_stages}]"] = functools.partial(
                     mg.moe_gemm_kernel, blocks=cfg)
+        if mosaic_weights is not None:
+            variants["mosaic"] = lambda xx, ww, ii, g, u, d: nmm.moe_nvfp4(xx, ww, ii, *mosaic_weights)
         if baselines:
             variants["ragged_dot"] = ragged_dot_layer
             if t <= 64:

@@ -112,12 +112,13 @@ def _assert_layer_close(problem, got):
     assert np.abs(want).max() > 0
 
 
-@pytest.mark.parametrize("tokens,block_t", [(1, 8), (5, 2), (13, 2), (13, 8)])
-def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t):
+@pytest.mark.parametrize("tokens,block_t,splits", [(1, 8, 2), (5, 2, 2), (13, 2, 2), (13, 8, 2), (70, None, None)])
+def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits):
     """Blocks, gathers, splits, scales, SwiGLU and combine, with the GEMM emulated in plain jnp:
-    experts with more pairs than a block (tails), unused experts, and unused blocks."""
+    experts with more pairs than a block (tails), unused experts, and unused blocks; None: the
+    defaults (`default_config`: 64-row blocks past 64 tokens)."""
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 256, 64, 16, 4, tile_k=128)
-    layer = functools.partial(nmm.moe_nvfp4, block_t=block_t, gate_up_splits=2, matmul=nmm.emulated_matmul)
+    layer = functools.partial(nmm.moe_nvfp4, block_t=block_t, gate_up_splits=splits, matmul=nmm.emulated_matmul)
     _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
 
 
