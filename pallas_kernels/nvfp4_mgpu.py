@@ -2,8 +2,8 @@
 
 Computes, for every block b of `block_t` activation rows (one expert per block),
 `out[s, n, b*block_t + t] = sum_k W[e_b, n, k] * x[b*block_t + t, k]` over the K range of split s, in
-fp32, without the global scale. The weight tile is the wgmma's A operand (64 rows of W per warpgroup)
-and lives in registers: it is loaded as bytes and decoded there, so decoded weights never go
+fp32, without the global scale. A program (one warpgroup) computes `tile_n` rows of W (64 per wgmma
+row tile) for one block and split. The weight tile is the wgmma's A operand and lives in registers: it is loaded as bytes and decoded there, so decoded weights never go
 through shared memory. The activations are the B operand, read by wgmma from shared memory.
 
 Why a kernel layout. wgmma's register layout gives each thread, per row and per 32 K values, four
@@ -34,11 +34,12 @@ _PAIR_MASK = 0x81C081C0
 # one multiply (shifts 2, 7, 12; the shifted copies do not overlap, so the product is an OR).
 _ROTATIONS = (0, 3, 6)
 _REST_BITS = (0, 1, 3, 4, 16, 17, 19, 20)
-_REST_MULTIPLIER = (1 << 2) | (1 << 7) | (1 << 12)
+_REST_MASK = sum(1 << bit for bit in _REST_BITS)
+_REST_SHIFTS = (2, 7, 12)
+_REST_MULTIPLIER = sum(1 << shift for shift in _REST_SHIFTS)
 # The decoded weight is value * 2^-126 * (scale * 2^119): the output is multiplied by 2^7.
 SCALE_FACTOR = 2.0**119
 OUTPUT_FACTOR = 2.0**7
-_VALUES_PER_WORD = 8
 _K_PER_WORD_GROUP = 32  # one 32-bit word per thread per row per 32 K values
 _SCALE_ROW = 64  # the kernel layout's scales fold into rows of 64
 
@@ -47,7 +48,7 @@ def _stored_position(pair: int, target: int) -> int:
     """Bit of the packed word that holds the bit decoded to `target` for register pair `pair`."""
     if pair < 3:
         return (target + _ROTATIONS[pair]) % 32
-    sources = [target - shift for shift in (2, 7, 12) if target - shift in _REST_BITS]
+    sources = [target - shift for shift in _REST_SHIFTS if target - shift in _REST_BITS]
     assert len(sources) == 1, (target, sources)
     return sources[0]
 
@@ -108,7 +109,7 @@ def decode_pair_bits(words, pair: int) -> jax.Array:
     elif pair < 3:
         moved = (words >> _ROTATIONS[pair]) | (words << (32 - _ROTATIONS[pair]))
     else:
-        moved = (words & sum(1 << b for b in _REST_BITS)) * jnp.uint32(_REST_MULTIPLIER)
+        moved = (words & _REST_MASK) * jnp.uint32(_REST_MULTIPLIER)
     return moved & jnp.uint32(_PAIR_MASK)
 
 
@@ -119,15 +120,15 @@ def _decode_pair_asm(pair: int) -> str:
     elif pair < 3:
         extract = f"shf.r.wrap.b32 t, $1, $1, {_ROTATIONS[pair]}; and.b32 t, t, MASK;"
     else:
-        rest_mask = sum(1 << b for b in _REST_BITS)
-        extract = f"and.b32 t, $1, {rest_mask:#x}; mul.lo.u32 t, t, {_REST_MULTIPLIER:#x}; and.b32 t, t, MASK;"
+        extract = f"and.b32 t, $1, {_REST_MASK:#x}; mul.lo.u32 t, t, {_REST_MULTIPLIER:#x}; and.b32 t, t, MASK;"
     extract = extract.replace("MASK", f"{_PAIR_MASK:#x}")
     return "{ .reg .b32 t, negzero; mov.b32 negzero, 0x80008000; " + extract + " fma.rn.bf16x2 $0, t, $2, negzero; }"
 
 
 def _decode_tile(tile_n: int, tile_k: int):
     """inline_mgpu body: bytes [tile_n, tile_k/2] (WGMMA_8BIT layout) + scale smem -> bf16 [tile_n, tile_k]
-    (WGMMA). Each 64-row tile m of the layouts is register index 0; rows 16 * warp + lane / 4 (+ 8)."""
+    (WGMMA). A thread's registers: first index the 64-row tile m, second the column group; its rows
+    are 64 m + 16 warp + lane / 4 and that + 8 (the `half` index)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, gpu, llvm, vector
     from jax.experimental.mosaic.gpu import fragmented_array as fa
