@@ -25,7 +25,7 @@ from bench import mg  # noqa: E402
 from pallas_kernels import nvfp4_mgpu as nm  # noqa: E402
 
 HBM_BYTES_PER_S = 4.2e12  # the floor rate of benchmarks/moe (RESULTS.md)
-E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+E2M1 = mg._E2M1_VALUES
 
 
 def make_expert_weights(rng, experts, n, k, tile_k):

@@ -16,7 +16,7 @@ from pallas_kernels import moe_gemm as mg
 from pallas_kernels import nvfp4_mgpu as nm
 from pallas_kernels import nvfp4_moe_mgpu as nmm
 
-E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+E2M1 = mg._E2M1_VALUES
 
 
 @pytest.mark.parametrize("k", [32, 96, 320, 5120])
