@@ -74,6 +74,31 @@ def _blocks(ids, num_experts: int, block_t: int):
     return pair_row, block_expert, row_token
 
 
+def _blocks_by_comparison(ids, num_experts: int, block_t: int):
+    """`_blocks` without a sort or scatters, for decode batches: every quantity is a compare-and-count
+    over [pairs, pairs], [experts, experts], [blocks, experts] or [rows, pairs], a few XLA fusions
+    where the sorted version is about a dozen small kernels (run Q: 17 us of XLA at T = 8). Memory
+    grows with pairs^2: meant for T <= 64. Not yet timed on a GPU."""
+    tokens, top_k = ids.shape
+    pairs = tokens * top_k
+    num_blocks = -(-pairs // block_t) + min(num_experts, pairs)
+    flat = ids.reshape(-1).astype(jnp.int32)
+    p = jnp.arange(pairs)
+    rank = ((flat[None, :] == flat[:, None]) & (p[None, :] < p[:, None])).sum(1)  # earlier pairs, same expert
+    counts = (flat[None, :] == jnp.arange(num_experts)[:, None]).sum(1)
+    blocks_of = -(-counts // block_t)
+    e = jnp.arange(num_experts)
+    first_block = jnp.where(e[None, :] < e[:, None], blocks_of[None, :], 0).sum(1)
+    pair_row = ((first_block[flat] + rank // block_t) * block_t + rank % block_t).astype(jnp.int32)
+    b = jnp.arange(num_blocks)[:, None]
+    owns = (first_block[None, :] <= b) & (b < first_block[None, :] + blocks_of[None, :])  # one expert at most
+    block_expert = jnp.where(owns.any(1), jnp.argmax(owns, axis=1), -1)
+    r = jnp.arange(num_blocks * block_t)
+    match = pair_row[None, :] == r[:, None]
+    row_token = jnp.where(match.any(1), jnp.argmax(match, axis=1) // top_k, tokens).astype(jnp.int32)
+    return pair_row, block_expert.astype(jnp.int32), row_token
+
+
 def default_config(tokens: int) -> dict:
     """Block rows and gate/up K splits by token count. H200 (benchmarks/moe/RESULTS.md, runs O and P):
     4 splits fill the GPU at one token (7.3 us against 11.5 with one); one split is best at T = 8
@@ -84,16 +109,20 @@ def default_config(tokens: int) -> dict:
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
               gate_up_splits: int | None = None, gate_up_tile_n: int = 64, down_tile_n: int = 64,
-              matmul=nm.grouped_matmul):
+              block_builder: str = "sort", matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
-    gate rows then up rows. Unset block_t / gate_up_splits come from `default_config`. `matmul` is the
-    GEMM (the kernel; tests on the CPU pass an emulation)."""
+    gate rows then up rows. Unset block_t / gate_up_splits come from `default_config`. `block_builder`:
+    "sort" (`_blocks`) or "compare" (`_blocks_by_comparison`, T > 1). `matmul` is the GEMM (the kernel;
+    tests on the CPU pass an emulation)."""
     tokens, top_k = ids.shape
     config = default_config(tokens)
     block_t = config["block_t"] if block_t is None else block_t
     gate_up_splits = config["gate_up_splits"] if gate_up_splits is None else gate_up_splits
     hidden, intermediate = x.shape[1], down.packed.shape[2] * 2
-    pair_row, block_expert, row_token = _blocks(ids, gate_up.packed.shape[0], block_t)
+    if block_builder not in ("sort", "compare"):
+        raise ValueError(f"block_builder must be 'sort' or 'compare', got {block_builder!r}")
+    build = _blocks_by_comparison if block_builder == "compare" and tokens > 1 else _blocks
+    pair_row, block_expert, row_token = build(ids, gate_up.packed.shape[0], block_t)
     row_expert = jnp.maximum(jnp.repeat(block_expert, block_t), 0)  # unused rows: any expert, never read back
     xs = jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)])[row_token][:, nm.kernel_k_order(hidden)]
     gu = matmul(xs, block_expert, gate_up.packed, gate_up.scales, block_t=block_t, tile_k=gate_up.tile_k,

@@ -19,7 +19,8 @@ Variants (MoE layer = both GEMMs, SwiGLU, routing-weight combine; routing exclud
   gather      XLA: every pair gathers its expert's (dequantized) weights, then einsum (T <= 64)
   mgpu        JAX's Mosaic GPU ragged_dot_mgpu for both GEMMs (bf16 only), pairs sorted in XLA
   mosaic      nvfp4 only: pallas_kernels.nvfp4_moe_mgpu.moe_nvfp4 (our Mosaic GPU GEMM, weights decoded
-              in the wgmma registers; weights repacked once before timing, as at load time)
+              in the wgmma registers; weights repacked once before timing, as at load time);
+              mosaic_compare (1 < T <= 64): the same with its blocks built by compare-and-count, no sort
 Routing: pallas_kernels.routing.routing_kernel against the jitted plain-jnp reference.
 
 Timing: each variant runs R times on R different inputs inside one jitted function; the figure is
@@ -393,6 +394,9 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
                     mg.moe_gemm_kernel, blocks=cfg)
         if mosaic_weights is not None:
             variants["mosaic"] = lambda xx, ww, ii, g, u, d: nmm.moe_nvfp4(xx, ww, ii, *mosaic_weights)
+            if 1 < t <= 64:
+                variants["mosaic_compare"] = lambda xx, ww, ii, g, u, d: nmm.moe_nvfp4(
+                    xx, ww, ii, *mosaic_weights, block_builder="compare")
         if baselines:
             variants["ragged_dot"] = ragged_dot_layer
             if t <= 64:

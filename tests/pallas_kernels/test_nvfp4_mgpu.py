@@ -112,13 +112,15 @@ def _assert_layer_close(problem, got):
     assert np.abs(want).max() > 0
 
 
-@pytest.mark.parametrize("tokens,block_t,splits", [(1, 8, 2), (5, 2, 2), (13, 2, 2), (13, 8, 2), (70, None, None)])
-def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits):
+@pytest.mark.parametrize("tokens,block_t,splits,builder", [(1, 8, 2, "sort"), (5, 2, 2, "sort"), (13, 2, 2, "sort"),
+                                                            (13, 8, 2, "compare"), (70, None, None, "sort")])
+def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits, builder):
     """Blocks, gathers, splits, scales, SwiGLU and combine, with the GEMM emulated in plain jnp:
     experts with more pairs than a block (tails), unused experts, and unused blocks; None: the
     defaults (`default_config`: 64-row blocks past 64 tokens)."""
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 256, 64, 16, 4, tile_k=128)
-    layer = functools.partial(nmm.moe_nvfp4, block_t=block_t, gate_up_splits=splits, matmul=nmm.emulated_matmul)
+    layer = functools.partial(nmm.moe_nvfp4, block_t=block_t, gate_up_splits=splits, block_builder=builder,
+                              matmul=nmm.emulated_matmul)
     _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
 
 
@@ -130,6 +132,20 @@ def test_blocks_hold_every_pair_once():
     np.testing.assert_array_equal(block_expert[pair_row // 4], np.asarray(ids).reshape(-1))
     np.testing.assert_array_equal(row_token[pair_row], np.arange(ids.size) // 3)
     assert (row_token[np.setdiff1d(np.arange(row_token.size), pair_row)] == 11).all()
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,block_t", [(2, 8, 256, 8), (8, 8, 256, 8), (11, 3, 6, 4), (64, 8, 256, 8)])
+def test_both_block_builders_agree(tokens, top_k, experts, block_t):
+    rng = np.random.default_rng(tokens + experts)
+    ids = jnp.asarray(np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]), jnp.int32)
+    for by_sort, by_comparison in zip(nmm._blocks(ids, experts, block_t), nmm._blocks_by_comparison(ids, experts, block_t)):
+        np.testing.assert_array_equal(np.asarray(by_sort), np.asarray(by_comparison))
+
+
+def test_unknown_block_builder_is_rejected():
+    problem, (gate_up, down) = _layer_problem(0, 3, 256, 64, 16, 4, tile_k=128)
+    with pytest.raises(ValueError, match="block_builder"):
+        nmm.moe_nvfp4(*problem[:3], gate_up, down, block_builder="hash", matmul=nmm.emulated_matmul)
 
 
 @pytest.mark.gpu
