@@ -49,6 +49,11 @@ class KernelNvfp4:
                    jnp.concatenate(global_scale, 1).astype(jnp.float32), tile_k)
 
 
+def _max_blocks(pairs: int, num_experts: int, block_t: int) -> int:
+    """Static bound on sum over experts of ceil(count / block_t): the grid's block count."""
+    return -(-pairs // block_t) + min(num_experts, pairs)
+
+
 def _blocks(ids, num_experts: int, block_t: int):
     """Pairs sorted into blocks of one expert: (row of each pair, expert of each block (-1: unused),
     token of each row (`tokens` for padding rows))."""
@@ -59,12 +64,13 @@ def _blocks(ids, num_experts: int, block_t: int):
         pair_row = jnp.arange(top_k, dtype=jnp.int32) * block_t
         row_token = jnp.ones(top_k * block_t, jnp.int32).at[pair_row].set(0)
         return pair_row, ids[0].astype(jnp.int32), row_token
-    num_blocks = -(-pairs // block_t) + min(num_experts, pairs)  # static bound on sum(ceil(count / block_t))
+    num_blocks = _max_blocks(pairs, num_experts, block_t)
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     counts = jnp.bincount(flat, length=num_experts)
+    blocks_of = -(-counts // block_t)
     first_pair = jnp.cumsum(counts) - counts
-    first_block = jnp.cumsum(-(-counts // block_t)) - (-(-counts // block_t))
+    first_block = jnp.cumsum(blocks_of) - blocks_of
     sorted_experts = flat[order]
     rank = jnp.arange(pairs) - first_pair[sorted_experts]
     sorted_rows = (first_block[sorted_experts] + rank // block_t) * block_t + rank % block_t
@@ -81,7 +87,7 @@ def _blocks_by_comparison(ids, num_experts: int, block_t: int):
     grows with pairs^2: meant for T <= 64. Not yet timed on a GPU."""
     tokens, top_k = ids.shape
     pairs = tokens * top_k
-    num_blocks = -(-pairs // block_t) + min(num_experts, pairs)
+    num_blocks = _max_blocks(pairs, num_experts, block_t)
     flat = ids.reshape(-1).astype(jnp.int32)
     p = jnp.arange(pairs)
     rank = ((flat[None, :] == flat[:, None]) & (p[None, :] < p[:, None])).sum(1)  # earlier pairs, same expert
