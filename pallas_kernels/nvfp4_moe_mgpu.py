@@ -56,25 +56,29 @@ def _max_blocks(pairs: int, num_experts: int, block_t: int) -> int:
 
 def _blocks(ids, num_experts: int, block_t: int):
     """Pairs sorted into blocks of one expert: (row of each pair, expert of each block (-1: unused),
-    token of each row (`tokens` for padding rows))."""
+    token of each row (`tokens` for padding rows)). `ids == num_experts` marks another device's pair
+    (expert parallelism): it gets no row (its pair_row is 0, read back and masked by the caller)."""
     tokens, top_k = ids.shape
     pairs = tokens * top_k
     if tokens == 1:  # a token picks an expert once: one block per pair, no sort (XLA's sort and scatters
         # cost more than the GEMMs at one token: H200 run Q)
         pair_row = jnp.arange(top_k, dtype=jnp.int32) * block_t
         row_token = jnp.ones(top_k * block_t, jnp.int32).at[pair_row].set(0)
-        return pair_row, ids[0].astype(jnp.int32), row_token
+        block_expert = jnp.where(ids[0] < num_experts, ids[0], -1).astype(jnp.int32)
+        return pair_row, block_expert, row_token
     num_blocks = _max_blocks(pairs, num_experts, block_t)
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
-    counts = jnp.bincount(flat, length=num_experts)
-    blocks_of = -(-counts // block_t)
+    counts = jnp.bincount(flat, length=num_experts + 1)  # the last entry counts other devices' pairs
+    blocks_of = (-(-counts // block_t)).at[num_experts].set(0)
     first_pair = jnp.cumsum(counts) - counts
     first_block = jnp.cumsum(blocks_of) - blocks_of
     sorted_experts = flat[order]
     rank = jnp.arange(pairs) - first_pair[sorted_experts]
     sorted_rows = (first_block[sorted_experts] + rank // block_t) * block_t + rank % block_t
-    pair_row = jnp.zeros(pairs, jnp.int32).at[order].set(sorted_rows.astype(jnp.int32))
+    # Other devices' pairs: a row past the end, which the scatters below drop.
+    sorted_rows = jnp.where(sorted_experts < num_experts, sorted_rows, num_blocks * block_t)
+    pair_row = jnp.zeros(pairs, jnp.int32).at[order].set(jnp.where(sorted_experts < num_experts, sorted_rows, 0))
     block_expert = jnp.full(num_blocks, -1, jnp.int32).at[sorted_rows // block_t].set(sorted_experts.astype(jnp.int32))
     row_token = jnp.full(num_blocks * block_t, tokens, jnp.int32).at[sorted_rows].set((order // top_k).astype(jnp.int32))
     return pair_row, block_expert, row_token
@@ -95,14 +99,16 @@ def _blocks_by_comparison(ids, num_experts: int, block_t: int):
     blocks_of = -(-counts // block_t)
     e = jnp.arange(num_experts)
     first_block = jnp.where(e[None, :] < e[:, None], blocks_of[None, :], 0).sum(1)
-    pair_row = ((first_block[flat] + rank // block_t) * block_t + rank % block_t).astype(jnp.int32)
+    local = flat < num_experts  # `num_experts` marks another device's pair (see `_blocks`)
+    row = jnp.where(local, (first_block[jnp.minimum(flat, num_experts - 1)] + rank // block_t) * block_t
+                    + rank % block_t, -1)
     b = jnp.arange(num_blocks)[:, None]
     owns = (first_block[None, :] <= b) & (b < first_block[None, :] + blocks_of[None, :])  # one expert at most
     block_expert = jnp.where(owns.any(1), jnp.argmax(owns, axis=1), -1)
     r = jnp.arange(num_blocks * block_t)
-    match = pair_row[None, :] == r[:, None]
+    match = row[None, :] == r[:, None]
     row_token = jnp.where(match.any(1), jnp.argmax(match, axis=1) // top_k, tokens).astype(jnp.int32)
-    return pair_row, block_expert.astype(jnp.int32), row_token
+    return jnp.maximum(row, 0).astype(jnp.int32), block_expert.astype(jnp.int32), row_token
 
 
 def default_config(tokens: int) -> dict:
@@ -115,11 +121,12 @@ def default_config(tokens: int) -> dict:
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
               gate_up_splits: int | None = None, gate_up_tile_n: int = 64, down_tile_n: int = 64,
-              block_builder: str = "sort", matmul=nm.grouped_matmul):
+              block_builder: str = "sort", expert_offset: int | jax.Array | None = None, matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset block_t / gate_up_splits come from `default_config`. `block_builder`:
-    "sort" (`_blocks`) or "compare" (`_blocks_by_comparison`, T > 1). `matmul` is the GEMM (the kernel;
-    tests on the CPU pass an emulation)."""
+    "sort" (`_blocks`) or "compare" (`_blocks_by_comparison`, T > 1). `expert_offset`: the weights are
+    one device's experts from that index on (expert parallelism); other pairs count zero. `matmul` is
+    the GEMM (the kernel; tests on the CPU pass an emulation)."""
     tokens, top_k = ids.shape
     config = default_config(tokens)
     block_t = config["block_t"] if block_t is None else block_t
@@ -128,7 +135,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     if block_builder not in ("sort", "compare"):
         raise ValueError(f"block_builder must be 'sort' or 'compare', got {block_builder!r}")
     build = _blocks_by_comparison if block_builder == "compare" and tokens > 1 else _blocks
-    pair_row, block_expert, row_token = build(ids, gate_up.packed.shape[0], block_t)
+    local_ids, local = mg._local_pairs(ids, expert_offset, gate_up.packed.shape[0])
+    pair_row, block_expert, row_token = build(local_ids, gate_up.packed.shape[0], block_t)
     row_expert = jnp.maximum(jnp.repeat(block_expert, block_t), 0)  # unused rows: any expert, never read back
     xs = jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)])[row_token][:, nm.kernel_k_order(hidden)]
     gu = matmul(xs, block_expert, gate_up.packed, gate_up.scales, block_t=block_t, tile_k=gate_up.tile_k,
@@ -139,8 +147,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     out = matmul(act, block_expert, down.packed, down.scales, block_t=block_t, tile_k=down.tile_k, splits=1,
                  tile_n=down_tile_n)
     out = (out[0].T * nm.OUTPUT_FACTOR * down.global_scale[row_expert]).astype(x.dtype)
-    pair_out = out[pair_row].astype(jnp.float32) * weights.reshape(-1, 1)
-    return pair_out.astype(x.dtype).astype(jnp.float32).reshape(tokens, top_k, hidden).sum(1).astype(x.dtype)
+    pair_out = (out[pair_row].astype(jnp.float32) * weights.reshape(-1, 1)).astype(x.dtype)
+    return mg._add_token_pairs(pair_out, local, tokens)
 
 
 def emulated_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int, tile_n: int = 64):

@@ -104,10 +104,11 @@ def _layer_problem(seed, tokens, hidden, intermediate, experts, top_k, tile_k):
     return (x, weights, ids, gate, up, down), kernel_weights
 
 
-def _assert_layer_close(problem, got):
+def _assert_layer_close(problem, got, expert_offset=None):
     # The reference rounds each dequantized weight (value * block * global) to bf16; the kernel applies
     # the global scale to the fp32 sums: a few output ulps apart.
-    want = np.asarray(jax.jit(mg.moe_gemm_reference)(*problem), np.float32)
+    reference = functools.partial(mg.moe_gemm_reference, expert_offset=expert_offset)
+    want = np.asarray(jax.jit(reference)(*problem), np.float32)
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0, atol=4 * 2.0**-7 * np.abs(want).max())
     assert np.abs(want).max() > 0
 
@@ -136,10 +137,35 @@ def test_blocks_hold_every_pair_once():
 
 @pytest.mark.parametrize("tokens,top_k,experts,block_t", [(2, 8, 256, 8), (8, 8, 256, 8), (11, 3, 6, 4), (64, 8, 256, 8)])
 def test_both_block_builders_agree(tokens, top_k, experts, block_t):
+    """Also with other devices' pairs (id == experts, as `_local_pairs` marks them)."""
     rng = np.random.default_rng(tokens + experts)
-    ids = jnp.asarray(np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]), jnp.int32)
+    ids = np.stack([rng.choice(experts + 4, top_k, replace=False) for _ in range(tokens)])
+    ids = jnp.asarray(np.minimum(ids, experts), jnp.int32)
     for by_sort, by_comparison in zip(nmm._blocks(ids, experts, block_t), nmm._blocks_by_comparison(ids, experts, block_t)):
         np.testing.assert_array_equal(np.asarray(by_sort), np.asarray(by_comparison))
+
+
+@pytest.mark.parametrize("tokens,builder", [(1, "sort"), (7, "sort"), (7, "compare")])
+def test_expert_parallel_shares_add_up(tokens, builder):
+    """Each device's share of the experts (`expert_offset`): equal to the reference on it (other
+    shares' pairs count zero), and the shares add up to the whole layer."""
+    from tests.pallas_kernels.test_moe_gemm import share_of_experts
+
+    problem, _ = _layer_problem(40 + tokens, tokens, 256, 64, 12, 4, tile_k=128)
+    x, weights, ids, gate, up, down = problem
+    total = 0.0
+    for start in (0, 4, 8):
+        share = [share_of_experts(w, start, start + 4) for w in (gate, up, down)]
+        kernel_weights = (nmm.KernelNvfp4.from_expert_weights(*share[:2], tile_k=128),
+                          nmm.KernelNvfp4.from_expert_weights(share[2], tile_k=64))
+        got = nmm.moe_nvfp4(x, weights, ids, *kernel_weights, expert_offset=start, block_builder=builder,
+                            matmul=nmm.emulated_matmul)
+        want = mg.moe_gemm_reference(x, weights, ids, *share, expert_offset=start)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0,
+                                   atol=4 * 2.0**-7 * np.abs(np.asarray(want, np.float32)).max())
+        total = total + np.asarray(got, np.float32)
+    whole = np.asarray(mg.moe_gemm_reference(*problem), np.float32)
+    np.testing.assert_allclose(total, whole, rtol=0, atol=3 * 4 * 2.0**-7 * np.abs(whole).max())
 
 
 def test_unknown_block_builder_is_rejected():
@@ -155,3 +181,18 @@ def test_layer_matches_reference_on_gpu(tokens, down_tile_n):
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 5120, 320, 256, 8, tile_k=256)
     layer = functools.partial(nmm.moe_nvfp4, down_tile_n=down_tile_n)
     _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_expert_parallel_share_on_gpu(tokens):
+    """Half of Beam's experts on this device (`expert_offset` 128): the kernel path against the reference."""
+    from tests.pallas_kernels.test_moe_gemm import share_of_experts
+
+    problem, _ = _layer_problem(tokens, tokens, 5120, 320, 256, 8, tile_k=256)
+    x, weights, ids, gate, up, down = problem
+    share = [share_of_experts(w, 128, 256) for w in (gate, up, down)]
+    kernel_weights = (nmm.KernelNvfp4.from_expert_weights(*share[:2], tile_k=256),
+                      nmm.KernelNvfp4.from_expert_weights(share[2], tile_k=64))
+    got = jax.jit(functools.partial(nmm.moe_nvfp4, expert_offset=128))(x, weights, ids, *kernel_weights)
+    _assert_layer_close((x, weights, ids, *share), got, expert_offset=128)
