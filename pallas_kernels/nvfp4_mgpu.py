@@ -42,6 +42,8 @@ SCALE_FACTOR = 2.0**119
 OUTPUT_FACTOR = 2.0**7
 _K_PER_WORD_GROUP = 32  # one 32-bit word per thread per row per 32 K values
 _SCALE_ROW = 64  # the kernel layout's scales fold into rows of 64
+# tile_k: a multiple of 64, so that a byte tile row is >= 32 bytes (Mosaic's smallest swizzle).
+TILE_K_QUANTUM = 64
 
 
 def _stored_position(pair: int, target: int) -> int:
@@ -170,7 +172,8 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     rows, k = xs.shape
     _, n, half_k = packed.shape
     blocks = block_expert.shape[0]
-    if (rows != blocks * block_t or half_k * 2 != k or tile_n % 64 or n % tile_n or k % (tile_k * splits)
+    if (rows != blocks * block_t or half_k * 2 != k or tile_n % 64 or n % tile_n or tile_k % TILE_K_QUANTUM
+            or k % (tile_k * splits)
             or scales.shape[1:] != (k // tile_k, n * tile_k // 16 // _SCALE_ROW, _SCALE_ROW)):
         raise ValueError(f"shapes: xs {xs.shape}, packed {packed.shape}, blocks {blocks}, block_t {block_t}, "
                          f"tile_n {tile_n}, tile_k {tile_k}, splits {splits}")

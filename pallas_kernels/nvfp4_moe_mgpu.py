@@ -36,7 +36,12 @@ class KernelNvfp4:
 
     @classmethod
     def from_expert_weights(cls, *projections: mg.ExpertWeights, tile_k: int) -> KernelNvfp4:
-        """NVFP4 `ExpertWeights` with the same K, their used rows stacked (gate then up for gate/up)."""
+        """NVFP4 `ExpertWeights` with the same K, their used rows stacked (gate then up for gate/up).
+        The kernel needs tile_k a multiple of 64 dividing K, and rows in multiples of 64."""
+        k, rows_total = projections[0].in_features, sum(w.num_rows for w in projections)
+        if tile_k % nm.TILE_K_QUANTUM or k % tile_k or rows_total % 64:
+            raise ValueError(f"the Mosaic NVFP4 kernel needs tile_k a multiple of {nm.TILE_K_QUANTUM} dividing "
+                             f"K and rows in multiples of 64: K={k}, tile_k={tile_k}, rows={rows_total}")
         packed, scales, global_scale = [], [], []
         for w in projections:
             if w.format != "nvfp4":

@@ -89,3 +89,36 @@ def test_gpu_forward_routes_as_the_reference(monkeypatch):
         assert len(g) == len(want) == config.mlp_layer_types.count(SPARSE)
         for layer_got, layer_want in zip(g, want):
             np.testing.assert_array_equal(np.asarray(layer_got), np.asarray(layer_want))
+
+
+def test_mosaic_nvfp4_layer_takes_the_models_experts():
+    """The model's NVFP4 experts (`Experts.expert_weights()`) repacked into the Mosaic GPU kernel's
+    layouts (`KernelNvfp4`, as a load step would) give the layer's reference output; the GEMM is
+    emulated in plain jnp on the CPU (`pallas_kernels/nvfp4_mgpu.py` needs a Hopper GPU). beam-tiny's
+    expert width (32) is below the kernel's K step (64): it is refused, and a width of 64 is used."""
+    import dataclasses
+
+    from pallas_kernels import nvfp4_moe_mgpu as nmm
+
+    def nvfp4_experts(config):
+        config, params = quantize_params(config, init_params(config, seed=4, dtype=jnp.bfloat16), "nvfp4")
+        model = nnx.merge(graphdef(config), params)
+        return config, model.model.layers[config.mlp_layer_types.index(SPARSE)].mlp.experts
+
+    _, tiny = nvfp4_experts(preset("beam-tiny"))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        nmm.KernelNvfp4.from_expert_weights(tiny.expert_weights()[2], tile_k=64)
+    config, experts = nvfp4_experts(dataclasses.replace(preset("beam-tiny"), moe_intermediate_size=64))
+    gate, up, down = experts.expert_weights()
+    kernel_weights = (nmm.KernelNvfp4.from_expert_weights(gate, up, tile_k=64),
+                      nmm.KernelNvfp4.from_expert_weights(down, tile_k=64))
+
+    rng = np.random.default_rng(2)
+    tokens, top_k = 6, config.num_experts_per_tok
+    x = jnp.asarray(rng.standard_normal((tokens, config.hidden_size)), jnp.bfloat16)
+    ids = jnp.asarray(np.stack([rng.choice(config.num_experts, top_k, replace=False) for _ in range(tokens)]))
+    weights = jnp.asarray(rng.uniform(0.1, 1, (tokens, top_k)), jnp.float32)
+    want = np.asarray(experts(x, weights, ids), np.float32)
+    got = np.asarray(nmm.moe_nvfp4(x, weights, ids, *kernel_weights, matmul=nmm.emulated_matmul), np.float32)
+    np.testing.assert_allclose(got, want, rtol=0, atol=8 * 2.0**-8 * np.abs(want).max())
+    assert np.abs(want).max() > 0
