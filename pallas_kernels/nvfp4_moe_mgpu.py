@@ -7,7 +7,7 @@ after each GEMM adds the K splits, applies the global scales, SwiGLU and the rou
 Rounding follows `moe_gemm_reference`.
 
 H200 (benchmarks/moe/RESULTS.md, runs Q and R): 17.6 us at T = 1 and 91.2 at T = 8, against 25.9 and
-102.4 for the Triton NVFP4 layer; XLA's block building is a third of the T = 8 time. The model does
+102.4 for the Triton NVFP4 layer; XLA's glue is a third of the T = 8 time. The model does
 not call this yet: it needs the `KernelNvfp4` copies made when the checkpoint is loaded.
 """
 
