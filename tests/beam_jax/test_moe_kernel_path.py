@@ -19,6 +19,15 @@ from beam_jax.quant.convert import quantize_params
 from pallas_kernels.moe_gemm import moe_gemm
 
 
+def routed_tokens(seed: int, tokens: int, config):
+    """Random activations, routing weights and distinct expert ids per token."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((tokens, config.hidden_size)), jnp.bfloat16)
+    top_k = config.num_experts_per_tok
+    ids = jnp.asarray(np.stack([rng.choice(config.num_experts, top_k, replace=False) for _ in range(tokens)]))
+    return x, jnp.asarray(rng.uniform(0.1, 1, (tokens, top_k)), jnp.float32), ids
+
+
 @pytest.mark.parametrize("expert_format", ["bf16", "nvfp4", "fp8_channel", "fp8_tensor"])
 def test_kernel_path_matches_layer_reference(expert_format):
     config = preset("beam-tiny")
@@ -29,11 +38,7 @@ def test_kernel_path_matches_layer_reference(expert_format):
     layer = config.mlp_layer_types.index(SPARSE)
     experts = model.model.layers[layer].mlp.experts
 
-    rng = np.random.default_rng(0)
-    tokens, top_k = 7, config.num_experts_per_tok
-    x = jnp.asarray(rng.standard_normal((tokens, config.hidden_size)), jnp.bfloat16)
-    ids = jnp.asarray(np.stack([rng.choice(config.num_experts, top_k, replace=False) for _ in range(tokens)]))
-    weights = jnp.asarray(rng.uniform(0.1, 1, (tokens, top_k)), jnp.float32)
+    x, weights, ids = routed_tokens(0, 7, config)
 
     want = np.asarray(experts(x, weights, ids), np.float32)
     got = np.asarray(moe_gemm(x, weights, ids, *experts.expert_weights(), use_kernel=True, interpret=True), np.float32)
@@ -53,11 +58,8 @@ def test_kernel_path_under_expert_parallelism(expert_format):
     model = nnx.merge(graphdef(config), params)
     arrays = model.model.layers[config.mlp_layer_types.index(SPARSE)].mlp.experts.arrays()
 
-    rng = np.random.default_rng(1)
-    tokens, top_k, shares = 9, config.num_experts_per_tok, 2
-    x = jnp.asarray(rng.standard_normal((tokens, config.hidden_size)), jnp.bfloat16)
-    ids = jnp.asarray(np.stack([rng.choice(config.num_experts, top_k, replace=False) for _ in range(tokens)]))
-    weights = jnp.asarray(rng.uniform(0.1, 1, (tokens, top_k)), jnp.float32)
+    shares = 2
+    x, weights, ids = routed_tokens(1, 9, config)
     size = config.num_experts // shares
     for offset in range(0, config.num_experts, size):
         local = {name: a[offset : offset + size] for name, a in arrays.items()}
@@ -113,11 +115,7 @@ def test_mosaic_nvfp4_layer_takes_the_models_experts():
     kernel_weights = (nmm.KernelNvfp4.from_expert_weights(gate, up, tile_k=64),
                       nmm.KernelNvfp4.from_expert_weights(down, tile_k=64))
 
-    rng = np.random.default_rng(2)
-    tokens, top_k = 6, config.num_experts_per_tok
-    x = jnp.asarray(rng.standard_normal((tokens, config.hidden_size)), jnp.bfloat16)
-    ids = jnp.asarray(np.stack([rng.choice(config.num_experts, top_k, replace=False) for _ in range(tokens)]))
-    weights = jnp.asarray(rng.uniform(0.1, 1, (tokens, top_k)), jnp.float32)
+    x, weights, ids = routed_tokens(2, 6, config)
     want = np.asarray(experts(x, weights, ids), np.float32)
     got = np.asarray(nmm.moe_nvfp4(x, weights, ids, *kernel_weights, matmul=nmm.emulated_matmul), np.float32)
     np.testing.assert_allclose(got, want, rtol=0, atol=8 * 2.0**-8 * np.abs(want).max())
