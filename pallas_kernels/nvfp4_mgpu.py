@@ -3,8 +3,9 @@
 Computes, for every block b of `block_t` activation rows (one expert per block),
 `out[s, n, b*block_t + t] = sum_k W[e_b, n, k] * x[b*block_t + t, k]` over the K range of split s, in
 fp32, without the global scale. A program (one warpgroup) computes `tile_n` rows of W (64 per wgmma
-row tile) for one block and split. The weight tile is the wgmma's A operand and lives in registers: it is loaded as bytes and decoded there, so decoded weights never go
-through shared memory. The activations are the B operand, read by wgmma from shared memory.
+row tile) for one block and split. The weight tile is the wgmma's A operand and lives in registers:
+it is loaded as bytes and decoded there, so decoded weights never go through shared memory. The
+activations are the B operand, read by wgmma from shared memory.
 
 Why a kernel layout. wgmma's register layout gives each thread, per row and per 32 K values, four
 bf16x2 registers. A thread loads those 32 K values' 4 bytes as one 32-bit word; the load-time
@@ -26,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.moe_gemm import _E2M1_VALUES
 
 # bf16 bit positions of an E2M1 code's bits (m, e0, e1, sign) in the low half of a register.
 _CODE_BIT_POSITIONS = (6, 7, 8, 15)
@@ -165,8 +168,8 @@ def _decode_tile(tile_n: int, tile_k: int):
 
 def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
                    stages: int = 4, tile_n: int = 64):
-    """`xs [B*block_t, K]` bf16 (K in `kernel_k_order`), `block_expert [B]` int32 (-1: skip the block), `packed [E, N, K/2]`
-    uint8 (`pack_kernel_layout`), `scales` bf16 (`pack_scales`) ->
+    """`xs [B*block_t, K]` bf16 (K in `kernel_k_order`), `block_expert [B]` int32 (-1: skip the block),
+    `packed [E, N, K/2]` uint8 (`pack_kernel_layout`), `scales` bf16 (`pack_scales`) ->
     `[splits, N, B*block_t]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
     computes `tile_n` (a multiple of 64) rows of one block and split."""
     rows, k = xs.shape
@@ -237,3 +240,26 @@ def grouped_matmul_reference(xs, block_expert, w, *, block_t: int):
     return jnp.einsum("btk,bnk->nbt", x, w, precision=jax.lax.Precision.HIGHEST).reshape(w.shape[1], -1)
 
 
+def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int = 1,
+                            tile_n: int = 64):
+    """`grouped_matmul`'s contract in plain jnp, from the kernel layouts (for CPU tests of code that
+    calls the kernel): decodes the words as the PTX does, then `grouped_matmul_reference`. Blocks
+    of expert -1 get any values, as the kernel leaves them unwritten; one split holds the whole sum."""
+    del splits, tile_n
+    e, n, half_k = packed.shape
+    k = half_k * 2
+    words = jax.lax.bitcast_convert_type(packed.reshape(e, n, k // 32, 4, 4), jnp.uint32)  # [e, n, c, thread]
+    values = jnp.zeros((e, n, k), jnp.float32)
+    for pair in range(4):
+        bits = decode_pair_bits(words, pair)
+        for half in range(2):
+            # The bf16 pattern is value * 2^-126, subnormal in fp32 too (XLA's CPU flushes those): read
+            # the code back from its bits (magnitude 6-8, sign 15) instead of converting.
+            pattern = (bits >> (16 * half)) & 0xFFFF
+            code = ((pattern >> 6) & 7) | ((pattern >> 12) & 8)
+            logical = 32 * jnp.arange(k // 32)[:, None] + 8 * pair + 2 * jnp.arange(4)[None, :] + half
+            values = values.at[:, :, logical].set(jnp.asarray(_E2M1_VALUES)[code])
+    block_scale = scales.reshape(e, k // tile_k, n, tile_k // 16).transpose(0, 2, 1, 3).reshape(e, n, k // 16)
+    w = values * jnp.repeat(block_scale.astype(jnp.float32) / SCALE_FACTOR, 16, axis=-1)[:, :, kernel_k_order(k)]
+    out = grouped_matmul_reference(xs, jnp.maximum(block_expert, 0), w, block_t=block_t)
+    return (out / OUTPUT_FACTOR)[None]

@@ -88,7 +88,8 @@ def _blocks(ids, num_experts: int, block_t: int):
     sorted_rows = jnp.where(sorted_experts < num_experts, sorted_rows, num_blocks * block_t)
     pair_row = jnp.zeros(pairs, jnp.int32).at[order].set(jnp.where(sorted_experts < num_experts, sorted_rows, 0))
     block_expert = jnp.full(num_blocks, -1, jnp.int32).at[sorted_rows // block_t].set(sorted_experts.astype(jnp.int32))
-    row_token = jnp.full(num_blocks * block_t, tokens, jnp.int32).at[sorted_rows].set((order // top_k).astype(jnp.int32))
+    row_token = jnp.full(num_blocks * block_t, tokens, jnp.int32).at[sorted_rows].set(
+        (order // top_k).astype(jnp.int32))
     return pair_row, block_expert, row_token
 
 
@@ -157,28 +158,3 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     out = (out[0].T * nm.OUTPUT_FACTOR * down.global_scale[row_expert]).astype(x.dtype)
     pair_out = (out[pair_row].astype(jnp.float32) * weights.reshape(-1, 1)).astype(x.dtype)
     return mg._add_token_pairs(pair_out, local, tokens)
-
-
-def emulated_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int, tile_n: int = 64):
-    """`grouped_matmul`'s contract in plain jnp (CPU tests of the glue): decodes the kernel layouts."""
-    del tile_n
-    e, n, half_k = packed.shape
-    k = half_k * 2
-    order = nm.kernel_k_order(k)
-    words = jax.lax.bitcast_convert_type(packed.reshape(e, n, k // 32, 4, 4), jnp.uint32)  # [e, n, c, thread]
-    values = jnp.zeros((e, n, k), jnp.float32)
-    for pair in range(4):
-        bits = nm.decode_pair_bits(words, pair)
-        for half in range(2):
-            # The bf16 pattern is value * 2^-126, subnormal in fp32 too (XLA's CPU flushes those): read
-            # the code back from its bits (magnitude 6-8, sign 15) instead of converting.
-            pattern = (bits >> (16 * half)) & 0xFFFF
-            code = ((pattern >> 6) & 7) | ((pattern >> 12) & 8)
-            logical = (32 * jnp.arange(k // 32)[:, None] + 8 * pair + 2 * jnp.arange(4)[None, :] + half)
-            values = values.at[:, :, logical].set(jnp.asarray(mg._E2M1_VALUES)[code])
-    block_scale = scales.reshape(e, k // tile_k, n, tile_k // 16).transpose(0, 2, 1, 3).reshape(e, n, k // 16)
-    w = values * jnp.repeat(block_scale.astype(jnp.float32) / nm.SCALE_FACTOR, 16, axis=-1)[:, :, order]
-    safe = jnp.maximum(block_expert, 0)
-    out = jnp.einsum("btk,bnk->nbt", xs.reshape(-1, block_t, k).astype(jnp.float32), w[safe],
-                     precision=jax.lax.Precision.HIGHEST).reshape(n, -1)
-    return (out / nm.OUTPUT_FACTOR)[None]

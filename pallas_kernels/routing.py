@@ -232,8 +232,8 @@ def routing_kernel(
     programs (enough to stream the 5 MB router); one fused token instead loads one [2, 1024] router
     slice per program. `fused` selects in the logits kernel's last program of each token block
     instead of a second launch; by default only for one token (H200, run M: 5.73 against 6.91 µs;
-    slower from 2 tokens on, where that program selects one token after the other). `logits_only` returns the kernel's fp32 logits
-    [tokens, experts] (for tests)."""
+    slower from 2 tokens on, where that program selects one token after the other). `logits_only`
+    returns the kernel's fp32 logits [tokens, experts] (for tests)."""
     from jax.experimental.pallas import triton as plgpu
 
     tokens, hidden = x.shape

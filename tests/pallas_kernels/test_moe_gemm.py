@@ -303,14 +303,8 @@ def test_beam_tp8_shape_on_gpu(fmt, tokens):
 
 @pytest.mark.parametrize("decode", ["per_value", "packed"])
 @pytest.mark.parametrize("tokens", [1, 8, 64, 512])
-def test_nvfp4_kernels_lower_for_cuda(monkeypatch, tokens, decode):
+def test_nvfp4_kernels_lower_for_cuda(triton_for_sm90, tokens, decode):
     """Beam's TP8 shape lowers to Triton for an sm_90 GPU (lowering only; runs on the CPU)."""
-    import types
-
-    from jax._src.pallas.triton import pallas_call_registration
-
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                        lambda: types.SimpleNamespace(compute_capability=90))
     experts, hidden, intermediate, top_k = 256, 5120, 320, 8
     spec = jax.ShapeDtypeStruct
 

@@ -63,11 +63,13 @@ def test_bad_shapes_are_rejected():
 def _specs(experts, n, k, blocks, block_t, tile_k):
     spec = jax.ShapeDtypeStruct
     return (spec((blocks * block_t, k), jnp.bfloat16), spec((blocks,), jnp.int32),
-            spec((experts, n, k // 2), jnp.uint8), spec((experts, k // tile_k, n * tile_k // 16 // 64, 64), jnp.bfloat16))
+            spec((experts, n, k // 2), jnp.uint8),
+            spec((experts, k // tile_k, n * tile_k // 16 // 64, 64), jnp.bfloat16))
 
 
 @pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits,tile_n",
-                         [(640, 5120, 8, 8, 256, 4, 64), (640, 5120, 8, 8, 256, 1, 128), (5120, 320, 5, 16, 64, 1, 256)])
+                         [(640, 5120, 8, 8, 256, 4, 64), (640, 5120, 8, 8, 256, 1, 128),
+                          (5120, 320, 5, 16, 64, 1, 256)])
 def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n):
     """Beam's gate/up and down shapes lower to Mosaic GPU on the CPU (the PTX is built on the GPU)."""
     op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits, tile_n=tile_n)
@@ -121,7 +123,7 @@ def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits
     defaults (`default_config`: 64-row blocks past 64 tokens)."""
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 256, 64, 16, 4, tile_k=128)
     layer = functools.partial(nmm.moe_nvfp4, block_t=block_t, gate_up_splits=splits, block_builder=builder,
-                              matmul=nmm.emulated_matmul)
+                              matmul=nm.grouped_matmul_emulated)
     _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
 
 
@@ -135,13 +137,16 @@ def test_blocks_hold_every_pair_once():
     assert (row_token[np.setdiff1d(np.arange(row_token.size), pair_row)] == 11).all()
 
 
-@pytest.mark.parametrize("tokens,top_k,experts,block_t", [(2, 8, 256, 8), (8, 8, 256, 8), (11, 3, 6, 4), (64, 8, 256, 8)])
+@pytest.mark.parametrize("tokens,top_k,experts,block_t",
+                         [(2, 8, 256, 8), (8, 8, 256, 8), (11, 3, 6, 4), (64, 8, 256, 8)])
 def test_both_block_builders_agree(tokens, top_k, experts, block_t):
     """Also with other devices' pairs (id == experts, as `_local_pairs` marks them)."""
     rng = np.random.default_rng(tokens + experts)
     ids = np.stack([rng.choice(experts + 4, top_k, replace=False) for _ in range(tokens)])
     ids = jnp.asarray(np.minimum(ids, experts), jnp.int32)
-    for by_sort, by_comparison in zip(nmm._blocks(ids, experts, block_t), nmm._blocks_by_comparison(ids, experts, block_t)):
+    sorted_blocks = nmm._blocks(ids, experts, block_t)
+    compared_blocks = nmm._blocks_by_comparison(ids, experts, block_t)
+    for by_sort, by_comparison in zip(sorted_blocks, compared_blocks):
         np.testing.assert_array_equal(np.asarray(by_sort), np.asarray(by_comparison))
 
 
@@ -159,7 +164,7 @@ def test_expert_parallel_shares_add_up(tokens, builder):
         kernel_weights = (nmm.KernelNvfp4.from_expert_weights(*share[:2], tile_k=128),
                           nmm.KernelNvfp4.from_expert_weights(share[2], tile_k=64))
         got = nmm.moe_nvfp4(x, weights, ids, *kernel_weights, expert_offset=start, block_builder=builder,
-                            matmul=nmm.emulated_matmul)
+                            matmul=nm.grouped_matmul_emulated)
         want = mg.moe_gemm_reference(x, weights, ids, *share, expert_offset=start)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0,
                                    atol=4 * 2.0**-7 * np.abs(np.asarray(want, np.float32)).max())
@@ -171,7 +176,7 @@ def test_expert_parallel_shares_add_up(tokens, builder):
 def test_unknown_block_builder_is_rejected():
     problem, (gate_up, down) = _layer_problem(0, 3, 256, 64, 16, 4, tile_k=128)
     with pytest.raises(ValueError, match="block_builder"):
-        nmm.moe_nvfp4(*problem[:3], gate_up, down, block_builder="hash", matmul=nmm.emulated_matmul)
+        nmm.moe_nvfp4(*problem[:3], gate_up, down, block_builder="hash", matmul=nm.grouped_matmul_emulated)
 
 
 @pytest.mark.gpu

@@ -83,15 +83,9 @@ def test_logits_are_the_fp32_gemv():
 
 
 @pytest.mark.parametrize("tokens,fused", [(1, True), (1, False), (6, True), (16, False), (100, False)])
-def test_kernels_lower_for_cuda(monkeypatch, tokens, fused):
+def test_kernels_lower_for_cuda(triton_for_sm90, tokens, fused):
     """Beam's routing shape lowers to Triton for an sm_90 GPU (lowering only; runs on the CPU:
     interpret mode does not lower)."""
-    import types
-
-    from jax._src.pallas.triton import pallas_call_registration
-
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                        lambda: types.SimpleNamespace(compute_capability=90))
     spec = jax.ShapeDtypeStruct
     args = [spec((tokens, 5120), jnp.bfloat16), spec((256, 5120), jnp.float32), spec((256,), jnp.float32)]
     op = functools.partial(rt.routing_kernel, num_groups=8, groups_kept=4, top_k=8, scaling=2.5, fused=fused)
