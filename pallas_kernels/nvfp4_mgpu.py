@@ -90,19 +90,18 @@ def checkpoint_codes(values) -> jax.Array:
 
 
 def pack_scales(scale, tile_k: int) -> jax.Array:
-    """Block scales `[E, N, K/16]` (e4m3 values) -> bf16 `[E, K/tile_k, N*tile_k/16/64, 64]` times
-    SCALE_FACTOR.
+    """Block scales `[E, N, K/16]` (e4m3 values) -> bf16 `[E, K/tile_k, N, tile_k/16]` times SCALE_FACTOR.
 
-    One K step's scales of every row are contiguous (row-major `[N, tile_k/16]`, folded into rows of 64
-    for TMA's box limits), so a step's tile is one box whatever tile_k is; a `[64, tile_k/16]` box
-    would be narrower than TMA's 16 bytes for tile_k = 64."""
+    One K step's scales of every row are contiguous, so a step's tile is one TMA box whatever tile_k
+    is (the kernel folds them into rows of 64 for TMA's box limits: a `[64, tile_k/16]` box would be
+    narrower than TMA's 16 bytes for tile_k = 64). Rows (N) and K steps stay axes of their own, so a
+    mesh can split either."""
     e, n, blocks = scale.shape
     per_step = tile_k // 16
     if blocks % per_step:
         raise ValueError(f"K={blocks * 16} must be a multiple of tile_k={tile_k}")
     steps = jnp.asarray(scale).reshape(e, n, blocks // per_step, per_step).transpose(0, 2, 1, 3)
-    scaled = (steps.astype(jnp.float32) * SCALE_FACTOR).astype(jnp.bfloat16)
-    return scaled.reshape(e, blocks // per_step, n * per_step // _SCALE_ROW, _SCALE_ROW)
+    return (steps.astype(jnp.float32) * SCALE_FACTOR).astype(jnp.bfloat16)
 
 
 def decode_pair_bits(words, pair: int) -> jax.Array:
@@ -177,10 +176,11 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     blocks = block_expert.shape[0]
     if (rows != blocks * block_t or half_k * 2 != k or tile_n % 64 or n % tile_n or tile_k % TILE_K_QUANTUM
             or k % (tile_k * splits)
-            or scales.shape[1:] != (k // tile_k, n * tile_k // 16 // _SCALE_ROW, _SCALE_ROW)):
+            or scales.shape[1:] != (k // tile_k, n, tile_k // 16)):
         raise ValueError(f"shapes: xs {xs.shape}, packed {packed.shape}, blocks {blocks}, block_t {block_t}, "
                          f"tile_n {tile_n}, tile_k {tile_k}, splits {splits}")
     k_steps = k // (tile_k * splits)
+    scales = scales.reshape(scales.shape[0], k // tile_k, n * tile_k // 16 // _SCALE_ROW, _SCALE_ROW)
     byte_swizzle = plgpu.find_swizzle(tile_k // 2 * 8, "lhs")
     x_swizzle = plgpu.find_swizzle(tile_k * 16, "rhs")
     packed_transforms = (plgpu.TilingTransform((8, byte_swizzle)), plgpu.SwizzleTransform(byte_swizzle))

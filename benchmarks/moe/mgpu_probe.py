@@ -57,7 +57,7 @@ def time_kernel(rng, n, k, blocks, block_t, tile_k, splits, stages, repeats=4):
     # Random bytes and scales made on the device: timing does not need known values.
     kp, ks = jax.random.split(jax.random.key(n * k + splits))
     packed = jax.random.bits(kp, (bench.E, n, k // 2), jnp.uint8)
-    scales = jax.random.uniform(ks, (bench.E, k // tile_k, n * tile_k // 16 // 64, 64), jnp.float32, 0.5, 4)
+    scales = jax.random.uniform(ks, (bench.E, k // tile_k, n, tile_k // 16), jnp.float32, 0.5, 4)
     scales = (scales * nm.SCALE_FACTOR).astype(jnp.bfloat16)
     xs = jnp.asarray(rng.standard_normal((repeats, blocks * block_t, k)), jnp.bfloat16)
     ids = jnp.asarray(np.stack([rng.permutation(bench.E)[:blocks] for _ in range(repeats)]).astype(np.int32))

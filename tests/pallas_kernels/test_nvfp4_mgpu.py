@@ -57,14 +57,14 @@ def test_bad_shapes_are_rejected():
     xs = jnp.zeros((16, 512), jnp.bfloat16)
     with pytest.raises(ValueError, match="shapes"):
         nm.grouped_matmul(xs, jnp.zeros((3,), jnp.int32), jnp.zeros((4, 64, 256), jnp.uint8),
-                          jnp.zeros((4, 2, 1, 64), jnp.bfloat16), block_t=8)
+                          jnp.zeros((4, 2, 64, 16), jnp.bfloat16), block_t=8)
 
 
 def _specs(experts, n, k, blocks, block_t, tile_k):
     spec = jax.ShapeDtypeStruct
     return (spec((blocks * block_t, k), jnp.bfloat16), spec((blocks,), jnp.int32),
             spec((experts, n, k // 2), jnp.uint8),
-            spec((experts, k // tile_k, n * tile_k // 16 // 64, 64), jnp.bfloat16))
+            spec((experts, k // tile_k, n, tile_k // 16), jnp.bfloat16))
 
 
 @pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits,tile_n",
