@@ -166,15 +166,16 @@ def _decode_tile(tile_n: int, tile_k: int):
 
 
 def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
-                   stages: int = 4, tile_n: int = 64):
+                   stages: int = 4, tile_n: int = 64, shared_rows: bool = False):
     """`xs [B*block_t, K]` bf16 (K in `kernel_k_order`), `block_expert [B]` int32 (-1: skip the block),
     `packed [E, N, K/2]` uint8 (`pack_kernel_layout`), `scales` bf16 (`pack_scales`) ->
     `[splits, N, B*block_t]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
-    computes `tile_n` (a multiple of 64) rows of one block and split."""
+    computes `tile_n` (a multiple of 64) rows of one block and split. `shared_rows`: `xs` is one block
+    `[block_t, K]` that every block multiplies (decode: each expert takes all the step's tokens)."""
     rows, k = xs.shape
     _, n, half_k = packed.shape
     blocks = block_expert.shape[0]
-    if (rows != blocks * block_t or half_k * 2 != k or tile_n % 64 or n % tile_n or tile_k % TILE_K_QUANTUM
+    if (rows != (1 if shared_rows else blocks) * block_t or half_k * 2 != k or tile_n % 64 or n % tile_n or tile_k % TILE_K_QUANTUM
             or k % (tile_k * splits)
             or scales.shape[1:] != (k // tile_k, n, tile_k // 16)):
         raise ValueError(f"shapes: xs {xs.shape}, packed {packed.shape}, blocks {blocks}, block_t {block_t}, "
@@ -209,7 +210,8 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                     plgpu.BlockSpec((tile_n, tile_k // 2), lambda kk: (ni, k0 + kk), transforms=packed_transforms),
                     plgpu.BlockSpec((None, tile_n * tile_k // 16 // _SCALE_ROW, _SCALE_ROW),
                                     lambda kk: (k0 + kk, ni, 0)),
-                    plgpu.BlockSpec((block_t, tile_k), lambda kk: (b, k0 + kk), transforms=x_transforms),
+                    plgpu.BlockSpec((block_t, tile_k), lambda kk: (0 if shared_rows else b, k0 + kk),
+                                    transforms=x_transforms),
                 ],
                 max_concurrent_steps=stages,
             )(packed_gmem.at[expert], scales_gmem.at[expert], xs_gmem)
@@ -225,7 +227,7 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
 
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((splits, n, rows), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((splits, n, blocks * block_t), jnp.float32),
         grid=(blocks, n // tile_n, splits),
         grid_names=("b", "n", "s"),
         scratch_types=dict(out_smem=plgpu.SMEM((tile_n, block_t), jnp.float32)),
@@ -233,15 +235,17 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     return call(block_expert, xs, packed, scales)
 
 
-def grouped_matmul_reference(xs, block_expert, w, *, block_t: int):
+def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: bool = False):
     """Plain jnp: `w [E, N, K]` dequantized weights (original K order), `xs` in original K order."""
+    if shared_rows:
+        xs = jnp.tile(xs, (block_expert.shape[0], 1))
     x = xs.reshape(block_expert.shape[0], block_t, -1).astype(jnp.float32)
     w = w[block_expert].astype(jnp.float32)
     return jnp.einsum("btk,bnk->nbt", x, w, precision=jax.lax.Precision.HIGHEST).reshape(w.shape[1], -1)
 
 
 def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int = 1,
-                            tile_n: int = 64):
+                            tile_n: int = 64, shared_rows: bool = False):
     """`grouped_matmul`'s contract in plain jnp, from the kernel layouts (for CPU tests of code that
     calls the kernel): decodes the words as the PTX does, then `grouped_matmul_reference`. Blocks
     of expert -1 get any values, as the kernel leaves them unwritten; one split holds the whole sum."""
@@ -261,5 +265,5 @@ def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, t
             values = values.at[:, :, logical].set(jnp.asarray(_E2M1_VALUES)[code])
     block_scale = scales.reshape(e, k // tile_k, n, tile_k // 16).transpose(0, 2, 1, 3).reshape(e, n, k // 16)
     w = values * jnp.repeat(block_scale.astype(jnp.float32) / SCALE_FACTOR, 16, axis=-1)[:, :, kernel_k_order(k)]
-    out = grouped_matmul_reference(xs, jnp.maximum(block_expert, 0), w, block_t=block_t)
+    out = grouped_matmul_reference(xs, jnp.maximum(block_expert, 0), w, block_t=block_t, shared_rows=shared_rows)
     return (out / OUTPUT_FACTOR)[None]

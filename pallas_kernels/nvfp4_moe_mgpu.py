@@ -120,41 +120,73 @@ def _blocks_by_comparison(ids, num_experts: int, block_t: int):
     return jnp.maximum(row, 0).astype(jnp.int32), block_expert.astype(jnp.int32), row_token
 
 
+def _shared_blocks(ids, num_experts: int, block_t: int):
+    """Decode blocks that share their rows: block p is pair p's expert if no earlier pair has it (else
+    -1: skipped), and every block multiplies all the step's tokens (`grouped_matmul(shared_rows=True)`),
+    so there is no sort, no scatter and no activation gather; the weights of an expert picked twice
+    are read once. Returns (block of each block row's expert (-1: unused), output column of each pair:
+    its expert's first pair times block_t plus its token)."""
+    tokens, top_k = ids.shape
+    flat = ids.reshape(-1)
+    pair = jnp.arange(flat.shape[0])
+    # One token picks an expert once; more tokens: the first pair with the same expert, by comparison.
+    first = pair if tokens == 1 else jnp.argmax(flat[:, None] == flat[None, :], axis=1)
+    block_expert = jnp.where((first == pair) & (flat < num_experts), flat, -1).astype(jnp.int32)
+    return block_expert, (first * block_t + pair // top_k).astype(jnp.int32)
+
+
+SHARED_ROWS_MAX_TOKENS = 16
+
+
 def default_config(tokens: int) -> dict:
-    """Block rows and gate/up K splits by token count. H200 (benchmarks/moe/RESULTS.md, runs O and P):
+    """Blocks and gate/up K splits by token count. H200 (benchmarks/moe/RESULTS.md, runs O and P):
     4 splits fill the GPU at one token (7.3 us against 11.5 with one); one split is best at T = 8
-    (32.9 against 34.0). Blocks of 8 rows (wgmma's narrowest N) suit decode, where an expert gets a
-    pair or two; 64-row blocks for prefill are not measured yet."""
-    return dict(block_t=8 if tokens <= 64 else 64, gate_up_splits=4 if tokens == 1 else 1)
+    (32.9 against 34.0). Up to SHARED_ROWS_MAX_TOKENS tokens every block takes all the tokens
+    (`_shared_blocks`); past that, sorted blocks of 8 rows (wgmma's narrowest N), 64 past T = 64
+    (prefill, not measured yet)."""
+    return dict(block_builder="shared" if tokens <= SHARED_ROWS_MAX_TOKENS else "sort",
+                block_t=8 if tokens <= 64 else 64, gate_up_splits=4 if tokens == 1 else 1)
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
               gate_up_splits: int | None = None, gate_up_tile_n: int = 64, down_tile_n: int = 64,
-              block_builder: str = "sort", expert_offset: int | jax.Array | None = None, matmul=nm.grouped_matmul):
+              block_builder: str | None = None, expert_offset: int | jax.Array | None = None,
+              matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
-    gate rows then up rows. Unset block_t / gate_up_splits come from `default_config`. `block_builder`:
-    "sort" (`_blocks`) or "compare" (`_blocks_by_comparison`, T > 1). `expert_offset`: the weights are
-    one device's experts from that index on (expert parallelism); other pairs count zero. `matmul` is
-    the GEMM (the kernel; tests on the CPU pass an emulation)."""
+    gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
+    (`_shared_blocks`; its blocks have T rows rounded up to 8, whatever `block_t` says), "sort"
+    (`_blocks`) or "compare" (`_blocks_by_comparison`). `expert_offset`: the weights are one
+    device's experts from that index on (expert parallelism); other pairs count zero. `matmul` is the
+    GEMM (the kernel; tests on the CPU pass an emulation)."""
     tokens, top_k = ids.shape
     config = default_config(tokens)
+    block_builder = config["block_builder"] if block_builder is None else block_builder
     block_t = config["block_t"] if block_t is None else block_t
     gate_up_splits = config["gate_up_splits"] if gate_up_splits is None else gate_up_splits
     hidden, intermediate = x.shape[1], down.packed.shape[2] * 2
-    if block_builder not in ("sort", "compare"):
-        raise ValueError(f"block_builder must be 'sort' or 'compare', got {block_builder!r}")
-    build = _blocks_by_comparison if block_builder == "compare" and tokens > 1 else _blocks
-    local_ids, local = mg._local_pairs(ids, expert_offset, gate_up.packed.shape[0])
-    pair_row, block_expert, row_token = build(local_ids, gate_up.packed.shape[0], block_t)
+    num_experts = gate_up.packed.shape[0]
+    if block_builder not in ("shared", "sort", "compare"):
+        raise ValueError(f"block_builder must be 'shared', 'sort' or 'compare', got {block_builder!r}")
+    local_ids, local = mg._local_pairs(ids, expert_offset, num_experts)
+    shared = block_builder == "shared"
+    if shared:
+        block_t = -(-tokens // 8) * 8
+        block_expert, pair_row = _shared_blocks(local_ids, num_experts, block_t)
+        xs = jnp.pad(x, ((0, block_t - tokens), (0, 0)))[:, nm.kernel_k_order(hidden)]
+    else:
+        build = _blocks_by_comparison if block_builder == "compare" and tokens > 1 else _blocks
+        pair_row, block_expert, row_token = build(local_ids, num_experts, block_t)
+        xs = jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)])[row_token][:, nm.kernel_k_order(hidden)]
     row_expert = jnp.maximum(jnp.repeat(block_expert, block_t), 0)  # unused rows: any expert, never read back
-    xs = jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)])[row_token][:, nm.kernel_k_order(hidden)]
     gu = matmul(xs, block_expert, gate_up.packed, gate_up.scales, block_t=block_t, tile_k=gate_up.tile_k,
-                splits=gate_up_splits, tile_n=gate_up_tile_n)
+                splits=gate_up_splits, tile_n=gate_up_tile_n, shared_rows=shared)
     gu = gu.sum(0).T * nm.OUTPUT_FACTOR * gate_up.global_scale[row_expert]
     gate, up = gu[:, :intermediate].astype(x.dtype), gu[:, intermediate:].astype(x.dtype)
     act = mg._swiglu(gate, up).astype(x.dtype)[:, nm.kernel_k_order(intermediate)]
     out = matmul(act, block_expert, down.packed, down.scales, block_t=block_t, tile_k=down.tile_k, splits=1,
                  tile_n=down_tile_n)
-    out = (out[0].T * nm.OUTPUT_FACTOR * down.global_scale[row_expert]).astype(x.dtype)
-    pair_out = (out[pair_row].astype(jnp.float32) * weights.reshape(-1, 1)).astype(x.dtype)
+    # Only the pairs' columns are scaled and weighted (rows of unused blocks and padding are not).
+    pair_expert = jnp.minimum(local_ids.reshape(-1), num_experts - 1)
+    expert_out = (out[0][:, pair_row].T * nm.OUTPUT_FACTOR * down.global_scale[pair_expert]).astype(x.dtype)
+    pair_out = (expert_out.astype(jnp.float32) * weights.reshape(-1, 1)).astype(x.dtype)
     return mg._add_token_pairs(pair_out, local, tokens)

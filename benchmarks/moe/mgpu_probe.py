@@ -96,11 +96,10 @@ def time_layers(t, variants, repeats=4):
                          nmm.KernelNvfp4.from_expert_weights(down, tile_k=64))
     x, w, ids = bench.make_tokens(t, repeats, jax.random.key(t))
     layers = {"triton": lambda x, w, ids: mg.moe_gemm_kernel(x, w, ids, gate, up, down)}
-    for splits, gate_up_tile_n, down_tile_n, builder in variants:
-        name = f"mosaic[splits={splits},gate_up_tile_n={gate_up_tile_n},down_tile_n={down_tile_n},blocks={builder}]"
-        layers[name] = functools.partial(
-            lambda x, w, ids, **kw: nmm.moe_nvfp4(x, w, ids, gate_up_k, down_k, **kw), gate_up_splits=splits,
-            gate_up_tile_n=gate_up_tile_n, down_tile_n=down_tile_n, block_builder=builder)
+    for settings in variants:  # moe_nvfp4 keyword arguments; the rest from default_config
+        name = "mosaic[" + ",".join(f"{key}={value}" for key, value in settings.items()) + "]"
+        layers[name] = functools.partial(lambda x, w, ids, **kw: nmm.moe_nvfp4(x, w, ids, gate_up_k, down_k, **kw),
+                                         **settings)
     want = np.asarray(mg.moe_gemm_reference(x[0], w[0], ids[0], gate, up, down), np.float32)
     row = dict(kind="layers", t=t)
     for name, layer in layers.items():
@@ -130,9 +129,11 @@ def main():
             json.dump(rows, f, indent=1)
 
     if args.layers:
-        # Run R timed T = 1 (down tile_n 64 / 128: 17.6 / 17.8 us); T = 8 was run Q's.
-        plans = {16: [(1, 64, 64, "sort"), (1, 64, 64, "compare"), (1, 128, 256, "compare")],
-                 64: [(1, 64, 64, "sort"), (1, 64, 64, "compare"), (1, 128, 256, "compare")]}
+        # Blocks that share the step's rows (decode) against sorted ones; runs Q and R timed the sorted
+        # blocks at T = 8 and one block per pair at T = 1.
+        shared, by_sort = dict(block_builder="shared"), dict(block_builder="sort")
+        plans = {8: [shared, by_sort], 1: [shared], 16: [shared, dict(block_builder="compare")],
+                 64: [shared, by_sort], 32: [shared, dict(shared, down_tile_n=128)]}
         for t, variants in plans.items():
             try:
                 record(time_layers(t, variants))

@@ -60,20 +60,22 @@ def test_bad_shapes_are_rejected():
                           jnp.zeros((4, 2, 64, 16), jnp.bfloat16), block_t=8)
 
 
-def _specs(experts, n, k, blocks, block_t, tile_k):
+def _specs(experts, n, k, blocks, block_t, tile_k, shared_rows=False):
     spec = jax.ShapeDtypeStruct
-    return (spec((blocks * block_t, k), jnp.bfloat16), spec((blocks,), jnp.int32),
+    return (spec(((1 if shared_rows else blocks) * block_t, k), jnp.bfloat16), spec((blocks,), jnp.int32),
             spec((experts, n, k // 2), jnp.uint8),
             spec((experts, k // tile_k, n, tile_k // 16), jnp.bfloat16))
 
 
-@pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits,tile_n",
-                         [(640, 5120, 8, 8, 256, 4, 64), (640, 5120, 8, 8, 256, 1, 128),
-                          (5120, 320, 5, 16, 64, 1, 256)])
-def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n):
+@pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows",
+                         [(640, 5120, 8, 8, 256, 4, 64, False), (640, 5120, 8, 8, 256, 1, 128, False),
+                          (5120, 320, 5, 16, 64, 1, 256, False), (640, 5120, 64, 16, 256, 1, 64, True)])
+def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows):
     """Beam's gate/up and down shapes lower to Mosaic GPU on the CPU (the PTX is built on the GPU)."""
-    op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits, tile_n=tile_n)
-    text = jax.jit(op).trace(*_specs(256, n, k, blocks, block_t, tile_k)).lower(lowering_platforms=("cuda",)).as_text()
+    op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits, tile_n=tile_n,
+                           shared_rows=shared_rows)
+    specs = _specs(256, n, k, blocks, block_t, tile_k, shared_rows)
+    text = jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
 
@@ -115,12 +117,14 @@ def _assert_layer_close(problem, got, expert_offset=None):
     assert np.abs(want).max() > 0
 
 
-@pytest.mark.parametrize("tokens,block_t,splits,builder", [(1, 8, 2, "sort"), (5, 2, 2, "sort"), (13, 2, 2, "sort"),
-                                                            (13, 8, 2, "compare"), (70, None, None, "sort")])
+@pytest.mark.parametrize("tokens,block_t,splits,builder", [
+    (1, 8, 2, "sort"), (5, 2, 2, "sort"), (13, 2, 2, "sort"), (13, 8, 2, "compare"), (70, None, None, "sort"),
+    (1, None, 4, "shared"), (5, None, 1, "shared"), (13, None, 2, None)])
 def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits, builder):
     """Blocks, gathers, splits, scales, SwiGLU and combine, with the GEMM emulated in plain jnp:
-    experts with more pairs than a block (tails), unused experts, and unused blocks; None: the
-    defaults (`default_config`: 64-row blocks past 64 tokens)."""
+    experts with more pairs than a block (tails), experts picked by several tokens, unused experts,
+    and unused blocks; None: the defaults (`default_config`: shared rows up to 16 tokens, 64-row
+    blocks past 64)."""
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 256, 64, 16, 4, tile_k=128)
     layer = functools.partial(nmm.moe_nvfp4, block_t=block_t, gate_up_splits=splits, block_builder=builder,
                               matmul=nm.grouped_matmul_emulated)
@@ -137,6 +141,23 @@ def test_blocks_hold_every_pair_once():
     assert (row_token[np.setdiff1d(np.arange(row_token.size), pair_row)] == 11).all()
 
 
+@pytest.mark.parametrize("tokens,top_k", [(1, 8), (3, 4), (11, 3)])
+def test_shared_blocks_give_each_expert_one_block(tokens, top_k):
+    """Each pair's column lies in a block of its expert, at its token's row; an expert has one block;
+    other devices' pairs (id == experts) make no block."""
+    experts = 6
+    rng = np.random.default_rng(tokens)
+    ids = np.stack([rng.choice(experts + 2, top_k, replace=False) for _ in range(tokens)])
+    ids = np.minimum(ids, experts).astype(np.int32)
+    block_t = -(-tokens // 8) * 8
+    block_expert, column = map(np.asarray, nmm._shared_blocks(jnp.asarray(ids), experts, block_t))
+    flat, local = ids.reshape(-1), ids.reshape(-1) < experts
+    np.testing.assert_array_equal(block_expert[column // block_t][local], flat[local])
+    np.testing.assert_array_equal(column % block_t, np.arange(ids.size) // top_k)
+    used = block_expert[block_expert >= 0]
+    assert sorted(used) == sorted(set(flat[local]))
+
+
 @pytest.mark.parametrize("tokens,top_k,experts,block_t",
                          [(2, 8, 256, 8), (8, 8, 256, 8), (11, 3, 6, 4), (64, 8, 256, 8)])
 def test_both_block_builders_agree(tokens, top_k, experts, block_t):
@@ -150,7 +171,7 @@ def test_both_block_builders_agree(tokens, top_k, experts, block_t):
         np.testing.assert_array_equal(np.asarray(by_sort), np.asarray(by_comparison))
 
 
-@pytest.mark.parametrize("tokens,builder", [(1, "sort"), (7, "sort"), (7, "compare")])
+@pytest.mark.parametrize("tokens,builder", [(1, "sort"), (7, "sort"), (7, "compare"), (1, "shared"), (7, "shared")])
 def test_expert_parallel_shares_add_up(tokens, builder):
     """Each device's share of the experts (`expert_offset`): equal to the reference on it (other
     shares' pairs count zero), and the shares add up to the whole layer."""
@@ -180,11 +201,12 @@ def test_unknown_block_builder_is_rejected():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens,down_tile_n", [(1, 64), (8, 128), (64, 256), (300, 64)])
-def test_layer_matches_reference_on_gpu(tokens, down_tile_n):
-    """Beam's per-GPU TP8 expert shape on the kernel."""
+@pytest.mark.parametrize("tokens,down_tile_n,builder", [(1, 64, None), (8, 128, None), (8, 64, "sort"), (13, 64, None),
+                                                        (32, 64, "shared"), (64, 256, None), (300, 64, None)])
+def test_layer_matches_reference_on_gpu(tokens, down_tile_n, builder):
+    """Beam's per-GPU TP8 expert shape on the kernel (None: `default_config`'s blocks)."""
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 5120, 320, 256, 8, tile_k=256)
-    layer = functools.partial(nmm.moe_nvfp4, down_tile_n=down_tile_n)
+    layer = functools.partial(nmm.moe_nvfp4, down_tile_n=down_tile_n, block_builder=builder)
     _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
 
 
