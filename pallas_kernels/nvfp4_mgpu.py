@@ -1,7 +1,7 @@
 """Grouped NVFP4 x bf16 GEMM for Hopper in Pallas Mosaic GPU: weights decoded in the wgmma registers.
 
 Computes, for every block b of `block_t` activation rows (one expert per block),
-`out[s, n, b*block_t + t] = sum_k W[e_b, n, k] * x[b*block_t + t, k]` over the K range of split s, in
+`out[s, b*block_t + t, n] = sum_k W[e_b, n, k] * x[b*block_t + t, k]` over the K range of split s, in
 fp32, without the global scale. A program (one warpgroup) computes `tile_n` rows of W (64 per wgmma
 row tile) for one block and split. The weight tile is the wgmma's A operand and lives in registers:
 it is loaded as bytes and decoded there, so decoded weights never go through shared memory. The
@@ -165,11 +165,40 @@ def _decode_tile(tile_n: int, tile_k: int):
     return body
 
 
+def _store_transposed(tile_n: int, block_t: int):
+    """inline_mgpu body: fp32 accumulator [tile_n, block_t] (WGMMA layout) -> smem [block_t, tile_n], so
+    the output is [rows, N] (a row per activation row: the layer's gathers and epilogues then read
+    contiguous rows). A thread's register [m, c, .., half, ..] holds row 64 m + 16 warp + lane / 4 + 8 half,
+    columns 8 c + 2 (lane % 4) and the next. Pallas' own store does not take a transposed ref."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, gpu, memref, vector
+    from jax.experimental.mosaic.gpu import utils
+
+    def body(ctx, acc, out_ref):
+        del ctx
+        index = ir.IndexType.get()
+        tid = arith.remui(gpu.thread_id(gpu.Dimension.x), utils.c(128, index))
+        warp, lane = arith.divui(tid, utils.c(32, index)), arith.remui(tid, utils.c(32, index))
+        row0 = arith.addi(arith.muli(warp, utils.c(16, index)), arith.divui(lane, utils.c(4, index)))
+        col0 = arith.muli(arith.remui(lane, utils.c(4, index)), utils.c(2, index))
+        for m in range(tile_n // 64):
+            for half in range(2):
+                row = arith.addi(row0, utils.c(64 * m + 8 * half, index))
+                for c in range(block_t // 8):
+                    pair = acc.registers[m, c, 0, 0, half, 0, 0, 0, 0]
+                    for j in range(2):
+                        col = arith.addi(col0, utils.c(8 * c + j, index))
+                        value = vector.extract(pair, dynamic_position=[], static_position=[j])
+                        memref.store(value, out_ref, [col, row])
+
+    return body
+
+
 def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
                    stages: int = 4, tile_n: int = 64, shared_rows: bool = False):
     """`xs [B*block_t, K]` bf16 (K in `kernel_k_order`), `block_expert [B]` int32 (-1: skip the block),
     `packed [E, N, K/2]` uint8 (`pack_kernel_layout`), `scales` bf16 (`pack_scales`) ->
-    `[splits, N, B*block_t]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
+    `[splits, B*block_t, N]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
     computes `tile_n` (a multiple of 64) rows of one block and split. `shared_rows`: `xs` is one block
     `[block_t, K]` that every block multiplies (decode: each expert takes all the step's tokens)."""
     rows, k = xs.shape
@@ -190,6 +219,8 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         arg_types=(plgpu.Layout.WGMMA_8BIT, plgpu.RefType()),
         return_type=plgpu.ShapeDtypeStruct((tile_n, tile_k), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
     )(_decode_tile(tile_n, tile_k))
+    store_transposed = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
+        _store_transposed(tile_n, block_t))
 
     def kernel(block_expert_gmem, xs_gmem, packed_gmem, scales_gmem, out_gmem, out_smem):
         b, ni, si = (jax.lax.axis_index(a) for a in ("b", "n", "s"))
@@ -220,17 +251,17 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         @pl.when(expert >= 0)  # unused blocks (expert -1) are skipped; their output is left unwritten
         def _():
             acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, block_t)))
-            out_smem[...] = acc
+            store_transposed(acc, out_smem)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, pl.ds(ni * tile_n, tile_n), pl.ds(b * block_t, block_t)])
+            plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, pl.ds(b * block_t, block_t), pl.ds(ni * tile_n, tile_n)])
             plgpu.wait_smem_to_gmem(0)
 
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((splits, n, blocks * block_t), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((splits, blocks * block_t, n), jnp.float32),
         grid=(blocks, n // tile_n, splits),
         grid_names=("b", "n", "s"),
-        scratch_types=dict(out_smem=plgpu.SMEM((tile_n, block_t), jnp.float32)),
+        scratch_types=dict(out_smem=plgpu.SMEM((block_t, tile_n), jnp.float32)),
     )
     return call(block_expert, xs, packed, scales)
 
@@ -241,7 +272,7 @@ def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: 
         xs = jnp.tile(xs, (block_expert.shape[0], 1))
     x = xs.reshape(block_expert.shape[0], block_t, -1).astype(jnp.float32)
     w = w[block_expert].astype(jnp.float32)
-    return jnp.einsum("btk,bnk->nbt", x, w, precision=jax.lax.Precision.HIGHEST).reshape(w.shape[1], -1)
+    return jnp.einsum("btk,bnk->btn", x, w, precision=jax.lax.Precision.HIGHEST).reshape(-1, w.shape[1])
 
 
 def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int = 1,

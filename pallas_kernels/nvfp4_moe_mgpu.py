@@ -180,13 +180,13 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     row_expert = jnp.maximum(jnp.repeat(block_expert, block_t), 0)  # unused rows: any expert, never read back
     gu = matmul(xs, block_expert, gate_up.packed, gate_up.scales, block_t=block_t, tile_k=gate_up.tile_k,
                 splits=gate_up_splits, tile_n=gate_up_tile_n, shared_rows=shared)
-    gu = gu.sum(0).T * nm.OUTPUT_FACTOR * gate_up.global_scale[row_expert]
+    gu = gu.sum(0) * nm.OUTPUT_FACTOR * gate_up.global_scale[row_expert]
     gate, up = gu[:, :intermediate].astype(x.dtype), gu[:, intermediate:].astype(x.dtype)
     act = mg._swiglu(gate, up).astype(x.dtype)[:, nm.kernel_k_order(intermediate)]
     out = matmul(act, block_expert, down.packed, down.scales, block_t=block_t, tile_k=down.tile_k, splits=1,
                  tile_n=down_tile_n)
     # Only the pairs' columns are scaled and weighted (rows of unused blocks and padding are not).
     pair_expert = jnp.minimum(local_ids.reshape(-1), num_experts - 1)
-    expert_out = (out[0][:, pair_row].T * nm.OUTPUT_FACTOR * down.global_scale[pair_expert]).astype(x.dtype)
+    expert_out = (out[0][pair_row] * nm.OUTPUT_FACTOR * down.global_scale[pair_expert]).astype(x.dtype)
     pair_out = (expert_out.astype(jnp.float32) * weights.reshape(-1, 1)).astype(x.dtype)
     return mg._add_token_pairs(pair_out, local, tokens)

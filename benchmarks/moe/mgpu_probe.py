@@ -44,8 +44,8 @@ def check(rng, experts, n, k, blocks, block_t, tile_k, splits):
     out = nm.grouped_matmul(jnp.asarray(x[:, nm.kernel_k_order(k)]), jnp.asarray(block_expert), packed, scales,
                             block_t=block_t, tile_k=tile_k, splits=splits)
     got = np.asarray(out).sum(0) * nm.OUTPUT_FACTOR
-    want = np.einsum("btk,bnk->nbt", x.astype(np.float32).reshape(blocks, block_t, k),
-                     dequant[block_expert]).reshape(n, -1)
+    want = np.einsum("btk,bnk->btn", x.astype(np.float32).reshape(blocks, block_t, k),
+                     dequant[block_expert]).reshape(-1, n)
     err = float(np.abs(got - want).max() / np.abs(want).max())
     return dict(kind="check", experts=experts, n=n, k=k, blocks=blocks, block_t=block_t, tile_k=tile_k,
                 splits=splits, rel_err=err, ok=err < 1e-5)
@@ -84,28 +84,38 @@ def time_triton_layer(t, repeats=4):
     return dict(kind="triton_layer", t=t, us=total, kernels=[(name, ms * 1e3) for name, ms in kernels])
 
 
-def time_layers(t, variants, repeats=4):
+def layer_weights():
+    """Beam's TP8 NVFP4 experts (gate, up, down), and the Mosaic kernel's copies of them (repacked by
+    one jitted call: op by op it compiles a hundred small programs)."""
+    from pallas_kernels import nvfp4_moe_mgpu as nmm
+
+    gate, up, down = bench.make_weights("nvfp4", jax.random.key(0))
+    repack = jax.jit(lambda gate, up, down: (nmm.KernelNvfp4.from_expert_weights(gate, up, tile_k=256),
+                                             nmm.KernelNvfp4.from_expert_weights(down, tile_k=64)))
+    return (gate, up, down), repack(gate, up, down)
+
+
+def time_layers(t, variants, weights, repeats=4):
     """The whole NVFP4 MoE layer, Triton kernels against the Mosaic GEMMs, same weights and tokens:
     CUPTI total per call and one call's kernels; plus the Mosaic layer's error against the reference."""
     from jax.experimental.mosaic.gpu import profiler
 
     from pallas_kernels import nvfp4_moe_mgpu as nmm
 
-    gate, up, down = bench.make_weights("nvfp4", jax.random.key(0))
-    gate_up_k, down_k = (nmm.KernelNvfp4.from_expert_weights(gate, up, tile_k=256),
-                         nmm.KernelNvfp4.from_expert_weights(down, tile_k=64))
+    (gate, up, down), (gate_up_k, down_k) = weights
     x, w, ids = bench.make_tokens(t, repeats, jax.random.key(t))
     layers = {"triton": lambda x, w, ids: mg.moe_gemm_kernel(x, w, ids, gate, up, down)}
     for settings in variants:  # moe_nvfp4 keyword arguments; the rest from default_config
         name = "mosaic[" + ",".join(f"{key}={value}" for key, value in settings.items()) + "]"
         layers[name] = functools.partial(lambda x, w, ids, **kw: nmm.moe_nvfp4(x, w, ids, gate_up_k, down_k, **kw),
                                          **settings)
-    want = np.asarray(mg.moe_gemm_reference(x[0], w[0], ids[0], gate, up, down), np.float32)
+    want = np.asarray(jax.jit(mg.moe_gemm_reference)(x[0], w[0], ids[0], gate, up, down), np.float32)
     row = dict(kind="layers", t=t)
     for name, layer in layers.items():
         total, _ = bench.time_chain(bench.chain(layer), (x, w, ids), repeats=repeats, wall=False)
-        _, kernels = profiler.measure(jax.jit(layer), aggregate=False)(x[0], w[0], ids[0])
-        got = np.asarray(jax.jit(layer)(x[0], w[0], ids[0]), np.float32)
+        single = jax.jit(layer)
+        _, kernels = profiler.measure(single, aggregate=False)(x[0], w[0], ids[0])
+        got = np.asarray(single(x[0], w[0], ids[0]), np.float32)
         row[name] = dict(us=total, kernels=[(k, ms * 1e3) for k, ms in kernels],
                          max_err=float(np.abs(got - want).max()), max_ref=float(np.abs(want).max()))
     floor_bytes = bench.expert_bytes(gate, up, down) * len(np.unique(np.asarray(ids[0])))
@@ -132,11 +142,12 @@ def main():
         # Blocks that share the step's rows (decode) against sorted ones; runs Q and R timed the sorted
         # blocks at T = 8 and one block per pair at T = 1.
         shared, by_sort = dict(block_builder="shared"), dict(block_builder="sort")
-        plans = {8: [shared, by_sort], 1: [shared], 16: [shared, dict(block_builder="compare")],
-                 64: [shared, by_sort], 32: [shared, dict(shared, down_tile_n=128)]}
+        plans = {8: [shared, dict(shared, down_tile_n=128)], 1: [shared], 16: [shared, by_sort],
+                 64: [shared, by_sort], 32: [shared, by_sort]}
+        weights = layer_weights()
         for t, variants in plans.items():
             try:
-                record(time_layers(t, variants))
+                record(time_layers(t, variants, weights))
             except Exception as e:  # noqa: BLE001
                 record(dict(kind="layers", t=t, error=repr(e)[:2000]))
         return

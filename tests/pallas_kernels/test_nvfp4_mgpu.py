@@ -80,22 +80,25 @@ def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_r
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("experts,n,k,blocks,block_t,tile_k,splits,tile_n", [
-    (16, 128, 512, 3, 8, 256, 1, 64), (16, 192, 320, 5, 16, 64, 1, 64), (8, 64, 1024, 2, 8, 256, 2, 64),
-    (32, 640, 5120, 4, 8, 256, 4, 64), (16, 384, 320, 3, 8, 64, 1, 128), (16, 512, 320, 2, 8, 64, 1, 256),
+@pytest.mark.parametrize("experts,n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows", [
+    (16, 128, 512, 3, 8, 256, 1, 64, False), (16, 192, 320, 5, 16, 64, 1, 64, False),
+    (8, 64, 1024, 2, 8, 256, 2, 64, False), (32, 640, 5120, 4, 8, 256, 4, 64, False),
+    (16, 384, 320, 3, 8, 64, 1, 128, False), (16, 512, 320, 2, 8, 64, 1, 256, False),
+    (16, 128, 512, 5, 24, 256, 2, 128, True),
 ])
-def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits, tile_n):
+def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows):
     rng = np.random.default_rng(n + k)
     codes = rng.integers(0, 16, (experts, n, k), dtype=np.uint8)
     scale = rng.uniform(0.02, 4, (experts, n, k // 16)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    x = rng.standard_normal((blocks * block_t, k)).astype(ml_dtypes.bfloat16)
+    x = rng.standard_normal(((1 if shared_rows else blocks) * block_t, k)).astype(ml_dtypes.bfloat16)
     block_expert = rng.integers(0, experts, blocks).astype(np.int32)
     out = nm.grouped_matmul(jnp.asarray(x[:, nm.kernel_k_order(k)]), jnp.asarray(block_expert),
                             jnp.asarray(nm.pack_kernel_layout(codes)), jnp.asarray(nm.pack_scales(scale, tile_k)),
-                            block_t=block_t, tile_k=tile_k, splits=splits, tile_n=tile_n)
+                            block_t=block_t, tile_k=tile_k, splits=splits, tile_n=tile_n, shared_rows=shared_rows)
     got = np.asarray(out).sum(0) * nm.OUTPUT_FACTOR
     w = jnp.asarray(E2M1[codes] * np.repeat(scale, 16, axis=-1))
-    want = np.asarray(nm.grouped_matmul_reference(jnp.asarray(x), jnp.asarray(block_expert), w, block_t=block_t))
+    want = np.asarray(nm.grouped_matmul_reference(jnp.asarray(x), jnp.asarray(block_expert), w, block_t=block_t,
+                                                  shared_rows=shared_rows))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
