@@ -5,6 +5,7 @@
     out = beam.forward([[1, 2, 3]])              # ForwardOutput: logits [1, 3, vocab], ...
     beam.generate("def fib(n):", max_new_tokens=16)
     beam = beam_jax.load("beam-tiny", quantization="nvfp4")  # bf16 experts quantized at load time
+    beam = beam_jax.load(path, expert_kernel="mosaic")   # NVFP4 experts for the Mosaic kernel (default on Hopper)
 """
 
 from __future__ import annotations
@@ -140,6 +141,23 @@ def quantize(beam: Beam, quantization: str | None) -> Beam:
     return Beam(config, params, beam.tokenizer)
 
 
+def convert_experts(
+    beam: Beam, expert_kernel: str = "auto", mesh: jax.sharding.Mesh | None = None, *, own_params: bool = False
+) -> Beam:
+    """`beam` with its NVFP4 experts repacked for the Mosaic GPU kernel where `expert_kernel` says
+    so (`beam_jax.quant.kernel_layout.use_mosaic`: "auto" on Hopper GPUs when the shapes fit,
+    "mosaic" always, "triton" never), else `beam` itself. `mesh`: the one the model runs on (its
+    local shapes must fit the kernel). `own_params`: `beam`'s checkpoint-layout expert arrays are
+    deleted as they are converted, so that the two layouts never coexist beyond one layer; else they
+    are left to the caller."""
+    from beam_jax.quant.kernel_layout import to_kernel_layout, use_mosaic
+
+    if not use_mosaic(beam.config, expert_kernel, mesh):
+        return beam
+    config, params = to_kernel_layout(beam.config, beam.params, mesh, delete_checkpoint_layout=own_params)
+    return Beam(config, params, beam.tokenizer)
+
+
 def load(
     model: str | Path = "beam-tiny",
     *,
@@ -147,13 +165,25 @@ def load(
     seed: int = 0,
     mesh: jax.sharding.Mesh | None = None,
     quantization: str | None = None,
+    expert_kernel: str = "auto",
 ) -> Beam:
     """A preset name (random weights from `seed`), a shipped model's name (`SHIPPED_MODELS`:
     `beam-tiny-code`, trained) or a checkpoint directory (HF safetensors or orbax). The tokenizer is the directory's `tokenizer.json` if it has one, else the shipped one.
     With a `mesh` (`beam_jax.sharding.make_mesh`) the parameters are split over it; safetensors
     are read slice by slice, each process reading only what its devices hold. `quantization`
     ("fp8", "nvfp4") quantizes bf16 experts as they load (`quantize`); the whole model is then
-    read onto one device before it is quantized and split."""
+    read onto one device before it is quantized and split. `expert_kernel` ("auto", "mosaic",
+    "triton") says whether NVFP4 experts are repacked for the Mosaic GPU kernel once loaded
+    (`convert_experts`; "auto": on Hopper GPUs where the shapes fit). Such a model cannot be saved."""
+    from beam_jax.quant.convert import quantization_config_for
+    from beam_jax.quant.kernel_layout import use_mosaic
+
+    def check_expert_kernel(config: BeamConfig) -> None:  # a forced kernel that cannot run fails before loading
+        expert_format = quantized_expert_format(config, quantization)
+        if expert_format != config.expert_format:
+            config = config.replace(quantization_config=quantization_config_for(config, expert_format))
+        use_mosaic(config, expert_kernel, mesh)
+
     dtype = default_dtype() if dtype is None else jnp.dtype(dtype)
     if str(model) in PRESETS:
         config = preset(str(model))
@@ -163,11 +193,11 @@ def load(
                 f"preset {model!r} would need {size / 2**30:.0f} GiB of random weights; "
                 "load a checkpoint directory instead (beam-jax init-checkpoint writes one for small presets)"
             )
-        quantized_expert_format(config, quantization)  # a bad method fails before the weights are drawn
+        check_expert_kernel(config)  # so does a bad quantization method, before the weights are drawn
         beam = quantize(Beam(config, init_params(config, seed, dtype), load_tokenizer()), quantization)
         if mesh is not None:
             beam.params = shard_params(beam.params, mesh, beam.config)
-        return beam
+        return convert_experts(beam, expert_kernel, mesh, own_params=True)
     path = checkpoint_dir(model)
     if path is None:
         names = ", ".join(sorted(PRESETS) + sorted(SHIPPED_MODELS))
@@ -176,6 +206,7 @@ def load(
 
     stored = read_config(path)
     quantizing = quantized_expert_format(stored, quantization) != stored.expert_format  # refused before loading
+    check_expert_kernel(stored)
     # orbax restores whole arrays; experts about to be quantized are read whole too.
     sliced_read = mesh is not None and not is_orbax_checkpoint(path) and not quantizing
     config, params = load_any(path, dtype=dtype, **({"mesh": mesh} if sliced_read else {}))
@@ -183,4 +214,4 @@ def load(
     beam = quantize(Beam(config, params, tokenizer), quantization)
     if mesh is not None:
         beam.params = shard_params(beam.params, mesh, beam.config)  # keeps what the reader placed already
-    return beam
+    return convert_experts(beam, expert_kernel, mesh, own_params=True)

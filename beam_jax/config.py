@@ -1,6 +1,7 @@
 """Beam's configuration: a frozen dataclass that reads and writes HF `config.json` (`model_type: beam`).
 
-Field names and defaults are those of `transformers.BeamConfig`, so one `config.json` serves both.
+Field names and defaults are those of `transformers.BeamConfig`, so one `config.json` serves both;
+one field of ours (`mosaic_experts`, a load-time choice) is never written or read there.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ EXPERT_FORMATS = ("bf16", "nvfp4", "fp8_channel", "fp8_tensor")
 # Fields of transformers.BeamConfig that matter only for training or HF plumbing: kept on a
 # round trip through config.json so that nothing a user wrote is dropped.
 _PASSTHROUGH_FIELDS = ("initializer_range", "use_cache", "attention_dropout", "output_router_logits")
+# Fields of ours that config.json never holds.
+NOT_HF_FIELDS = ("mosaic_experts",)
 
 
 def default_layer_types(num_hidden_layers: int) -> tuple[str, ...]:
@@ -79,6 +82,10 @@ class BeamConfig:
     use_cache: bool = True
     attention_dropout: float = 0.0
     output_router_logits: bool = False
+    # Not an HF field (never read from or written to config.json): the NVFP4 experts' parameters are
+    # in the Mosaic GPU kernel's layout (`beam_jax.quant.kernel_layout`, converted at load time), not
+    # the checkpoint's.
+    mosaic_experts: bool = False
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -128,11 +135,14 @@ class BeamConfig:
         for layer_type, params in _thaw(self.rope_parameters).items():
             if params is not None and params.get("rope_type", "default") != "default":
                 problems.append(f"rope_type {params['rope_type']!r} for {layer_type} is not supported")
+        expert_format = None
         if self.quantization_config is not None:
             try:
-                self.expert_format
+                expert_format = self.expert_format
             except ValueError as error:
                 problems.append(str(error))
+        if self.mosaic_experts and expert_format != "nvfp4":
+            problems.append("mosaic_experts (the Mosaic kernel's layout) applies to NVFP4 experts only")
         if problems:
             raise ValueError("invalid BeamConfig: " + "; ".join(problems))
 
@@ -208,8 +218,19 @@ class BeamConfig:
         return dataclasses.replace(self, **changes)
 
     # ---- HF config.json -----------------------------------------------------------------------
+    def require_checkpoint_layout(self, action: str) -> None:
+        """Refuse `action` (saving, ...) for a model whose experts were converted to the Mosaic
+        kernel's layout: a checkpoint holds the producers' layout, which that model no longer has."""
+        if self.mosaic_experts:
+            raise ValueError(
+                f"cannot {action}: the NVFP4 experts were converted to the Mosaic kernel's layout at load time "
+                "(expert_kernel 'auto' on a Hopper GPU, or 'mosaic'); load the model with expert_kernel='triton' "
+                "to keep the checkpoint layout"
+            )
+
     def to_hf_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        self.require_checkpoint_layout("write config.json")
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in NOT_HF_FIELDS}
         out["layer_types"] = list(self.layer_types)
         out["mlp_layer_types"] = list(self.mlp_layer_types)
         out["rope_parameters"] = _thaw(self.rope_parameters)
@@ -227,7 +248,7 @@ class BeamConfig:
     def from_hf_dict(cls, data: dict[str, Any]) -> BeamConfig:
         if data.get("model_type", "beam") != "beam":
             raise ValueError(f"config.json has model_type {data['model_type']!r}, expected 'beam'")
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} - set(NOT_HF_FIELDS)
         return cls(**{k: v for k, v in data.items() if k in known})
 
     def save(self, directory: str | Path) -> Path:

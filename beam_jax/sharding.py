@@ -26,7 +26,9 @@ The bf16 experts' fused `gate_up_proj [E, 2I, H]` (gate rows first) cannot be sp
 contiguous block would give one device gate rows only. On the mesh it is held as the view
 `[E, 2, I, H]` (`mesh_layout`, a reshape that moves no data), split on I; the experts reshape it
 back. Parameters from `shard_params` therefore have that one shape changed; everything else keeps
-the HF shapes.
+the HF shapes. NVFP4 experts converted to the Mosaic kernel's layout (`beam_jax.quant.kernel_layout`)
+hold their gate/up rows the same way, and split so that each device's shard is a valid local layout
+(`KERNEL_SPECS`).
 
 XLA's SPMD partitioner partitions attention, the dense MLP and the head from these placements and
 inserts the all-reduces (after o_proj and down_proj: the sandwich norm after each block then runs on
@@ -114,14 +116,33 @@ def check_mesh(config: BeamConfig, mesh) -> None:
             f"NVFP4 down_proj is packed along the intermediate dim in groups of {NVFP4_GROUP}: "
             f"moe_intermediate_size/tp = {inter // tp} must be a multiple of {NVFP4_GROUP}"
         )
+    if config.mosaic_experts and not problems:
+        from beam_jax.quant.kernel_layout import layout_problems  # that module builds on this one
+
+        problems = [f"in the Mosaic kernel's layout, {p}" for p in layout_problems(config, tp, ep)]
     if problems:
         raise ValueError("this mesh cannot hold the experts: " + "; ".join(problems))
 
 
 # ---- partition specs -----------------------------------------------------------------------------
+# NVFP4 experts in the Mosaic kernel's layout (`beam_jax.quant.kernel_layout`), gate_up in its mesh
+# layout `[E, 2, I, ...]`: gate/up rows split on I; down's K (the intermediate dim) split in whole
+# 64-value tiles: its packed bytes on the last axis, its scales `[E, K/64, H, 4]` on the K-tile axis.
+KERNEL_SPECS = {
+    "gate_up.packed": P(EP, None, TP, None),  # [E, 2, I, H/2]
+    "gate_up.scales": P(EP, None, None, TP, None),  # [E, H/256, 2, I, 16]
+    "gate_up.global_scale": P(EP, None, TP),  # [E, 2, I]
+    "down.packed": P(EP, None, TP),  # [E, H, I/2]
+    "down.scales": P(EP, TP, None, None),  # [E, I/64, H, 4]
+    "down.global_scale": P(EP, None),  # [E, H]
+}
+
+
 def expert_spec(name: str, expert_format: str) -> P:
     """The spec of an expert parameter, by its name under `mlp.experts` (`gate_up_proj` in its
-    mesh layout `[E, 2, I, H]`, `down_proj.weight_scale`, ...)."""
+    mesh layout `[E, 2, I, H]`, `down_proj.weight_scale`, `gate_up.packed`, ...)."""
+    if expert_format == "nvfp4" and name in KERNEL_SPECS:
+        return KERNEL_SPECS[name]
     if expert_format == "bf16":
         specs = {GATE_UP: P(EP, None, TP, None), "down_proj": P(EP, None, TP)}
         if name in specs:
@@ -195,12 +216,18 @@ def attention_head_axes(num_heads: int, num_kv_heads: int, mesh=None) -> tuple[s
     return axes if axes is not None and axes == _split(num_kv_heads, mesh) else None
 
 
+# Axis holding gate rows then up rows, and the rank, of each parameter split into gate and up on the mesh.
+_GATE_UP_ROWS = {GATE_UP: (1, 3), "gate_up.packed": (1, 3), "gate_up.scales": (2, 4), "gate_up.global_scale": (1, 2)}
+
+
 def mesh_layout(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape a parameter has on the mesh: the fused bf16 `gate_up_proj [E, 2I, H]` becomes
-    `[E, 2, I, H]` (gate rows, then up rows: a reshape, no data moves); every other is unchanged."""
-    if name.endswith("mlp.experts." + GATE_UP) and len(shape) == 3:
-        experts, rows, hidden = shape
-        return (experts, 2, rows // 2, hidden)
+    `[E, 2, I, H]` (gate rows, then up rows: a reshape, no data moves), and so do the gate/up rows
+    of the Mosaic kernel's layout (`gate_up.packed`, ...); every other is unchanged."""
+    _, experts, suffix = name.rpartition("mlp.experts.")
+    if experts and suffix in _GATE_UP_ROWS and len(shape) == _GATE_UP_ROWS[suffix][1]:
+        axis = _GATE_UP_ROWS[suffix][0]
+        return (*shape[:axis], 2, shape[axis] // 2, *shape[axis + 1 :])
     return tuple(shape)
 
 

@@ -60,6 +60,13 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="quantize a bf16 checkpoint's experts as it loads: fp8 (per channel) or nvfp4 (default: as stored)",
     )
+    p.add_argument(
+        "--expert-kernel",
+        choices=["auto", "mosaic", "triton"],
+        default="auto",
+        help="NVFP4 experts: repacked at load time for the Mosaic GPU kernel (mosaic), kept in the checkpoint "
+        "layout for the Triton kernels (triton), or mosaic on Hopper GPUs where the shapes fit (auto, the default)",
+    )
     # Speculative decoding (serving/speculative_step.py), named as SGLang's with vLLM-style aliases.
     p.add_argument(
         "--speculative",
@@ -122,6 +129,7 @@ def engine_config(args: argparse.Namespace):
         tp=args.tp,
         ep=args.ep,
         quantization=args.quantization,
+        expert_kernel=args.expert_kernel,
         speculative=args.speculative,
         draft_model=args.draft_model,
         num_speculative_tokens=args.num_speculative_tokens,

@@ -23,7 +23,7 @@ import jax
 from jax.sharding import AbstractMesh
 
 import beam_jax
-from beam_jax.api import SHIPPED_DRAFTERS, Beam, checkpoint_dir, quantize, quantized_expert_format
+from beam_jax.api import SHIPPED_DRAFTERS, Beam, checkpoint_dir, convert_experts, quantize, quantized_expert_format
 from beam_jax.config import PRESETS, BeamConfig, preset
 from beam_jax.drafter import DrafterConfig, load_drafter
 from beam_jax.model import Params, flat_params
@@ -58,6 +58,9 @@ class EngineConfig:
     ep: int = 1
     # "fp8" or "nvfp4": quantize a bf16 model's experts as it loads (beam_jax.api.quantize); None: as stored.
     quantization: str | None = None
+    # NVFP4 experts on the Mosaic GPU kernel, repacked at load time (`beam_jax.api.convert_experts`):
+    # "auto" (on Hopper GPUs where the shapes fit), "mosaic" (always; refused where they do not), "triton".
+    expert_kernel: str = "auto"
     # The attention path, `pallas_kernels.paged_attention.ragged_paged_attention`'s `use_kernel`: False
     # (plain jnp), "decode" (decode tokens on the split decode kernel), True (all kernels). None: the
     # backend's default (`default_use_kernel`: "decode" on GPU, plain jnp on CPU; on a mesh as `ModelRunner` says).
@@ -252,8 +255,11 @@ class LLMEngine:
         mesh = make_mesh(tp=config.tp, ep=config.ep) if config.tp * config.ep > 1 else None
         if isinstance(model, Beam):
             self.beam = quantize(model, config.quantization)
+            # The caller's own experts are left alone (converting copies them); ones quantized here are replaced.
+            self.beam = convert_experts(self.beam, config.expert_kernel, mesh, own_params=self.beam is not model)
         else:
-            self.beam = beam_jax.load(model, dtype=dtype, seed=seed, mesh=mesh, quantization=config.quantization)
+            self.beam = beam_jax.load(model, dtype=dtype, seed=seed, mesh=mesh, quantization=config.quantization,
+                                      expert_kernel=config.expert_kernel)
         self.config = config
         model_config = self.beam.config
         self.max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 4096)

@@ -37,6 +37,7 @@ def is_orbax_checkpoint(path: str | Path) -> bool:
 def save_orbax(directory: str | Path, config: BeamConfig, params: Params) -> Path:
     """Save `params` (overwriting an earlier save in `directory`) and config.json; returns the
     directory. The floating dtype recorded is the embedding's; the router stays float32."""
+    config.require_checkpoint_layout(f"save an orbax checkpoint to {directory}")  # before anything is written
     directory = Path(directory).absolute()  # orbax requires absolute paths
     directory.mkdir(parents=True, exist_ok=True)
     dtype = np.dtype(flat_params(params)["model.embed_tokens.weight"].dtype)

@@ -143,6 +143,7 @@ def save_checkpoint(
     `dtype=None` keeps the parameters' floating dtype (the embedding's); the router is always
     written as float32, quantized experts in their own dtypes. Returns the directory.
     """
+    config.require_checkpoint_layout(f"save a checkpoint to {directory}")  # before anything is written
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     flat = flat_params(params)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,9 @@ from beam_jax.config import BeamConfig
 from beam_jax.layers.linear import matmul_precision
 from beam_jax.layers.mlp import swiglu
 from beam_jax.layers.quantized import QuantizedExpertLinear, dequantize_experts, packed_expert_weights
+from beam_jax.quant.kernel_layout import DOWN_TILE_K, GATE_UP_TILE_K, KernelNvfp4Linear, kernel_weights
 from beam_jax.sharding import experts_on_mesh, mesh_shards_experts
+from pallas_kernels import nvfp4_mgpu, nvfp4_moe_mgpu
 from pallas_kernels.moe_gemm import ExpertWeights, moe_gemm
 from pallas_kernels.routing import routing as route  # fp32 routing (the kernel for GPU decode batches)
 
@@ -128,14 +131,20 @@ class Router(nnx.Module):
 class Experts(nnx.Module):
     """bf16 experts fused as in the reference: `gate_up_proj [E, 2I, H]` (gate rows first),
     `down_proj [E, H, I]`. Quantized experts keep `gate_proj`, `up_proj`, `down_proj` apart, each
-    packed in its checkpoint format (`QuantizedExpertLinear`), since each has its own scales."""
+    packed in its checkpoint format (`QuantizedExpertLinear`), since each has its own scales. NVFP4
+    experts converted at load time for the Mosaic GPU kernel (`config.mosaic_experts`) hold
+    `gate_up` and `down` in its layouts instead (`beam_jax.quant.kernel_layout`)."""
 
     def __init__(self, config: BeamConfig, *, dtype):
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.expert_format = config.expert_format
+        self.mosaic_layout = config.mosaic_experts
         if self.expert_format == "bf16":
             self.gate_up_proj = nnx.Param(jnp.zeros((e, 2 * i, h), dtype))
             self.down_proj = nnx.Param(jnp.zeros((e, h, i), dtype))
+        elif self.mosaic_layout:
+            self.gate_up = KernelNvfp4Linear(e, 2 * i, h, GATE_UP_TILE_K)
+            self.down = KernelNvfp4Linear(e, h, i, DOWN_TILE_K)
         else:
             self.gate_proj = QuantizedExpertLinear(e, i, h, self.expert_format)
             self.up_proj = QuantizedExpertLinear(e, i, h, self.expert_format)
@@ -151,7 +160,7 @@ class Experts(nnx.Module):
         return expert_weights(self.arrays(), self.expert_format)
 
     def __call__(self, x, weights, indices):
-        compute = functools.partial(compute_experts, expert_format=self.expert_format)
+        compute = functools.partial(compute_experts, expert_format=self.expert_format, mosaic_layout=self.mosaic_layout)
         if mesh_shards_experts():  # on a tensor/expert-parallel mesh: each device its own slices
             return experts_on_mesh(compute, self.arrays(), x, weights, indices, expert_format=self.expert_format)
         return compute(self.arrays(), x, weights, indices)
@@ -187,16 +196,19 @@ def compute_experts(
     *,
     expert_format: str,
     expert_offset: int | Int[Array, ""] | None = None,
+    mosaic_layout: bool = False,
 ) -> Float[Array, "tokens hidden"]:
     """The experts' output from their parameter arrays (`Experts.arrays()`, or one device's slices
     of them, holding experts from `expert_offset` on). The GPU runs the Pallas kernels (pairs routed
     to other devices' experts form no block there), or XLA's gather + einsum where that is faster
     (`pallas_kernels.moe_gemm.kernel_is_faster`); the CPU the plain-jnp reference, dequantizing
-    packed weights."""
+    packed weights. Experts in the Mosaic kernel's layout (`mosaic_layout`) run `mosaic_experts`."""
     if _DENSE_EXPERTS.get():
         if expert_format != "bf16" or expert_offset is not None:
             raise ValueError("training (dense experts) needs unquantized experts on one device")
         return experts_dense(x, weights, indices, _fused_gate_up(arrays["gate_up_proj"]), arrays["down_proj"])
+    if mosaic_layout:
+        return mosaic_experts(arrays, x, weights, indices, expert_offset=expert_offset)
     if jax.default_backend() == "gpu":  # the kernels, or XLA where it is faster (`moe_gemm`)
         return moe_gemm(x, weights, indices, *expert_weights(arrays, expert_format), expert_offset=expert_offset)
     if expert_format == "bf16":
@@ -205,6 +217,28 @@ def compute_experts(
         gate, up, down = (dequantize_experts(_projection(arrays, p), expert_format, x.dtype) for p in PROJECTIONS)
         gate_up = jnp.concatenate([gate, up], axis=1)
     return experts_reference(x, weights, indices, gate_up, down, 0 if expert_offset is None else expert_offset)
+
+
+def mosaic_experts(
+    arrays: dict[str, Array],
+    x: Float[Array, "tokens hidden"],
+    weights: Float[Array, "tokens k"],
+    indices: Int[Array, "tokens k"],
+    *,
+    expert_offset: int | Int[Array, ""] | None = None,
+) -> Float[Array, "tokens hidden"]:
+    """NVFP4 experts in the Mosaic kernel's layout (`gate_up.packed`, ...; or one device's slices):
+    `pallas_kernels.nvfp4_moe_mgpu.moe_nvfp4` with the Hopper kernel on the GPU (bf16 activations,
+    which are what it takes) and its plain-jnp emulation of the same layouts on the CPU."""
+    gate_up, down = kernel_weights(arrays)
+    on_gpu = jax.default_backend() == "gpu"
+    matmul = nvfp4_mgpu.grouped_matmul if on_gpu else nvfp4_mgpu.grouped_matmul_emulated
+    # The default K splits of gate/up must divide its K steps (one split when the hidden size has fewer).
+    k_steps = gate_up.packed.shape[2] * 2 // gate_up.tile_k
+    splits = math.gcd(nvfp4_moe_mgpu.default_config(x.shape[0])["gate_up_splits"], k_steps)
+    out = nvfp4_moe_mgpu.moe_nvfp4(x.astype(jnp.bfloat16) if on_gpu else x, weights, indices, gate_up, down,
+                                   gate_up_splits=splits, expert_offset=expert_offset, matmul=matmul)
+    return out.astype(x.dtype)
 
 
 class MoE(nnx.Module):

@@ -183,6 +183,7 @@ def dequantize_params(config: BeamConfig, params: Params, dtype=jnp.bfloat16) ->
     router stays fp32). Returns (config without quantization_config, params)."""
     if config.expert_format == "bf16":
         raise ValueError("the experts are not quantized")
+    config.require_checkpoint_layout("dequantize the experts")
     plain = config.replace(quantization_config=None)
     flat = flat_params(params)
     out = {}

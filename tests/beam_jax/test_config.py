@@ -11,7 +11,7 @@ import jax
 import pytest
 from flax import nnx
 
-from beam_jax.config import DENSE, FULL, SLIDING, SPARSE, BeamConfig, preset
+from beam_jax.config import DENSE, FULL, NOT_HF_FIELDS, SLIDING, SPARSE, BeamConfig, preset
 from beam_jax.model import abstract_params
 
 
@@ -220,7 +220,8 @@ def test_config_is_frozen():
 def test_agrees_with_transformers_beam_config():
     transformers = pytest.importorskip("transformers", minversion="5.23")
     # quantization_config is PreTrainedConfig's, written only when a checkpoint is quantized.
-    fields = [f.name for f in dataclasses.fields(BeamConfig) if f.name != "quantization_config"]
+    # mosaic_experts is ours (NOT_HF_FIELDS), never in config.json.
+    fields = [f.name for f in dataclasses.fields(BeamConfig) if f.name not in ("quantization_config", *NOT_HF_FIELDS)]
     for config in (preset("beam-501b"), preset("beam-tiny"), preset("beam-tp8-slice", num_hidden_layers=5), CUSTOM):
         data = {k: v for k, v in config.to_hf_dict().items() if k not in ("model_type", "architectures")}
         hf = transformers.BeamConfig(**data)
