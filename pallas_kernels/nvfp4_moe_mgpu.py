@@ -143,13 +143,15 @@ def default_config(tokens: int) -> dict:
     4 splits fill the GPU at one token (7.3 us against 11.5 with one); one split is best at T = 8
     (32.9 against 34.0). Up to SHARED_ROWS_MAX_TOKENS tokens every block takes all the tokens
     (`_shared_blocks`); past that, sorted blocks of 8 rows (wgmma's narrowest N), 64 past T = 64
-    (prefill, not measured yet)."""
+    (prefill, not measured yet). Down GEMM programs of 128 rows past one token (run T at T = 8: 21.4
+    against 23.4 us with 64)."""
     return dict(block_builder="shared" if tokens <= SHARED_ROWS_MAX_TOKENS else "sort",
-                block_t=8 if tokens <= 64 else 64, gate_up_splits=4 if tokens == 1 else 1)
+                block_t=8 if tokens <= 64 else 64, gate_up_splits=4 if tokens == 1 else 1,
+                down_tile_n=64 if tokens == 1 else 128)
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
-              gate_up_splits: int | None = None, gate_up_tile_n: int = 64, down_tile_n: int = 64,
+              gate_up_splits: int | None = None, gate_up_tile_n: int = 64, down_tile_n: int | None = None,
               block_builder: str | None = None, expert_offset: int | jax.Array | None = None,
               matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
@@ -163,6 +165,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     block_builder = config["block_builder"] if block_builder is None else block_builder
     block_t = config["block_t"] if block_t is None else block_t
     gate_up_splits = config["gate_up_splits"] if gate_up_splits is None else gate_up_splits
+    down_tile_n = config["down_tile_n"] if down_tile_n is None else down_tile_n
     hidden, intermediate = x.shape[1], down.packed.shape[2] * 2
     num_experts = gate_up.packed.shape[0]
     if block_builder not in ("shared", "sort", "compare"):
