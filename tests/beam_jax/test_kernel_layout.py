@@ -75,12 +75,13 @@ def sparse_layer(config):
 def test_converted_forward_matches_the_checkpoint_layout():
     """bf16, fresh random weights and tokens each run: logits and the sparse layer's output within
     bf16 rounding at 1, 8 and 13 tokens; and the experts alone (which the residual stream would
-    hide) at 13 and 70 tokens (70: blocks of 64 rows)."""
+    hide) at 13, 40 and 70 tokens (each of `moe_nvfp4`'s block plans by default: shared rows, sorted
+    blocks of 8 rows, of 64)."""
     seed = secrets.randbelow(2**31)
     config, params = nvfp4_model(seed, config=fitting_config(ONE_SPARSE_LAYER))
     rng = np.random.default_rng(seed)
     layer_inputs = {}
-    for count in (13, 70):
+    for count in (13, 40, 70):
         x = jnp.asarray(rng.standard_normal((count, config.hidden_size)), jnp.bfloat16)
         ids = jnp.asarray(np.stack([rng.choice(config.num_experts, config.num_experts_per_tok, replace=False)
                                     for _ in range(count)]))
@@ -248,7 +249,7 @@ def check_mesh_layout(directory: str) -> dict:
     got = beam_jax.load(directory, mesh=mesh, expert_kernel="mosaic")
     run = sharding.sharded_forward(mesh, got.config)
     errors = {}
-    for count in (1, 13):
+    for count in (1, 13, 20):  # 20: sorted blocks, where pairs of other devices' experts are dropped
         step = tokens_of(count, count, got.config.vocab_size)
         w, g = jit_forward(want.params, *step, config=want.config).logits, run(got.params, *step).logits
         errors[count] = float(np.abs(np.asarray(g) - np.asarray(w)).max() / np.abs(np.asarray(w)).max())
