@@ -1,20 +1,20 @@
 """Beam's NVFP4 MoE layer on the Mosaic GPU grouped GEMM (`nvfp4_mgpu.grouped_matmul`), Hopper only.
 
-The weights are repacked once into the kernel's layouts (`KernelNvfp4.from_expert_weights`, at load
-time); per call, XLA sorts the (token, expert) pairs into blocks of `block_t` rows of one expert (at
-one token: one block per pair, no sort), gathers their activations (in the kernel's K order), and
-after each GEMM adds the K splits, applies the global scales, SwiGLU and the routing weights.
-Rounding follows `moe_gemm_reference`.
+The weights are repacked once into the kernel's layouts (`KernelNvfp4.from_expert_weights`; the model
+does it at load time on Hopper, `beam_jax.quant.kernel_layout`). Per call, XLA builds the blocks of
+one expert each (decode: one block per distinct expert, multiplying all the step's tokens; larger
+batches: pairs sorted into blocks of `block_t` rows), and after each GEMM adds the K splits, applies
+the global scales, SwiGLU and the routing weights. Rounding follows `moe_gemm_reference`.
 
-H200 (benchmarks/moe/RESULTS.md, runs Q and R): 17.6 us at T = 1 and 91.2 at T = 8, against 25.9 and
-102.4 for the Triton NVFP4 layer; XLA's glue is a third of the T = 8 time. The model does
-not call this yet: it needs the `KernelNvfp4` copies made when the checkpoint is loaded.
+H200 (benchmarks/moe/RESULTS.md, runs T and U): 72.0 us at T = 8 and 117.5 at T = 16, against 105.6 and
+204.3 for the Triton NVFP4 layer in the same runs; the GEMMs are now ~85 % of the time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -164,7 +164,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     config = default_config(tokens)
     block_builder = config["block_builder"] if block_builder is None else block_builder
     block_t = config["block_t"] if block_t is None else block_t
-    gate_up_splits = config["gate_up_splits"] if gate_up_splits is None else gate_up_splits
+    if gate_up_splits is None:  # the default, where it divides gate/up's K steps (else fewer)
+        gate_up_splits = math.gcd(config["gate_up_splits"], x.shape[1] // gate_up.tile_k)
     down_tile_n = config["down_tile_n"] if down_tile_n is None else down_tile_n
     hidden, intermediate = x.shape[1], down.packed.shape[2] * 2
     num_experts = gate_up.packed.shape[0]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -233,11 +232,8 @@ def mosaic_experts(
     gate_up, down = kernel_weights(arrays)
     on_gpu = jax.default_backend() == "gpu"
     matmul = nvfp4_mgpu.grouped_matmul if on_gpu else nvfp4_mgpu.grouped_matmul_emulated
-    # The default K splits of gate/up must divide its K steps (one split when the hidden size has fewer).
-    k_steps = gate_up.packed.shape[2] * 2 // gate_up.tile_k
-    splits = math.gcd(nvfp4_moe_mgpu.default_config(x.shape[0])["gate_up_splits"], k_steps)
     out = nvfp4_moe_mgpu.moe_nvfp4(x.astype(jnp.bfloat16) if on_gpu else x, weights, indices, gate_up, down,
-                                   gate_up_splits=splits, expert_offset=expert_offset, matmul=matmul)
+                                   expert_offset=expert_offset, matmul=matmul)
     return out.astype(x.dtype)
 
 
