@@ -20,7 +20,9 @@ Variants (MoE layer = both GEMMs, SwiGLU, routing-weight combine; routing exclud
   mgpu        JAX's Mosaic GPU ragged_dot_mgpu for both GEMMs (bf16 only), pairs sorted in XLA
   mosaic      nvfp4 only: pallas_kernels.nvfp4_moe_mgpu.moe_nvfp4 (our Mosaic GPU GEMM, weights decoded
               in the wgmma registers; weights repacked once before timing, as at load time);
-              mosaic_compare (1 < T <= 64): the same with its blocks built by compare-and-count, no sort
+              mosaic_sort (1 < T <= 16) / mosaic_compare (16 < T <= 64): the same with the other blocks
+              (sorted ones, or built by compare-and-count) than its default. Timed by `time_calls`
+              (no wall time)
 Routing: pallas_kernels.routing.routing_kernel against the jitted plain-jnp reference.
 
 Timing: each variant runs R times on R different inputs inside one jitted function; the figure is
@@ -173,6 +175,41 @@ def time_chain(fn, stacked, *rest, repeats: int, wall: bool = True):
         walls.append(time.perf_counter() - t0)
     _, kernel_ms = profiler.measure(fn)(stacked, *rest)
     return kernel_ms * 1e3 / repeats, (min(walls) * 1e6 / repeats if walls else float("nan"))
+
+
+def mosaic_layout(gate, up, down):
+    """NVFP4 gate/up and down in the Mosaic kernel's layouts (`KernelNvfp4`), repacked by one jitted
+    call (op by op it would compile a hundred small programs)."""
+    from pallas_kernels import nvfp4_moe_mgpu as nmm
+
+    return jax.jit(lambda gate, up, down: (nmm.KernelNvfp4.from_expert_weights(gate, up, tile_k=256),
+                                           nmm.KernelNvfp4.from_expert_weights(down, tile_k=64)))(gate, up, down)
+
+
+def time_calls(op, stacked, *rest):
+    """CUPTI device time of `jit(op)` called once per leading index of `stacked` (different inputs, so
+    weights come from HBM): (mean µs per call, the first call's kernels as (name, µs), the first call's
+    output). Unlike
+    `chain`, the function is compiled once: an unrolled chain compiles every call site of a Mosaic or
+    Triton kernel on its own (a minute or more per variant), and a scan adds slicing kernels that CUPTI
+    counts. Uses the CUPTI hooks behind `profiler.measure`, which calls with the same inputs each time."""
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+    fn = jax.jit(op)
+    repeats = jax.tree_util.tree_leaves(stacked)[0].shape[0]
+    calls = [jax.tree_util.tree_map(lambda a, r=r: a[r], stacked) for r in range(repeats)]
+    first = jax.block_until_ready(fn(*calls[0], *rest))  # compile and warm up
+    ext = mosaic_gpu_lib._mosaic_gpu_ext
+    ext._cupti_init()
+    try:
+        jax.block_until_ready([fn(*args, *rest) for args in calls])
+    finally:
+        timings = ext._cupti_get_timings(True)
+    per_call = len(timings) // len(calls)
+    if per_call * len(calls) != len(timings):
+        raise RuntimeError(f"{len(timings)} kernel launches for {len(calls)} calls")
+    mean_us = sum(ms for _, ms in timings) * 1e3 / len(calls)
+    return mean_us, [(name, ms * 1e3) for name, ms in timings[:per_call]], first
 
 
 # --------------------------------------------------------------------------------------------------
@@ -369,8 +406,7 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
     if fmt == "nvfp4":  # the Mosaic GPU layer takes its weights repacked once (load time)
         from pallas_kernels import nvfp4_moe_mgpu as nmm
 
-        mosaic_weights = (nmm.KernelNvfp4.from_expert_weights(gate, up, tile_k=256),
-                          nmm.KernelNvfp4.from_expert_weights(down, tile_k=64))
+        mosaic_weights = mosaic_layout(gate, up, down)
     for t in token_counts:
         if past_deadline():
             print(f"moe {fmt} T={t}: skipped (deadline)", flush=True)
@@ -391,11 +427,12 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
                 variants[f"pallas[{cfg.source},m{cfg.block_m},n{cfg.gate_up_n},k{cfg.gate_up_k},s{cfg.gate_up_splits},"
                          f"dn{cfg.down_n},dk{cfg.down_k},w{cfg.num_warps},st{cfg.num_stages}]"] = functools.partial(
                     mg.moe_gemm_kernel, blocks=cfg)
-        if mosaic_weights is not None:
-            variants["mosaic"] = lambda xx, ww, ii, g, u, d: nmm.moe_nvfp4(xx, ww, ii, *mosaic_weights)
+        if mosaic_weights is not None:  # these take the kernel-layout weights (timed by `time_calls`)
+            variants["mosaic"] = lambda xx, ww, ii, mw: nmm.moe_nvfp4(xx, ww, ii, *mw)
             if 1 < t <= 64:
-                variants["mosaic_compare"] = lambda xx, ww, ii, g, u, d: nmm.moe_nvfp4(
-                    xx, ww, ii, *mosaic_weights, block_builder="compare")
+                other = "sort" if t <= nmm.SHARED_ROWS_MAX_TOKENS else "compare"
+                variants[f"mosaic_{other}"] = lambda xx, ww, ii, mw, other=other: nmm.moe_nvfp4(
+                    xx, ww, ii, *mw, block_builder=other)
         if baselines:
             variants["ragged_dot"] = ragged_dot_layer
             if t <= 64:
@@ -406,7 +443,10 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
         for name, op in variants.items():
             f = chain(lambda xx, ww, ii, g, u, d, op=op: op(xx, ww, ii, g, u, d))
             try:
-                res[name] = time_chain(f, (x, w, ids), gate, up, down, repeats=repeats, wall=not sweep)
+                if name.startswith("mosaic"):
+                    res[name] = (time_calls(op, (x, w, ids), mosaic_weights)[0], float("nan"))
+                else:
+                    res[name] = time_chain(f, (x, w, ids), gate, up, down, repeats=repeats, wall=not sweep)
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"moe {fmt} T={t} {name}: {type(e).__name__}: {e}"[:600], flush=True)
         breakdowns = {}

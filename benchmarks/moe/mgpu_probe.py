@@ -52,8 +52,6 @@ def check(rng, experts, n, k, blocks, block_t, tile_k, splits):
 
 
 def time_kernel(rng, n, k, blocks, block_t, tile_k, splits, stages, repeats=4):
-    from jax.experimental.mosaic.gpu import profiler
-
     # Random bytes and scales made on the device: timing does not need known values.
     kp, ks = jax.random.split(jax.random.key(n * k + splits))
     packed = jax.random.bits(kp, (bench.E, n, k // 2), jnp.uint8)
@@ -62,10 +60,7 @@ def time_kernel(rng, n, k, blocks, block_t, tile_k, splits, stages, repeats=4):
     xs = jnp.asarray(rng.standard_normal((repeats, blocks * block_t, k)), jnp.bfloat16)
     ids = jnp.asarray(np.stack([rng.permutation(bench.E)[:blocks] for _ in range(repeats)]).astype(np.int32))
     op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits, stages=stages)
-    fn = bench.chain(lambda x, e: op(x, e, packed, scales))
-    jax.block_until_ready(fn((xs, ids)))
-    _, ms = profiler.measure(fn)((xs, ids))
-    us = ms * 1e3 / repeats
+    us, _, _ = bench.time_calls(op, (xs, ids), packed, scales)
     weight_bytes = blocks * n * k // 2 + blocks * n * k // 16  # values + e4m3 scales (the layer's floor bytes)
     return dict(kind="time", n=n, k=k, blocks=blocks, block_t=block_t, tile_k=tile_k, splits=splits,
                 stages=stages, us=us, floor_us=weight_bytes / HBM_BYTES_PER_S * 1e6,
@@ -74,56 +69,39 @@ def time_kernel(rng, n, k, blocks, block_t, tile_k, splits, stages, repeats=4):
 
 def time_triton_layer(t, repeats=4):
     """Same-run baseline: the Triton NVFP4 MoE layer (per kernel, one call) and its total per call."""
-    from jax.experimental.mosaic.gpu import profiler
-
-    gate, up, down = bench.make_weights("nvfp4", jax.random.key(0))
+    weights = bench.make_weights("nvfp4", jax.random.key(0))
     x, w, ids = bench.make_tokens(t, repeats, jax.random.key(t))
-    layer = lambda x, w, ids: mg.moe_gemm_kernel(x, w, ids, gate, up, down)  # noqa: E731
-    total, _ = bench.time_chain(bench.chain(layer), (x, w, ids), repeats=repeats, wall=False)
-    _, kernels = profiler.measure(jax.jit(layer), aggregate=False)(x[0], w[0], ids[0])
-    return dict(kind="triton_layer", t=t, us=total, kernels=[(name, ms * 1e3) for name, ms in kernels])
-
-
-def scan_chain(op):
-    """Like `bench.chain`, as one scan: each kernel is compiled once (the unrolled chain compiles every
-    Mosaic call site on its own: minutes per variant)."""
-    return jax.jit(lambda stacked: jax.lax.scan(lambda carry, args: (carry, op(*args)), 0, stacked)[1])
+    total, kernels, _ = bench.time_calls(mg.moe_gemm_kernel, (x, w, ids), *weights)
+    return dict(kind="triton_layer", t=t, us=total, kernels=kernels)
 
 
 def layer_weights():
-    """Beam's TP8 NVFP4 experts (gate, up, down), and the Mosaic kernel's copies of them (repacked by
-    one jitted call: op by op it compiles a hundred small programs)."""
-    from pallas_kernels import nvfp4_moe_mgpu as nmm
-
-    gate, up, down = bench.make_weights("nvfp4", jax.random.key(0))
-    repack = jax.jit(lambda gate, up, down: (nmm.KernelNvfp4.from_expert_weights(gate, up, tile_k=256),
-                                             nmm.KernelNvfp4.from_expert_weights(down, tile_k=64)))
-    return (gate, up, down), repack(gate, up, down)
+    """Beam's TP8 NVFP4 experts (gate, up, down), and the Mosaic kernel's copies of them."""
+    weights = bench.make_weights("nvfp4", jax.random.key(0))
+    return weights, bench.mosaic_layout(*weights)
 
 
 def time_layers(t, variants, weights, repeats=4):
     """The whole NVFP4 MoE layer, Triton kernels against the Mosaic GEMMs, same weights and tokens:
-    CUPTI total per call and one call's kernels; plus the Mosaic layer's error against the reference."""
-    from jax.experimental.mosaic.gpu import profiler
-
+    CUPTI total per call (`bench.time_calls`) and one call's kernels; plus each layer's error against
+    the reference."""
     from pallas_kernels import nvfp4_moe_mgpu as nmm
 
-    (gate, up, down), (gate_up_k, down_k) = weights
+    (gate, up, down), _ = weights
     x, w, ids = bench.make_tokens(t, repeats, jax.random.key(t))
-    layers = {"triton": lambda x, w, ids: mg.moe_gemm_kernel(x, w, ids, gate, up, down)}
+    # Weights are arguments, not closed over: jit would make them constants of the program.
+    layers = {"triton": lambda x, w, ids, weights: mg.moe_gemm_kernel(x, w, ids, *weights[0])}
     for settings in variants:  # moe_nvfp4 keyword arguments; the rest from default_config
-        name = "mosaic[" + ",".join(f"{key}={value}" for key, value in settings.items()) + "]"
-        layers[name] = functools.partial(lambda x, w, ids, **kw: nmm.moe_nvfp4(x, w, ids, gate_up_k, down_k, **kw),
-                                         **settings)
+        name = "mosaic[" + (",".join(f"{key}={value}" for key, value in settings.items()) or "default") + "]"
+        layers[name] = functools.partial(
+            lambda x, w, ids, weights, **kw: nmm.moe_nvfp4(x, w, ids, *weights[1], **kw), **settings)
     want = np.asarray(jax.jit(mg.moe_gemm_reference)(x[0], w[0], ids[0], gate, up, down), np.float32)
     row = dict(kind="layers", t=t)
     for name, layer in layers.items():
         t0 = time.time()
-        total, _ = bench.time_chain(scan_chain(layer), (x, w, ids), repeats=repeats, wall=False)
-        single = jax.jit(layer)
-        _, kernels = profiler.measure(single, aggregate=False)(x[0], w[0], ids[0])
-        got = np.asarray(single(x[0], w[0], ids[0]), np.float32)
-        row[name] = dict(us=total, kernels=[(k, ms * 1e3) for k, ms in kernels],
+        total, kernels, got = bench.time_calls(layer, (x, w, ids), weights)
+        got = np.asarray(got, np.float32)
+        row[name] = dict(us=total, kernels=kernels,
                          max_err=float(np.abs(got - want).max()), max_ref=float(np.abs(want).max()),
                          seconds=round(time.time() - t0, 1))
     floor_bytes = bench.expert_bytes(gate, up, down) * len(np.unique(np.asarray(ids[0])))
@@ -147,11 +125,10 @@ def main():
             json.dump(rows, f, indent=1)
 
     if args.layers:
-        # Blocks that share the step's rows (decode) against sorted ones; runs Q and R timed the sorted
-        # blocks at T = 8 and one block per pair at T = 1.
+        # Runs S-U timed T = 1, 8, 16 (RESULTS.md); next: the shared-row blocks past 16 tokens, prefill
+        # (sorted blocks of 64 rows), and two K splits for gate/up at T = 8.
         shared, by_sort = dict(block_builder="shared"), dict(block_builder="sort")
-        plans = {1: [shared], 16: [shared, by_sort], 64: [shared, by_sort], 32: [shared, by_sort],
-                 8: [dict(shared, gate_up_splits=2)]}
+        plans = {32: [shared, by_sort], 64: [shared, by_sort], 512: [{}], 8192: [{}], 8: [{}, dict(gate_up_splits=2)]}
         weights = layer_weights()
         for t, variants in plans.items():
             try:
