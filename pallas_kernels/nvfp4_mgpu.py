@@ -276,11 +276,11 @@ def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: 
 
 
 def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int = 1,
-                            tile_n: int = 64, shared_rows: bool = False):
+                            stages: int = 4, tile_n: int = 64, shared_rows: bool = False):
     """`grouped_matmul`'s contract in plain jnp, from the kernel layouts (for CPU tests of code that
     calls the kernel): decodes the words as the PTX does, then `grouped_matmul_reference`. Blocks
     of expert -1 get any values, as the kernel leaves them unwritten; one split holds the whole sum."""
-    del splits, tile_n
+    del splits, stages, tile_n
     e, n, half_k = packed.shape
     k = half_k * 2
     words = jax.lax.bitcast_convert_type(packed.reshape(e, n, k // 32, 4, 4), jnp.uint32)  # [e, n, c, thread]

@@ -144,15 +144,18 @@ def default_config(tokens: int) -> dict:
     (32.9 against 34.0). Up to SHARED_ROWS_MAX_TOKENS tokens every block takes all the tokens
     (`_shared_blocks`); past that, sorted blocks of 8 rows (wgmma's narrowest N), 64 past T = 64
     (prefill, not measured yet). Down GEMM programs of 128 rows past one token (run T at T = 8: 21.4
-    against 23.4 us with 64)."""
+    against 23.4 us with 64). Gate/up pipelines of 2 stages: the GEMM alone took 7.3 us at T = 1 with
+    2 stages against 8.1 with 4 (run O), and 32.9 us at T = 8 with 2 (run P) where the layer's 4-stage
+    GEMM takes 39 (runs S-U); half the shared memory fits twice the programs on an SM. The layer with
+    2 stages is not timed yet."""
     return dict(block_builder="shared" if tokens <= SHARED_ROWS_MAX_TOKENS else "sort",
                 block_t=8 if tokens <= 64 else 64, gate_up_splits=4 if tokens == 1 else 1,
-                down_tile_n=64 if tokens == 1 else 128)
+                gate_up_stages=2, down_tile_n=64 if tokens == 1 else 128)
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
-              gate_up_splits: int | None = None, gate_up_tile_n: int = 64, down_tile_n: int | None = None,
-              block_builder: str | None = None, expert_offset: int | jax.Array | None = None,
+              gate_up_splits: int | None = None, gate_up_stages: int | None = None, gate_up_tile_n: int = 64,
+              down_tile_n: int | None = None, block_builder: str | None = None, expert_offset: int | jax.Array | None = None,
               matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
@@ -167,6 +170,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     if gate_up_splits is None:  # the default, where it divides gate/up's K steps (else fewer)
         gate_up_splits = math.gcd(config["gate_up_splits"], x.shape[1] // gate_up.tile_k)
     down_tile_n = config["down_tile_n"] if down_tile_n is None else down_tile_n
+    gate_up_stages = config["gate_up_stages"] if gate_up_stages is None else gate_up_stages
     hidden, intermediate = x.shape[1], down.packed.shape[2] * 2
     num_experts = gate_up.packed.shape[0]
     if block_builder not in ("shared", "sort", "compare"):
@@ -183,7 +187,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         xs = jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)])[row_token][:, nm.kernel_k_order(hidden)]
     row_expert = jnp.maximum(jnp.repeat(block_expert, block_t), 0)  # unused rows: any expert, never read back
     gu = matmul(xs, block_expert, gate_up.packed, gate_up.scales, block_t=block_t, tile_k=gate_up.tile_k,
-                splits=gate_up_splits, tile_n=gate_up_tile_n, shared_rows=shared)
+                splits=gate_up_splits, stages=gate_up_stages, tile_n=gate_up_tile_n, shared_rows=shared)
     gu = gu.sum(0) * nm.OUTPUT_FACTOR * gate_up.global_scale[row_expert]
     gate, up = gu[:, :intermediate].astype(x.dtype), gu[:, intermediate:].astype(x.dtype)
     act = mg._swiglu(gate, up).astype(x.dtype)[:, nm.kernel_k_order(intermediate)]

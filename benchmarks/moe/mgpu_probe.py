@@ -125,10 +125,10 @@ def main():
             json.dump(rows, f, indent=1)
 
     if args.layers:
-        # Runs S-U timed T = 1, 8, 16 (RESULTS.md); next: the shared-row blocks past 16 tokens, prefill
-        # (sorted blocks of 64 rows), and two K splits for gate/up at T = 8.
-        shared, by_sort = dict(block_builder="shared"), dict(block_builder="sort")
-        plans = {32: [shared, by_sort], 64: [shared, by_sort], 512: [{}], 8192: [{}], 8: [{}, dict(gate_up_splits=2)]}
+        # Runs S-U timed T = 1, 8, 16 (RESULTS.md) with 4-stage gate/up pipelines; next: 2 stages (now the
+        # default) against 4 at T = 8 and 1, the shared-row blocks past 16 tokens, and prefill.
+        shared, by_sort, four = dict(block_builder="shared"), dict(block_builder="sort"), dict(gate_up_stages=4)
+        plans = {8: [{}, four], 1: [{}, four], 32: [shared, by_sort], 64: [shared, by_sort], 512: [{}], 8192: [{}]}
         weights = layer_weights()
         for t, variants in plans.items():
             try:

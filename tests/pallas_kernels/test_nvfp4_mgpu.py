@@ -67,13 +67,13 @@ def _specs(experts, n, k, blocks, block_t, tile_k, shared_rows=False):
             spec((experts, k // tile_k, n, tile_k // 16), jnp.bfloat16))
 
 
-@pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows",
-                         [(640, 5120, 8, 8, 256, 4, 64, False), (640, 5120, 8, 8, 256, 1, 128, False),
-                          (5120, 320, 5, 16, 64, 1, 256, False), (640, 5120, 64, 16, 256, 1, 64, True)])
-def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows):
+@pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,stages",
+                         [(640, 5120, 8, 8, 256, 4, 64, False, 2), (640, 5120, 8, 8, 256, 1, 128, False, 4),
+                          (5120, 320, 5, 16, 64, 1, 256, False, 4), (640, 5120, 64, 16, 256, 1, 64, True, 2)])
+def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, stages):
     """Beam's gate/up and down shapes lower to Mosaic GPU on the CPU (the PTX is built on the GPU)."""
     op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits, tile_n=tile_n,
-                           shared_rows=shared_rows)
+                           shared_rows=shared_rows, stages=stages)
     specs = _specs(256, n, k, blocks, block_t, tile_k, shared_rows)
     text = jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
