@@ -27,7 +27,7 @@ def cmd_generate(args) -> int:
 
     prompt = _token_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
     try:
-        beam = load(args.model, dtype=args.dtype, seed=args.seed)
+        beam = load(args.model, dtype=args.dtype, seed=args.seed, expert_kernel=args.expert_kernel)
         output = beam.generate(prompt, args.max_new_tokens)
     except (FileNotFoundError, ValueError) as error:  # CheckpointError is a ValueError
         raise SystemExit(f"error: {error}") from None
@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     gen.add_argument("--seed", type=int, default=0, help="weights seed for presets")
+    gen.add_argument("--expert-kernel", choices=["auto", "mosaic", "triton"], default="auto",
+                     help="NVFP4 experts: the Mosaic GPU kernel's layout (mosaic), the checkpoint's for the Triton "
+                     "kernels (triton), or mosaic on Hopper GPUs where the shapes fit (auto)")
     gen.set_defaults(run=cmd_generate)
 
     init = commands.add_parser("init-checkpoint", help="write a random-weight HF checkpoint of a preset")

@@ -237,6 +237,13 @@ def test_serve_flag():
         build_engine(parser().parse_args([*args, "--expert-kernel", "mosaic"]))
 
 
+def test_generate_flag():
+    from beam_jax.cli import main
+
+    with pytest.raises(SystemExit, match=r"error: expert_kernel='mosaic' cannot hold these experts: .*NVFP4 experts"):
+        main(["generate", "--model", "beam-tiny", "--prompt-ids", "1,2", "--expert-kernel", "mosaic"])
+
+
 # ---- on a mesh (8 CPU devices, in a subprocess) ------------------------------------------------------
 def check_mesh_layout(directory: str) -> dict:
     """Load the checkpoint onto a TP x EP mesh in the kernel layout (a sliced read, then each device
