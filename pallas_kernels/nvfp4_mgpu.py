@@ -204,8 +204,8 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     rows, k = xs.shape
     _, n, half_k = packed.shape
     blocks = block_expert.shape[0]
-    if (rows != (1 if shared_rows else blocks) * block_t or half_k * 2 != k or tile_n % 64 or n % tile_n or tile_k % TILE_K_QUANTUM
-            or k % (tile_k * splits)
+    if (rows != (1 if shared_rows else blocks) * block_t or half_k * 2 != k or tile_n % 64 or n % tile_n
+            or tile_k % TILE_K_QUANTUM or k % (tile_k * splits)
             or scales.shape[1:] != (k // tile_k, n, tile_k // 16)):
         raise ValueError(f"shapes: xs {xs.shape}, packed {packed.shape}, blocks {blocks}, block_t {block_t}, "
                          f"tile_n {tile_n}, tile_k {tile_k}, splits {splits}")

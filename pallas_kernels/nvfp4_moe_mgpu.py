@@ -60,7 +60,7 @@ def _max_blocks(pairs: int, num_experts: int, block_t: int) -> int:
     return -(-pairs // block_t) + min(num_experts, pairs)
 
 
-def _blocks(ids, num_experts: int, block_t: int):
+def pair_blocks(ids, num_experts: int, block_t: int):
     """Pairs sorted into blocks of one expert: (row of each pair, expert of each block (-1: unused),
     token of each row (`tokens` for padding rows)). `ids == num_experts` marks another device's pair
     (expert parallelism): it gets no row (its pair_row is 0, read back and masked by the caller)."""
@@ -94,7 +94,7 @@ def _blocks(ids, num_experts: int, block_t: int):
 
 
 def _blocks_by_comparison(ids, num_experts: int, block_t: int):
-    """`_blocks` without a sort or scatters, for decode batches: every quantity is a compare-and-count
+    """`pair_blocks` without a sort or scatters, for decode batches: every quantity is a compare-and-count
     over [pairs, pairs], [experts, experts], [blocks, experts] or [rows, pairs], a few XLA fusions
     where the sorted version is about a dozen small kernels (run Q: 17 us of XLA at T = 8). Memory
     grows with pairs^2: meant for T <= 64. Not yet timed on a GPU."""
@@ -108,7 +108,7 @@ def _blocks_by_comparison(ids, num_experts: int, block_t: int):
     blocks_of = -(-counts // block_t)
     e = jnp.arange(num_experts)
     first_block = jnp.where(e[None, :] < e[:, None], blocks_of[None, :], 0).sum(1)
-    local = flat < num_experts  # `num_experts` marks another device's pair (see `_blocks`)
+    local = flat < num_experts  # `num_experts` marks another device's pair (see `pair_blocks`)
     row = jnp.where(local, (first_block[jnp.minimum(flat, num_experts - 1)] + rank // block_t) * block_t
                     + rank % block_t, -1)
     b = jnp.arange(num_blocks)[:, None]
@@ -155,12 +155,12 @@ def default_config(tokens: int) -> dict:
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
               gate_up_splits: int | None = None, gate_up_stages: int | None = None, gate_up_tile_n: int = 64,
-              down_tile_n: int | None = None, block_builder: str | None = None, expert_offset: int | jax.Array | None = None,
-              matmul=nm.grouped_matmul):
+              down_tile_n: int | None = None, block_builder: str | None = None,
+              expert_offset: int | jax.Array | None = None, matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
     (`_shared_blocks`; its blocks have T rows rounded up to 8, whatever `block_t` says), "sort"
-    (`_blocks`) or "compare" (`_blocks_by_comparison`). `expert_offset`: the weights are one
+    (`pair_blocks`) or "compare" (`_blocks_by_comparison`). `expert_offset`: the weights are one
     device's experts from that index on (expert parallelism); other pairs count zero. `matmul` is the
     GEMM (the kernel; tests on the CPU pass an emulation)."""
     tokens, top_k = ids.shape
@@ -182,7 +182,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         block_expert, pair_row = _shared_blocks(local_ids, num_experts, block_t)
         xs = jnp.pad(x, ((0, block_t - tokens), (0, 0)))[:, nm.kernel_k_order(hidden)]
     else:
-        build = _blocks_by_comparison if block_builder == "compare" and tokens > 1 else _blocks
+        build = _blocks_by_comparison if block_builder == "compare" and tokens > 1 else pair_blocks
         pair_row, block_expert, row_token = build(local_ids, num_experts, block_t)
         xs = jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)])[row_token][:, nm.kernel_k_order(hidden)]
     row_expert = jnp.maximum(jnp.repeat(block_expert, block_t), 0)  # unused rows: any expert, never read back

@@ -18,8 +18,9 @@ Variants (MoE layer = both GEMMs, SwiGLU, routing-weight combine; routing exclud
               dequantized to bf16 first (the model's reference path)
   gather      XLA: every pair gathers its expert's (dequantized) weights, then einsum (T <= 64)
   mgpu        JAX's Mosaic GPU ragged_dot_mgpu for both GEMMs (bf16 only), pairs sorted in XLA
-  mosaic      nvfp4 only: pallas_kernels.nvfp4_moe_mgpu.moe_nvfp4 (our Mosaic GPU GEMM, weights decoded
+  mosaic      nvfp4: pallas_kernels.nvfp4_moe_mgpu.moe_nvfp4 (our Mosaic GPU GEMM, weights decoded
               in the wgmma registers; weights repacked once before timing, as at load time);
+              bf16 at T >= 512: pallas_kernels.bf16_moe_mgpu.moe_bf16 (TMA + wgmma prefill GEMM);
               mosaic_sort (1 < T <= 16) / mosaic_compare (16 < T <= 64): the same with the other blocks
               (sorted ones, or built by compare-and-count) than its default. Timed by `time_calls`
               (no wall time)
@@ -175,6 +176,9 @@ def time_chain(fn, stacked, *rest, repeats: int, wall: bool = True):
         walls.append(time.perf_counter() - t0)
     _, kernel_ms = profiler.measure(fn)(stacked, *rest)
     return kernel_ms * 1e3 / repeats, (min(walls) * 1e6 / repeats if walls else float("nan"))
+
+
+BF16_MOSAIC_MIN_TOKENS = 512  # the bf16 Mosaic layer is a prefill kernel (blocks of 128 rows)
 
 
 def mosaic_layout(gate, up, down):
@@ -407,6 +411,10 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
         from pallas_kernels import nvfp4_moe_mgpu as nmm
 
         mosaic_weights = mosaic_layout(gate, up, down)
+    elif fmt == "bf16":  # the prefill layer takes the fused gate_up [E, 2I, H] and down as they are
+        from pallas_kernels import bf16_moe_mgpu as bm
+
+        mosaic_weights = (gate.values, down.values)
     for t in token_counts:
         if past_deadline():
             print(f"moe {fmt} T={t}: skipped (deadline)", flush=True)
@@ -427,7 +435,9 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
                 variants[f"pallas[{cfg.source},m{cfg.block_m},n{cfg.gate_up_n},k{cfg.gate_up_k},s{cfg.gate_up_splits},"
                          f"dn{cfg.down_n},dk{cfg.down_k},w{cfg.num_warps},st{cfg.num_stages}]"] = functools.partial(
                     mg.moe_gemm_kernel, blocks=cfg)
-        if mosaic_weights is not None:  # these take the kernel-layout weights (timed by `time_calls`)
+        if fmt == "bf16" and t >= BF16_MOSAIC_MIN_TOKENS:
+            variants["mosaic"] = lambda xx, ww, ii, mw: bm.moe_bf16(xx, ww, ii, *mw)
+        if fmt == "nvfp4":  # these take the kernel-layout weights (timed by `time_calls`)
             variants["mosaic"] = lambda xx, ww, ii, mw: nmm.moe_nvfp4(xx, ww, ii, *mw)
             if 1 < t <= 64:
                 other = "sort" if t <= nmm.SHARED_ROWS_MAX_TOKENS else "compare"

@@ -2,7 +2,7 @@
 plain jnp, then times it at Beam's TP8 expert shapes beside the Triton NVFP4 layer of `moe_gemm` in the
 same run. CUPTI device time per call; weights rotate over fresh expert ids so they come from HBM.
 
-    OUT=dir python3 -u benchmarks/moe/mgpu_probe.py [--no-check | --layers]
+    OUT=dir python3 -u benchmarks/moe/mgpu_probe.py [--no-check | --layers | --bf16-prefill]
 """
 
 from __future__ import annotations
@@ -109,10 +109,43 @@ def time_layers(t, variants, weights, repeats=4):
     return row
 
 
+def time_bf16_prefill(t, variants, weights, repeats=2):
+    """The bf16 layer at prefill sizes: Triton kernels (`moe_gemm_kernel`, its default blocks) against
+    the Mosaic TMA + wgmma layer (`bf16_moe_mgpu.moe_bf16`) per setting; µs, TFLOP/s, kernels, error."""
+    from beam_jax.layers.moe import experts_reference
+    from pallas_kernels import bf16_moe_mgpu as bm
+
+    gate, up, down = weights
+    fused = (gate.values, down.values)
+    x, w, ids = bench.make_tokens(t, repeats, jax.random.key(t))
+    checked = min(t, 512)  # tokens are independent; XLA's ragged_dot runs out of memory at T = 8192
+    want = np.asarray(jax.jit(experts_reference)(x[0, :checked], w[0, :checked], ids[0, :checked], *fused),
+                      np.float32)
+    layers = {"triton": (lambda x, w, ids, weights: mg.moe_gemm_kernel(x, w, ids, *weights), weights)}
+    for settings in variants:
+        name = "mosaic[" + (",".join(f"{key}={value}" for key, value in settings.items()) or "default") + "]"
+        layers[name] = (functools.partial(lambda x, w, ids, weights, **kw: bm.moe_bf16(x, w, ids, *weights, **kw),
+                                          **settings), fused)
+    flops = 2 * t * bench.TOP_K * 3 * bench.H * bench.I
+    row = dict(kind="bf16_prefill", t=t)
+    for name, (layer, args) in layers.items():
+        t0 = time.time()
+        try:
+            us, kernels, got = bench.time_calls(layer, (x, w, ids), args)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            row[name] = dict(error=repr(e)[:1000])
+            continue
+        row[name] = dict(us=us, tflops=flops / us / 1e6, kernels=kernels, seconds=round(time.time() - t0, 1),
+                         max_err=float(np.abs(np.asarray(got, np.float32)[:checked] - want).max()),
+                         max_ref=float(np.abs(want).max()))
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-check", action="store_true", help="skip the checks against plain numpy")
     parser.add_argument("--layers", action="store_true", help="only the whole layer, Triton against Mosaic")
+    parser.add_argument("--bf16-prefill", action="store_true", help="only the bf16 layer at prefill sizes")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows = []
@@ -124,6 +157,13 @@ def main():
         with open(out, "w") as f:
             json.dump(rows, f, indent=1)
 
+    if args.bf16_prefill:
+        weights = bench.make_weights("bf16", jax.random.key(0))
+        plans = {8192: [{}, dict(stages=3), dict(block_t=64, tile_n=128), dict(tile_n=64, stages=2)],
+                 512: [{}, dict(block_t=64)], 2048: [{}]}
+        for t, variants in plans.items():
+            record(time_bf16_prefill(t, variants, weights))
+        return
     if args.layers:
         # Runs S-U timed T = 1, 8, 16 (RESULTS.md) with 4-stage gate/up pipelines; next: 2 stages (now the
         # default) against 4 at T = 8 and 1, the shared-row blocks past 16 tokens, and prefill.

@@ -136,7 +136,7 @@ def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits
 
 def test_blocks_hold_every_pair_once():
     ids = jnp.asarray(np.random.default_rng(3).integers(0, 6, (11, 3)), jnp.int32)
-    pair_row, block_expert, row_token = nmm._blocks(ids, 6, 4)
+    pair_row, block_expert, row_token = nmm.pair_blocks(ids, 6, 4)
     pair_row, block_expert, row_token = map(np.asarray, (pair_row, block_expert, row_token))
     assert len(set(pair_row)) == ids.size
     np.testing.assert_array_equal(block_expert[pair_row // 4], np.asarray(ids).reshape(-1))
@@ -168,7 +168,7 @@ def test_both_block_builders_agree(tokens, top_k, experts, block_t):
     rng = np.random.default_rng(tokens + experts)
     ids = np.stack([rng.choice(experts + 4, top_k, replace=False) for _ in range(tokens)])
     ids = jnp.asarray(np.minimum(ids, experts), jnp.int32)
-    sorted_blocks = nmm._blocks(ids, experts, block_t)
+    sorted_blocks = nmm.pair_blocks(ids, experts, block_t)
     compared_blocks = nmm._blocks_by_comparison(ids, experts, block_t)
     for by_sort, by_comparison in zip(sorted_blocks, compared_blocks):
         np.testing.assert_array_equal(np.asarray(by_sort), np.asarray(by_comparison))

@@ -1,0 +1,96 @@
+"""The bf16 Mosaic GPU grouped GEMM and MoE layer (`pallas_kernels/bf16_moe_mgpu.py`): lowering and
+the layer's glue on the CPU (the GEMM replaced by its plain-jnp reference), the kernel on a GPU."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import bf16_moe_mgpu as bm
+from pallas_kernels import moe_gemm as mg
+from tests.pallas_kernels.test_moe_gemm import random_problem, share_of_experts
+
+
+def _fused(problem):
+    """(x, weights, ids, gate_up [E, 2I, H], down [E, H, I]) from `random_problem`'s bf16 projections."""
+    x, weights, ids, gate, up, down = problem
+    return x, weights, ids, jnp.concatenate([gate.values, up.values], axis=1), down.values
+
+
+def _assert_close(got, want):
+    """Kernel and reference round at the same points; they differ by summation order only."""
+    want = np.asarray(want, np.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0, atol=4 * 2.0**-7 * np.abs(want).max())
+    assert np.abs(want).max() > 0
+
+
+@pytest.mark.parametrize("n,k,blocks,block_t,tile_n,tile_k,stages", [
+    (640, 5120, 6, 128, 128, 64, 4), (5120, 320, 6, 128, 128, 64, 4), (640, 5120, 3, 64, 64, 128, 2)])
+def test_lowers_for_cuda(n, k, blocks, block_t, tile_n, tile_k, stages):
+    """Beam's gate/up and down shapes lower to Mosaic GPU on the CPU (the PTX is built on the GPU)."""
+    spec = jax.ShapeDtypeStruct
+    op = functools.partial(bm.grouped_matmul, block_t=block_t, tile_n=tile_n, tile_k=tile_k, stages=stages)
+    specs = (spec((blocks * block_t, k), jnp.bfloat16), spec((blocks,), jnp.int32), spec((16, n, k), jnp.bfloat16))
+    assert "mosaic_gpu" in jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_bad_shapes_are_rejected():
+    with pytest.raises(ValueError, match="shapes"):
+        bm.grouped_matmul(jnp.zeros((96, 64), jnp.bfloat16), jnp.zeros((1,), jnp.int32),
+                          jnp.zeros((2, 64, 64), jnp.bfloat16), block_t=96)
+
+
+@pytest.mark.parametrize("tokens,block_t", [(1, 64), (37, 64), (300, 128)])
+def test_layer_glue_matches_reference(tokens, block_t):
+    """Blocks, gathers, SwiGLU and combine with the GEMM's plain-jnp reference: experts with more pairs
+    than a block, unused experts, one token."""
+    problem = random_problem(tokens, tokens, 128, 64, 12, 4, "bf16")
+    layer = functools.partial(bm.moe_bf16, block_t=block_t, tile_n=64, matmul=bm.grouped_matmul_reference)
+    _assert_close(jax.jit(layer)(*_fused(problem)), jax.jit(mg.moe_gemm_reference)(*problem))
+
+
+def test_expert_parallel_shares_add_up():
+    problem = random_problem(5, 70, 128, 64, 12, 4, "bf16")
+    x, weights, ids, gate, up, down = problem
+    total = 0.0
+    for start in (0, 6):
+        share = [share_of_experts(w, start, start + 6) for w in (gate, up, down)]
+        got = bm.moe_bf16(*_fused((x, weights, ids, *share)), block_t=64, tile_n=64, expert_offset=start,
+                          matmul=bm.grouped_matmul_reference)
+        _assert_close(got, mg.moe_gemm_reference(x, weights, ids, *share, expert_offset=start))
+        total = total + np.asarray(got, np.float32)
+    whole = np.asarray(mg.moe_gemm_reference(*problem), np.float32)
+    np.testing.assert_allclose(total, whole, rtol=0, atol=2 * 4 * 2.0**-7 * np.abs(whole).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts,n,k,blocks,block_t,tile_n,tile_k,stages",
+                         [(16, 640, 5120, 5, 128, 128, 64, 4), (16, 5120, 320, 3, 128, 128, 64, 4),
+                          (8, 192, 448, 4, 64, 64, 64, 2)])
+def test_kernel_matches_reference_on_gpu(experts, n, k, blocks, block_t, tile_n, tile_k, stages):
+    """Fresh random operands, a skipped block (expert -1) among them."""
+    rng = np.random.default_rng(n + k)
+    xs = jnp.asarray(rng.standard_normal((blocks * block_t, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((experts, n, k)) * 0.05, jnp.bfloat16)
+    block_expert = jnp.asarray(np.r_[rng.integers(0, experts, blocks - 1), -1], jnp.int32)
+    settings = dict(block_t=block_t, tile_n=tile_n, tile_k=tile_k, stages=stages)
+    got = np.asarray(bm.grouped_matmul(xs, block_expert, w, **settings), np.float32)[:-block_t]
+    want = np.asarray(bm.grouped_matmul_reference(xs, block_expert, w, **settings), np.float32)[:-block_t]
+    np.testing.assert_allclose(got, want, rtol=0, atol=2 * 2.0**-7 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [5, 300, 2048])
+def test_layer_matches_reference_on_gpu(tokens):
+    """Beam's per-GPU TP8 expert shape. `moe_gemm_reference` gathers each pair's weights (too much
+    memory past a few hundred tokens); the model's ragged_dot reference, which rounds each addition
+    of a token's pairs, stands in there."""
+    from beam_jax.layers.moe import experts_reference
+
+    problem = random_problem(tokens, tokens, 5120, 320, 256, 8, "bf16")
+    reference = mg.moe_gemm_reference(*problem) if tokens <= 300 else experts_reference(*_fused(problem))
+    _assert_close(jax.jit(bm.moe_bf16)(*_fused(problem)), reference)
