@@ -87,12 +87,15 @@ def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, **_):
 
 
 def moe_bf16(x, weights, ids, gate_up, down, *, block_t: int = 128, tile_n: int = 128, tile_k: int = 64,
-             stages: int = 4, expert_offset: int | jax.Array | None = None, matmul=grouped_matmul):
+             stages: int = 4, down_tile_n: int | None = None, expert_offset: int | jax.Array | None = None,
+             matmul=grouped_matmul):
     """Routed experts for bf16 weights: `x [T, H]`, `weights`/`ids [T, top_k]`, `gate_up [E, 2I, H]`
     (gate rows then up rows), `down [E, H, I]`. Pairs are sorted into blocks of `block_t` rows of one
     expert; XLA gathers their activations, applies SwiGLU between the GEMMs and adds each token's
-    weighted pairs. `expert_offset`: the weights are one device's experts from that index on (expert
-    parallelism); other pairs count zero. `matmul`: the kernel (CPU tests pass the reference)."""
+    weighted pairs. `down_tile_n`: the down GEMM's weight rows per program (default `tile_n`; its K is
+    short, so wider programs may pay). `expert_offset`: the weights are one device's experts from that
+    index on (expert parallelism); other pairs count zero. `matmul`: the kernel (CPU tests pass the
+    reference)."""
     tokens, hidden = x.shape
     num_experts, intermediate = gate_up.shape[0], down.shape[2]
     local_ids, local = mg._local_pairs(ids, expert_offset, num_experts)
@@ -101,6 +104,6 @@ def moe_bf16(x, weights, ids, gate_up, down, *, block_t: int = 128, tile_n: int 
     settings = dict(block_t=block_t, tile_n=tile_n, tile_k=tile_k, stages=stages)
     gu = matmul(xs, block_expert, gate_up, **settings)
     act = mg._swiglu(gu[:, :intermediate], gu[:, intermediate:]).astype(x.dtype)
-    out = matmul(act, block_expert, down, **settings)
+    out = matmul(act, block_expert, down, **dict(settings, tile_n=down_tile_n or tile_n))
     pair_out = (out[pair_row].astype(jnp.float32) * weights.reshape(-1, 1)).astype(x.dtype)
     return mg._add_token_pairs(pair_out, local, tokens)

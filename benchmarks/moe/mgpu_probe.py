@@ -159,7 +159,7 @@ def main():
 
     if args.bf16_prefill:
         weights = bench.make_weights("bf16", jax.random.key(0))
-        plans = {8192: [{}, dict(stages=3), dict(block_t=64, tile_n=128), dict(tile_n=64, stages=2)],
+        plans = {8192: [{}, dict(stages=3), dict(block_t=64, down_tile_n=256), dict(tile_n=64, stages=2)],
                  512: [{}, dict(block_t=64)], 2048: [{}]}
         for t, variants in plans.items():
             record(time_bf16_prefill(t, variants, weights))

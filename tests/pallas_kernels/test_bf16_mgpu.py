@@ -29,7 +29,8 @@ def _assert_close(got, want):
 
 
 @pytest.mark.parametrize("n,k,blocks,block_t,tile_n,tile_k,stages", [
-    (640, 5120, 6, 128, 128, 64, 4), (5120, 320, 6, 128, 128, 64, 4), (640, 5120, 3, 64, 64, 128, 2)])
+    (640, 5120, 6, 128, 128, 64, 4), (5120, 320, 6, 128, 128, 64, 4), (640, 5120, 3, 64, 64, 128, 2),
+    (5120, 320, 4, 64, 256, 64, 4)])
 def test_lowers_for_cuda(n, k, blocks, block_t, tile_n, tile_k, stages):
     """Beam's gate/up and down shapes lower to Mosaic GPU on the CPU (the PTX is built on the GPU)."""
     spec = jax.ShapeDtypeStruct
@@ -44,12 +45,13 @@ def test_bad_shapes_are_rejected():
                           jnp.zeros((2, 64, 64), jnp.bfloat16), block_t=96)
 
 
-@pytest.mark.parametrize("tokens,block_t", [(1, 64), (37, 64), (300, 128)])
-def test_layer_glue_matches_reference(tokens, block_t):
+@pytest.mark.parametrize("tokens,block_t,down_tile_n", [(1, 64, None), (37, 64, 128), (300, 128, None)])
+def test_layer_glue_matches_reference(tokens, block_t, down_tile_n):
     """Blocks, gathers, SwiGLU and combine with the GEMM's plain-jnp reference: experts with more pairs
     than a block, unused experts, one token."""
     problem = random_problem(tokens, tokens, 128, 64, 12, 4, "bf16")
-    layer = functools.partial(bm.moe_bf16, block_t=block_t, tile_n=64, matmul=bm.grouped_matmul_reference)
+    layer = functools.partial(bm.moe_bf16, block_t=block_t, tile_n=64, down_tile_n=down_tile_n,
+                              matmul=bm.grouped_matmul_reference)
     _assert_close(jax.jit(layer)(*_fused(problem)), jax.jit(mg.moe_gemm_reference)(*problem))
 
 
