@@ -69,6 +69,16 @@ def kernel_k_order(k: int) -> np.ndarray:
     return block * _K_PER_WORD_GROUP + 16 * half + 4 * thread + pair
 
 
+def to_kernel_k_order(x) -> jax.Array:
+    """`x[..., kernel_k_order(K)]` as a reshape and transpose, which XLA fuses into the producer (a
+    gather by an index array is a kernel of its own: 2 us for 8 x 5120 values, H200 run T)."""
+    *lead, k = x.shape
+    if k % _K_PER_WORD_GROUP:
+        raise ValueError(f"K={k} must be a multiple of {_K_PER_WORD_GROUP}")
+    grouped = x.reshape(*lead, k // 32, 2, 4, 4)  # [.., c, half, thread, pair] of the original order
+    return jnp.moveaxis(grouped, (-3, -2, -1), (-1, -2, -3)).reshape(*lead, k)
+
+
 def pack_kernel_layout(codes) -> jax.Array:
     """E2M1 codes `[..., K]` (one code per value, original K order) -> bytes `[..., K/2]` (jnp)."""
     k = codes.shape[-1]

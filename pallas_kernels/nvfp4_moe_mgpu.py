@@ -25,18 +25,22 @@ from pallas_kernels import nvfp4_mgpu as nm
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["packed", "scales", "global_scale"],
-                   meta_fields=["tile_k"])
+                   meta_fields=["tile_k", "rows_in_k_order"])
 @dataclasses.dataclass(frozen=True)
 class KernelNvfp4:
-    """One projection of every expert in the kernel's layouts; `global_scale [E, N]` per output row."""
+    """One projection of every expert in the kernel's layouts; `global_scale [E, N]` per output row.
+    `rows_in_k_order`: each projection's rows are stored in `kernel_k_order` (gate/up: SwiGLU's output
+    then comes out in the K order the down GEMM takes, with no permutation in between)."""
 
     packed: jax.Array
     scales: jax.Array
     global_scale: jax.Array
     tile_k: int
+    rows_in_k_order: bool = False
 
     @classmethod
-    def from_expert_weights(cls, *projections: mg.ExpertWeights, tile_k: int) -> KernelNvfp4:
+    def from_expert_weights(cls, *projections: mg.ExpertWeights, tile_k: int,
+                            rows_in_k_order: bool = False) -> KernelNvfp4:
         """NVFP4 `ExpertWeights` with the same K, their used rows stacked (gate then up for gate/up).
         The kernel needs tile_k a multiple of 64 dividing K, and rows in multiples of 64."""
         k, rows_total = projections[0].in_features, sum(w.num_rows for w in projections)
@@ -47,12 +51,20 @@ class KernelNvfp4:
         for w in projections:
             if w.format != "nvfp4":
                 raise ValueError(f"KernelNvfp4 takes nvfp4 weights, got {w.format}")
-            rows = slice(w.row_offset, w.row_offset + w.num_rows)
+            rows = np.arange(w.row_offset, w.row_offset + w.num_rows)
+            rows = rows[nm.kernel_k_order(w.num_rows)] if rows_in_k_order else rows
             packed.append(nm.pack_kernel_layout(nm.checkpoint_codes(w.values[:, rows])))
             scales.append(w.scale[:, rows].astype(jnp.float32))
             global_scale.append(jnp.broadcast_to(w.global_scale[:, None], (w.values.shape[0], w.num_rows)))
         return cls(jnp.concatenate(packed, 1), nm.pack_scales(jnp.concatenate(scales, 1), tile_k),
-                   jnp.concatenate(global_scale, 1).astype(jnp.float32), tile_k)
+                   jnp.concatenate(global_scale, 1).astype(jnp.float32), tile_k, rows_in_k_order)
+
+
+def kernel_experts(gate: mg.ExpertWeights, up: mg.ExpertWeights, down: mg.ExpertWeights, *,
+                   gate_up_tile_k: int = 256, down_tile_k: int = 64) -> tuple[KernelNvfp4, KernelNvfp4]:
+    """gate/up (rows in `kernel_k_order`) and down in the kernel's layouts, as `moe_nvfp4` takes them."""
+    return (KernelNvfp4.from_expert_weights(gate, up, tile_k=gate_up_tile_k, rows_in_k_order=True),
+            KernelNvfp4.from_expert_weights(down, tile_k=down_tile_k))
 
 
 def _max_blocks(pairs: int, num_experts: int, block_t: int) -> int:
@@ -180,17 +192,18 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     if shared:
         block_t = -(-tokens // 8) * 8
         block_expert, pair_row = _shared_blocks(local_ids, num_experts, block_t)
-        xs = jnp.pad(x, ((0, block_t - tokens), (0, 0)))[:, nm.kernel_k_order(hidden)]
+        xs = nm.to_kernel_k_order(jnp.pad(x, ((0, block_t - tokens), (0, 0))))
     else:
         build = _blocks_by_comparison if block_builder == "compare" and tokens > 1 else pair_blocks
         pair_row, block_expert, row_token = build(local_ids, num_experts, block_t)
-        xs = jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)])[row_token][:, nm.kernel_k_order(hidden)]
+        xs = nm.to_kernel_k_order(jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)])[row_token])
     row_expert = jnp.maximum(jnp.repeat(block_expert, block_t), 0)  # unused rows: any expert, never read back
     gu = matmul(xs, block_expert, gate_up.packed, gate_up.scales, block_t=block_t, tile_k=gate_up.tile_k,
                 splits=gate_up_splits, stages=gate_up_stages, tile_n=gate_up_tile_n, shared_rows=shared)
     gu = gu.sum(0) * nm.OUTPUT_FACTOR * gate_up.global_scale[row_expert]
     gate, up = gu[:, :intermediate].astype(x.dtype), gu[:, intermediate:].astype(x.dtype)
-    act = mg._swiglu(gate, up).astype(x.dtype)[:, nm.kernel_k_order(intermediate)]
+    act = mg._swiglu(gate, up).astype(x.dtype)
+    act = act if gate_up.rows_in_k_order else nm.to_kernel_k_order(act)
     out = matmul(act, block_expert, down.packed, down.scales, block_t=block_t, tile_k=down.tile_k, splits=1,
                  tile_n=down_tile_n)
     # Only the pairs' columns are scaled and weighted (rows of unused blocks and padding are not).

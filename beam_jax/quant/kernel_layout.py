@@ -5,8 +5,9 @@ at load time in place of the checkpoint layout.
     beam = beam_jax.load(path, expert_kernel="mosaic")               # the same, inside load
 
 Per sparse layer, `mlp.experts` then holds two `KernelNvfp4Linear`s instead of `gate_proj`, `up_proj`
-and `down_proj`: `gate_up` (gate rows then up rows, K = hidden, `tile_k` 256) and `down` (K = the
-expert intermediate, `tile_k` 64), each `packed` uint8 `[E, N, K/2]` (`nm.pack_kernel_layout`),
+and `down_proj`: `gate_up` (gate rows then up rows, each in `kernel_k_order` so that SwiGLU's output
+is in down's K order; K = hidden, `tile_k` 256) and `down` (K = the expert intermediate, `tile_k`
+64), each `packed` uint8 `[E, N, K/2]` (`nm.pack_kernel_layout`),
 `scales` bf16 `[E, K/tile_k, N, tile_k/16]` (`nm.pack_scales`) and `global_scale` fp32 `[E, N]`
 (the checkpoint's per-expert `weight_scale_2` on every row of that projection). The activation
 `input_scale` is not kept (W4A16 never reads it). The config says so (`BeamConfig.mosaic_experts`),
@@ -16,8 +17,9 @@ The kernel needs K a multiple of its tile_k and rows in multiples of 64 (`layout
 mesh (`beam_jax.sharding`) every device's shard is itself a valid local layout: gate_up is held as
 `[E, 2, I, ...]` (packed `[E, 2, I, H/2]`, scales `[E, H/256, 2, I, 16]`, global scale `[E, 2, I]`)
 so that TP splits gate rows and up rows alike, and each device reshapes its `[E/ep, 2, I/tp, ...]`
-back to `[E/ep, 2I/tp, ...]`; down's K is the intermediate dim, split in whole 64-value tiles
-(packed bytes on the last axis, scales on the K/tile_k axis). Packing works per row and per 32 K
+back to `[E/ep, 2I/tp, ...]` (the row order permutes within groups of 32 rows, so a device's rows are
+the same whether it or the whole converts them); down's K is the intermediate dim, split in whole
+64-value tiles (packed bytes on the last axis, scales on the K/tile_k axis). Packing works per row and per 32 K
 values, so converting each device's checkpoint shard gives exactly its shard of the global layout:
 the conversion runs per device under `shard_map`, one layer at a time.
 """
@@ -34,7 +36,7 @@ from jax.sharding import NamedSharding
 from beam_jax.config import BeamConfig
 from beam_jax.sharding import EP, TP, expert_spec, mesh_layout
 from pallas_kernels import moe_gemm as mg
-from pallas_kernels.nvfp4_moe_mgpu import KernelNvfp4
+from pallas_kernels.nvfp4_moe_mgpu import KernelNvfp4, kernel_experts
 
 GATE_UP_TILE_K = 256  # gate/up: K = hidden_size
 DOWN_TILE_K = 64  # down: K = moe_intermediate_size (per device under TP)
@@ -129,8 +131,8 @@ def _convert_experts(arrays: dict[str, jax.Array], mesh_shaped: bool) -> dict[st
     def convert(chunk_arrays):
         gate, up, down = (mg.ExpertWeights(*(chunk_arrays[f"{p}.{a}"] for a in CHECKPOINT_ARRAYS), format="nvfp4")
                           for p in PROJECTIONS)
-        kernel = {"gate_up": KernelNvfp4.from_expert_weights(gate, up, tile_k=GATE_UP_TILE_K),
-                  "down": KernelNvfp4.from_expert_weights(down, tile_k=DOWN_TILE_K)}
+        kernel = dict(zip(KERNEL_PROJECTIONS, kernel_experts(gate, up, down, gate_up_tile_k=GATE_UP_TILE_K,
+                                                            down_tile_k=DOWN_TILE_K)))
         return {f"{p}.{f}": getattr(kernel[p], f) for p in KERNEL_PROJECTIONS for f in KERNEL_FIELDS}
 
     # A step repacks `chunk` experts: the unpacked codes (4 bytes a value) exist for those only.
@@ -155,7 +157,8 @@ def kernel_shaped(name: str, array: jax.Array) -> jax.Array:
 def kernel_weights(arrays: dict[str, jax.Array]) -> tuple[KernelNvfp4, KernelNvfp4]:
     """gate_up and down as `moe_nvfp4` takes them, from `Experts.arrays()` (or one device's slices)."""
     gate_up, down = (
-        KernelNvfp4(*(kernel_shaped(f"{p}.{f}", arrays[f"{p}.{f}"]) for f in KERNEL_FIELDS), tile_k=tile_k)
+        KernelNvfp4(*(kernel_shaped(f"{p}.{f}", arrays[f"{p}.{f}"]) for f in KERNEL_FIELDS), tile_k=tile_k,
+                    rows_in_k_order=p == "gate_up")
         for p, tile_k in zip(KERNEL_PROJECTIONS, (GATE_UP_TILE_K, DOWN_TILE_K))
     )
     return gate_up, down

@@ -186,8 +186,7 @@ def mosaic_layout(gate, up, down):
     call (op by op it would compile a hundred small programs)."""
     from pallas_kernels import nvfp4_moe_mgpu as nmm
 
-    return jax.jit(lambda gate, up, down: (nmm.KernelNvfp4.from_expert_weights(gate, up, tile_k=256),
-                                           nmm.KernelNvfp4.from_expert_weights(down, tile_k=64)))(gate, up, down)
+    return jax.jit(nmm.kernel_experts)(gate, up, down)
 
 
 def time_calls(op, stacked, *rest):

@@ -106,9 +106,7 @@ def _layer_problem(seed, tokens, hidden, intermediate, experts, top_k, tile_k):
     from tests.pallas_kernels.test_moe_gemm import random_problem
 
     x, weights, ids, gate, up, down = random_problem(seed, tokens, hidden, intermediate, experts, top_k, "nvfp4")
-    kernel_weights = (nmm.KernelNvfp4.from_expert_weights(gate, up, tile_k=tile_k),
-                      nmm.KernelNvfp4.from_expert_weights(down, tile_k=64))
-    return (x, weights, ids, gate, up, down), kernel_weights
+    return (x, weights, ids, gate, up, down), nmm.kernel_experts(gate, up, down, gate_up_tile_k=tile_k)
 
 
 def _assert_layer_close(problem, got, expert_offset=None):
@@ -226,3 +224,8 @@ def test_expert_parallel_share_on_gpu(tokens):
                       nmm.KernelNvfp4.from_expert_weights(share[2], tile_k=64))
     got = jax.jit(functools.partial(nmm.moe_nvfp4, expert_offset=128))(x, weights, ids, *kernel_weights)
     _assert_layer_close((x, weights, ids, *share), got, expert_offset=128)
+
+
+def test_k_order_by_transpose_equals_the_gather():
+    x = np.random.default_rng(0).standard_normal((3, 5, 96)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(nm.to_kernel_k_order(jnp.asarray(x))), x[..., nm.kernel_k_order(96)])
