@@ -175,18 +175,22 @@ def _decode_tile(tile_n: int, tile_k: int):
     return body
 
 
-def _store_transposed(tile_n: int, block_t: int):
+def _store_transposed(tile_n: int, block_t: int, scaled: bool):
     """inline_mgpu body: fp32 accumulator [tile_n, block_t] (WGMMA layout) -> smem [block_t, tile_n], so
     the output is [rows, N] (a row per activation row: the layer's gathers and epilogues then read
     contiguous rows). A thread's register [m, c, .., half, ..] holds row 64 m + 16 warp + lane / 4 + 8 half,
-    columns 8 c + 2 (lane % 4) and the next. Pallas' own store does not take a transposed ref."""
+    columns 8 c + 2 (lane % 4) and the next. Pallas' own store does not take a transposed ref.
+    `scaled`: a third argument holds the tile's global scales `[tile_n]`; each value is multiplied by
+    OUTPUT_FACTOR and its row's scale and rounded to the output's dtype (bf16), as the layer's
+    reference rounds the projections."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, gpu, memref, vector
     from jax.experimental.mosaic.gpu import utils
 
-    def body(ctx, acc, out_ref):
+    def body(ctx, acc, out_ref, scale_ref=None):
         del ctx
-        index = ir.IndexType.get()
+        index, f32 = ir.IndexType.get(), ir.F32Type.get()
+        out_type = ir.MemRefType(out_ref.type).element_type
         tid = arith.remui(gpu.thread_id(gpu.Dimension.x), utils.c(128, index))
         warp, lane = arith.divui(tid, utils.c(32, index)), arith.remui(tid, utils.c(32, index))
         row0 = arith.addi(arith.muli(warp, utils.c(16, index)), arith.divui(lane, utils.c(4, index)))
@@ -194,23 +198,30 @@ def _store_transposed(tile_n: int, block_t: int):
         for m in range(tile_n // 64):
             for half in range(2):
                 row = arith.addi(row0, utils.c(64 * m + 8 * half, index))
+                if scaled:  # (acc * 2^7) * scale equals acc * (2^7 * scale): a power of two rounds nothing
+                    factor = arith.mulf(memref.load(scale_ref, [row]), arith.constant(f32, OUTPUT_FACTOR))
                 for c in range(block_t // 8):
                     pair = acc.registers[m, c, 0, 0, half, 0, 0, 0, 0]
                     for j in range(2):
                         col = arith.addi(col0, utils.c(8 * c + j, index))
                         value = vector.extract(pair, dynamic_position=[], static_position=[j])
+                        if scaled:
+                            value = arith.truncf(out_type, arith.mulf(value, factor))
                         memref.store(value, out_ref, [col, row])
 
     return body
 
 
 def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
-                   stages: int = 4, tile_n: int = 64, shared_rows: bool = False):
+                   stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None):
     """`xs [B*block_t, K]` bf16 (K in `kernel_k_order`), `block_expert [B]` int32 (-1: skip the block),
     `packed [E, N, K/2]` uint8 (`pack_kernel_layout`), `scales` bf16 (`pack_scales`) ->
     `[splits, B*block_t, N]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
     computes `tile_n` (a multiple of 64) rows of one block and split. `shared_rows`: `xs` is one block
-    `[block_t, K]` that every block multiplies (decode: each expert takes all the step's tokens)."""
+    `[block_t, K]` that every block multiplies (decode: each expert takes all the step's tokens).
+    `global_scale [E, N]` (one split only): the output is instead the finished projection,
+    `[1, B*block_t, N]` in the activations' dtype (bf16): the sums times the global scales, rounded
+    once (half the bytes to write, and nothing left for XLA to scale)."""
     rows, k = xs.shape
     _, n, half_k = packed.shape
     blocks = block_expert.shape[0]
@@ -219,6 +230,9 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
             or scales.shape[1:] != (k // tile_k, n, tile_k // 16)):
         raise ValueError(f"shapes: xs {xs.shape}, packed {packed.shape}, blocks {blocks}, block_t {block_t}, "
                          f"tile_n {tile_n}, tile_k {tile_k}, splits {splits}")
+    scaled = global_scale is not None
+    if scaled and (splits != 1 or global_scale.shape != packed.shape[:2]):
+        raise ValueError(f"global_scale {global_scale.shape} needs one split and shape {packed.shape[:2]}")
     k_steps = k // (tile_k * splits)
     scales = scales.reshape(scales.shape[0], k // tile_k, n * tile_k // 16 // _SCALE_ROW, _SCALE_ROW)
     byte_swizzle = plgpu.find_swizzle(tile_k // 2 * 8, "lhs")
@@ -229,10 +243,13 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         arg_types=(plgpu.Layout.WGMMA_8BIT, plgpu.RefType()),
         return_type=plgpu.ShapeDtypeStruct((tile_n, tile_k), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
     )(_decode_tile(tile_n, tile_k))
-    store_transposed = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
-        _store_transposed(tile_n, block_t))
+    store_transposed = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, *[plgpu.RefType()] * (1 + scaled)))(
+        _store_transposed(tile_n, block_t, scaled))
+    out_dtype = xs.dtype if scaled else jnp.float32
 
-    def kernel(block_expert_gmem, xs_gmem, packed_gmem, scales_gmem, out_gmem, out_smem):
+    def kernel(block_expert_gmem, xs_gmem, packed_gmem, scales_gmem, *gmem, out_smem, scale_smem=None,
+               scale_barrier=None):
+        *global_scale_gmem, out_gmem = gmem  # the global scales' ref when scaled
         b, ni, si = (jax.lax.axis_index(a) for a in ("b", "n", "s"))
         expert = block_expert_gmem[b]
         k0 = si * k_steps
@@ -260,20 +277,30 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
 
         @pl.when(expert >= 0)  # unused blocks (expert -1) are skipped; their output is left unwritten
         def _():
+            if scaled:  # the tile's global scales arrive while the K loop runs
+                plgpu.copy_gmem_to_smem(global_scale_gmem[0].at[expert, pl.ds(ni * tile_n, tile_n)], scale_smem,
+                                        scale_barrier)
             acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, block_t)))
-            store_transposed(acc, out_smem)
+            if scaled:
+                plgpu.barrier_wait(scale_barrier)
+                store_transposed(acc, out_smem, scale_smem)
+            else:
+                store_transposed(acc, out_smem)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, pl.ds(b * block_t, block_t), pl.ds(ni * tile_n, tile_n)])
             plgpu.wait_smem_to_gmem(0)
 
+    scratch = dict(out_smem=plgpu.SMEM((block_t, tile_n), out_dtype))
+    if scaled:
+        scratch.update(scale_smem=plgpu.SMEM((tile_n,), jnp.float32), scale_barrier=plgpu.Barrier())
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((splits, blocks * block_t, n), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((splits, blocks * block_t, n), out_dtype),
         grid=(blocks, n // tile_n, splits),
         grid_names=("b", "n", "s"),
-        scratch_types=dict(out_smem=plgpu.SMEM((block_t, tile_n), jnp.float32)),
+        scratch_types=scratch,
     )
-    return call(block_expert, xs, packed, scales)
+    return call(block_expert, xs, packed, scales, *([global_scale] if scaled else []))
 
 
 def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: bool = False):
@@ -286,7 +313,7 @@ def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: 
 
 
 def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int = 1,
-                            stages: int = 4, tile_n: int = 64, shared_rows: bool = False):
+                            stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None):
     """`grouped_matmul`'s contract in plain jnp, from the kernel layouts (for CPU tests of code that
     calls the kernel): decodes the words as the PTX does, then `grouped_matmul_reference`. Blocks
     of expert -1 get any values, as the kernel leaves them unwritten; one split holds the whole sum."""
@@ -307,4 +334,7 @@ def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, t
     block_scale = scales.reshape(e, k // tile_k, n, tile_k // 16).transpose(0, 2, 1, 3).reshape(e, n, k // 16)
     w = values * jnp.repeat(block_scale.astype(jnp.float32) / SCALE_FACTOR, 16, axis=-1)[:, :, kernel_k_order(k)]
     out = grouped_matmul_reference(xs, jnp.maximum(block_expert, 0), w, block_t=block_t, shared_rows=shared_rows)
+    if global_scale is not None:
+        row_scale = jnp.repeat(global_scale[jnp.maximum(block_expert, 0)], block_t, axis=0)
+        return (out * row_scale).astype(xs.dtype)[None]
     return (out / OUTPUT_FACTOR)[None]

@@ -197,17 +197,17 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         build = _blocks_by_comparison if block_builder == "compare" and tokens > 1 else pair_blocks
         pair_row, block_expert, row_token = build(local_ids, num_experts, block_t)
         xs = nm.to_kernel_k_order(jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)])[row_token])
-    row_expert = jnp.maximum(jnp.repeat(block_expert, block_t), 0)  # unused rows: any expert, never read back
+    # With one K split the kernel applies the global scales and rounds to bf16 itself.
+    one_split = gate_up_splits == 1
     gu = matmul(xs, block_expert, gate_up.packed, gate_up.scales, block_t=block_t, tile_k=gate_up.tile_k,
-                splits=gate_up_splits, stages=gate_up_stages, tile_n=gate_up_tile_n, shared_rows=shared)
-    gu = gu.sum(0) * nm.OUTPUT_FACTOR * gate_up.global_scale[row_expert]
-    gate, up = gu[:, :intermediate].astype(x.dtype), gu[:, intermediate:].astype(x.dtype)
-    act = mg._swiglu(gate, up).astype(x.dtype)
+                splits=gate_up_splits, stages=gate_up_stages, tile_n=gate_up_tile_n, shared_rows=shared,
+                global_scale=gate_up.global_scale if one_split else None)
+    if not one_split:
+        row_expert = jnp.maximum(jnp.repeat(block_expert, block_t), 0)  # unused rows: any expert, never read
+        gu = (gu.sum(0) * nm.OUTPUT_FACTOR * gate_up.global_scale[row_expert]).astype(x.dtype)[None]
+    act = mg._swiglu(gu[0, :, :intermediate], gu[0, :, intermediate:]).astype(x.dtype)
     act = act if gate_up.rows_in_k_order else nm.to_kernel_k_order(act)
     out = matmul(act, block_expert, down.packed, down.scales, block_t=block_t, tile_k=down.tile_k, splits=1,
-                 tile_n=down_tile_n)
-    # Only the pairs' columns are scaled and weighted (rows of unused blocks and padding are not).
-    pair_expert = jnp.minimum(local_ids.reshape(-1), num_experts - 1)
-    expert_out = (out[0][pair_row] * nm.OUTPUT_FACTOR * down.global_scale[pair_expert]).astype(x.dtype)
-    pair_out = (expert_out.astype(jnp.float32) * weights.reshape(-1, 1)).astype(x.dtype)
+                 tile_n=down_tile_n, global_scale=down.global_scale)
+    pair_out = (out[0][pair_row].astype(jnp.float32) * weights.reshape(-1, 1)).astype(x.dtype)
     return mg._add_token_pairs(pair_out, local, tokens)

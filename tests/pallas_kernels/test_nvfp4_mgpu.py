@@ -67,14 +67,17 @@ def _specs(experts, n, k, blocks, block_t, tile_k, shared_rows=False):
             spec((experts, k // tile_k, n, tile_k // 16), jnp.bfloat16))
 
 
-@pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,stages",
-                         [(640, 5120, 8, 8, 256, 4, 64, False, 2), (640, 5120, 8, 8, 256, 1, 128, False, 4),
-                          (5120, 320, 5, 16, 64, 1, 256, False, 4), (640, 5120, 64, 16, 256, 1, 64, True, 2)])
-def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, stages):
+@pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,stages,scaled", [
+    (640, 5120, 8, 8, 256, 4, 64, False, 2, False), (640, 5120, 8, 8, 256, 1, 128, False, 4, True),
+    (5120, 320, 5, 16, 64, 1, 256, False, 4, True), (640, 5120, 64, 16, 256, 1, 64, True, 2, True)])
+def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, stages, scaled):
     """Beam's gate/up and down shapes lower to Mosaic GPU on the CPU (the PTX is built on the GPU)."""
     op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits, tile_n=tile_n,
                            shared_rows=shared_rows, stages=stages)
     specs = _specs(256, n, k, blocks, block_t, tile_k, shared_rows)
+    if scaled:
+        specs = (*specs, jax.ShapeDtypeStruct((256, n), jnp.float32))
+        op = functools.partial(lambda *args, op: op(*args[:4], global_scale=args[4]), op=op)
     text = jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -87,19 +90,26 @@ def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_r
     (16, 128, 512, 5, 24, 256, 2, 128, True),
 ])
 def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows):
+    """The fp32 partial sums; with one split also the finished bf16 projection (`global_scale`)."""
     rng = np.random.default_rng(n + k)
     codes = rng.integers(0, 16, (experts, n, k), dtype=np.uint8)
     scale = rng.uniform(0.02, 4, (experts, n, k // 16)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
     x = rng.standard_normal(((1 if shared_rows else blocks) * block_t, k)).astype(ml_dtypes.bfloat16)
     block_expert = rng.integers(0, experts, blocks).astype(np.int32)
-    out = nm.grouped_matmul(jnp.asarray(x[:, nm.kernel_k_order(k)]), jnp.asarray(block_expert),
-                            jnp.asarray(nm.pack_kernel_layout(codes)), jnp.asarray(nm.pack_scales(scale, tile_k)),
-                            block_t=block_t, tile_k=tile_k, splits=splits, tile_n=tile_n, shared_rows=shared_rows)
-    got = np.asarray(out).sum(0) * nm.OUTPUT_FACTOR
+    operands = (jnp.asarray(x[:, nm.kernel_k_order(k)]), jnp.asarray(block_expert),
+                jnp.asarray(nm.pack_kernel_layout(codes)), jnp.asarray(nm.pack_scales(scale, tile_k)))
+    settings = dict(block_t=block_t, tile_k=tile_k, tile_n=tile_n, shared_rows=shared_rows)
+    got = np.asarray(nm.grouped_matmul(*operands, splits=splits, **settings)).sum(0) * nm.OUTPUT_FACTOR
     w = jnp.asarray(E2M1[codes] * np.repeat(scale, 16, axis=-1))
     want = np.asarray(nm.grouped_matmul_reference(jnp.asarray(x), jnp.asarray(block_expert), w, block_t=block_t,
                                                   shared_rows=shared_rows))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    if splits == 1:
+        global_scale = rng.uniform(0.5, 2, (experts, n)).astype(np.float32)
+        scaled = nm.grouped_matmul(*operands, global_scale=jnp.asarray(global_scale), **settings)
+        want = want * np.repeat(global_scale[block_expert], block_t, axis=0)
+        np.testing.assert_allclose(np.asarray(scaled[0], np.float32), want, rtol=2.0**-8,
+                                   atol=1e-5 * np.abs(want).max())
 
 
 def _layer_problem(seed, tokens, hidden, intermediate, experts, top_k, tile_k):
