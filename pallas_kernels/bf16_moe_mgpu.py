@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import moe_gemm as mg
-from pallas_kernels.nvfp4_moe_mgpu import pair_blocks
+from pallas_kernels.nvfp4_moe_mgpu import pair_blocks, row_tokens
 
 
 def _smem_transforms(cols: int, dtype) -> tuple:
@@ -99,8 +99,8 @@ def moe_bf16(x, weights, ids, gate_up, down, *, block_t: int = 128, tile_n: int 
     tokens, hidden = x.shape
     num_experts, intermediate = gate_up.shape[0], down.shape[2]
     local_ids, local = mg._local_pairs(ids, expert_offset, num_experts)
-    pair_row, block_expert, row_token = pair_blocks(local_ids, num_experts, block_t)
-    xs = jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)])[row_token]
+    pair_row, block_expert, row_pair = pair_blocks(local_ids, num_experts, block_t)
+    xs = jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)])[row_tokens(row_pair, ids.shape[1], tokens)]
     settings = dict(block_t=block_t, tile_n=tile_n, tile_k=tile_k, stages=stages)
     gu = matmul(xs, block_expert, gate_up, **settings)
     act = mg._swiglu(gu[:, :intermediate], gu[:, intermediate:]).astype(x.dtype)

@@ -213,7 +213,8 @@ def _store_transposed(tile_n: int, block_t: int, scaled: bool):
 
 
 def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
-                   stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None):
+                   stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
+                   row_destination=None, out_rows: int | None = None):
     """`xs [B*block_t, K]` bf16 (K in `kernel_k_order`), `block_expert [B]` int32 (-1: skip the block),
     `packed [E, N, K/2]` uint8 (`pack_kernel_layout`), `scales` bf16 (`pack_scales`) ->
     `[splits, B*block_t, N]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
@@ -221,7 +222,10 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     `[block_t, K]` that every block multiplies (decode: each expert takes all the step's tokens).
     `global_scale [E, N]` (one split only): the output is instead the finished projection,
     `[1, B*block_t, N]` in the activations' dtype (bf16): the sums times the global scales, rounded
-    once (half the bytes to write, and nothing left for XLA to scale)."""
+    once (half the bytes to write, and nothing left for XLA to scale). With it, `row_destination
+    [B, block_t]` int32 (-1: drop the row) and `out_rows` write each block row to that row of a
+    `[1, out_rows, N]` output instead, one row at a time: decode blocks then write only their
+    (token, expert) pairs, in pair order (rows nobody writes are left unwritten)."""
     rows, k = xs.shape
     _, n, half_k = packed.shape
     blocks = block_expert.shape[0]
@@ -230,9 +234,11 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
             or scales.shape[1:] != (k // tile_k, n, tile_k // 16)):
         raise ValueError(f"shapes: xs {xs.shape}, packed {packed.shape}, blocks {blocks}, block_t {block_t}, "
                          f"tile_n {tile_n}, tile_k {tile_k}, splits {splits}")
-    scaled = global_scale is not None
+    scaled, scattered = global_scale is not None, row_destination is not None
     if scaled and (splits != 1 or global_scale.shape != packed.shape[:2]):
         raise ValueError(f"global_scale {global_scale.shape} needs one split and shape {packed.shape[:2]}")
+    if scattered and (not scaled or out_rows is None or row_destination.shape != (blocks, block_t)):
+        raise ValueError(f"row_destination needs global_scale, out_rows and shape {(blocks, block_t)}")
     k_steps = k // (tile_k * splits)
     scales = scales.reshape(scales.shape[0], k // tile_k, n * tile_k // 16 // _SCALE_ROW, _SCALE_ROW)
     byte_swizzle = plgpu.find_swizzle(tile_k // 2 * 8, "lhs")
@@ -249,7 +255,7 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
 
     def kernel(block_expert_gmem, xs_gmem, packed_gmem, scales_gmem, *gmem, out_smem, scale_smem=None,
                scale_barrier=None):
-        *global_scale_gmem, out_gmem = gmem  # the global scales' ref when scaled
+        *optional, out_gmem = gmem  # the global scales' ref when scaled, then the row destinations'
         b, ni, si = (jax.lax.axis_index(a) for a in ("b", "n", "s"))
         expert = block_expert_gmem[b]
         k0 = si * k_steps
@@ -278,7 +284,7 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         @pl.when(expert >= 0)  # unused blocks (expert -1) are skipped; their output is left unwritten
         def _():
             if scaled:  # the tile's global scales arrive while the K loop runs
-                plgpu.copy_gmem_to_smem(global_scale_gmem[0].at[expert, pl.ds(ni * tile_n, tile_n)], scale_smem,
+                plgpu.copy_gmem_to_smem(optional[0].at[expert, pl.ds(ni * tile_n, tile_n)], scale_smem,
                                         scale_barrier)
             acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, block_t)))
             if scaled:
@@ -287,7 +293,17 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
             else:
                 store_transposed(acc, out_smem)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, pl.ds(b * block_t, block_t), pl.ds(ni * tile_n, tile_n)])
+            columns = pl.ds(ni * tile_n, tile_n)
+            if scattered:
+                for r in range(block_t):
+                    destination = optional[1][b, r]
+
+                    @pl.when(destination >= 0)
+                    def _():
+                        target = out_gmem.at[0, pl.ds(destination, 1), columns]
+                        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(r, 1)], target)
+            else:
+                plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, pl.ds(b * block_t, block_t), columns])
             plgpu.wait_smem_to_gmem(0)
 
     scratch = dict(out_smem=plgpu.SMEM((block_t, tile_n), out_dtype))
@@ -295,12 +311,13 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         scratch.update(scale_smem=plgpu.SMEM((tile_n,), jnp.float32), scale_barrier=plgpu.Barrier())
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((splits, blocks * block_t, n), out_dtype),
+        out_type=jax.ShapeDtypeStruct((splits, out_rows if scattered else blocks * block_t, n), out_dtype),
         grid=(blocks, n // tile_n, splits),
         grid_names=("b", "n", "s"),
         scratch_types=scratch,
     )
-    return call(block_expert, xs, packed, scales, *([global_scale] if scaled else []))
+    optional = [global_scale] if scaled else []
+    return call(block_expert, xs, packed, scales, *optional, *([row_destination] if scattered else []))
 
 
 def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: bool = False):
@@ -313,7 +330,8 @@ def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: 
 
 
 def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int = 1,
-                            stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None):
+                            stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
+                            row_destination=None, out_rows: int | None = None):
     """`grouped_matmul`'s contract in plain jnp, from the kernel layouts (for CPU tests of code that
     calls the kernel): decodes the words as the PTX does, then `grouped_matmul_reference`. Blocks
     of expert -1 get any values, as the kernel leaves them unwritten; one split holds the whole sum."""
@@ -336,5 +354,10 @@ def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, t
     out = grouped_matmul_reference(xs, jnp.maximum(block_expert, 0), w, block_t=block_t, shared_rows=shared_rows)
     if global_scale is not None:
         row_scale = jnp.repeat(global_scale[jnp.maximum(block_expert, 0)], block_t, axis=0)
-        return (out * row_scale).astype(xs.dtype)[None]
+        out = (out * row_scale).astype(xs.dtype)
+        if row_destination is not None:  # dropped rows go past the end; unwritten rows read as zeros
+            destination = row_destination.reshape(-1)
+            out = jnp.zeros((out_rows, n), out.dtype).at[jnp.where(destination >= 0, destination, out_rows)].set(
+                out, mode="drop")
+        return out[None]
     return (out / OUTPUT_FACTOR)[None]

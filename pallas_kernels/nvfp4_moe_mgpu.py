@@ -74,18 +74,20 @@ def _max_blocks(pairs: int, num_experts: int, block_t: int) -> int:
 
 def pair_blocks(ids, num_experts: int, block_t: int):
     """Pairs sorted into blocks of one expert: (row of each pair, expert of each block (-1: unused),
-    token of each row (`tokens` for padding rows)). `ids == num_experts` marks another device's pair
-    (expert parallelism): it gets no row (its pair_row is 0, read back and masked by the caller)."""
+    pair of each row (-1 for padding rows; `row_tokens` gives their tokens)). `ids == num_experts`
+    marks another device's pair (expert parallelism): it gets no row (its pair_row is 0, read back
+    and masked by the caller)."""
     tokens, top_k = ids.shape
     pairs = tokens * top_k
     if tokens == 1:  # a token picks an expert once: one block per pair, no sort (XLA's sort and scatters
         # cost more than the GEMMs at one token: H200 run Q)
         pair_row = jnp.arange(top_k, dtype=jnp.int32) * block_t
-        # The first row of each block is the token, the rest padding: a constant (run R paid a fill and
+        # The first row of each block is the pair, the rest padding: a constant (run R paid a fill and
         # a scatter, 1.3 us, for building it at run time).
-        row_token = jnp.asarray(np.where(np.arange(top_k * block_t) % block_t == 0, 0, 1), jnp.int32)
+        rows = np.arange(top_k * block_t)
+        row_pair = jnp.asarray(np.where(rows % block_t == 0, rows // block_t, -1), jnp.int32)
         block_expert = jnp.where(ids[0] < num_experts, ids[0], -1).astype(jnp.int32)
-        return pair_row, block_expert, row_token
+        return pair_row, block_expert, row_pair
     num_blocks = _max_blocks(pairs, num_experts, block_t)
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -100,9 +102,13 @@ def pair_blocks(ids, num_experts: int, block_t: int):
     sorted_rows = jnp.where(sorted_experts < num_experts, sorted_rows, num_blocks * block_t)
     pair_row = jnp.zeros(pairs, jnp.int32).at[order].set(jnp.where(sorted_experts < num_experts, sorted_rows, 0))
     block_expert = jnp.full(num_blocks, -1, jnp.int32).at[sorted_rows // block_t].set(sorted_experts.astype(jnp.int32))
-    row_token = jnp.full(num_blocks * block_t, tokens, jnp.int32).at[sorted_rows].set(
-        (order // top_k).astype(jnp.int32))
-    return pair_row, block_expert, row_token
+    row_pair = jnp.full(num_blocks * block_t, -1, jnp.int32).at[sorted_rows].set(order.astype(jnp.int32))
+    return pair_row, block_expert, row_pair
+
+
+def row_tokens(row_pair, top_k: int, tokens: int):
+    """The token of each block row (`tokens`, a zero row, for padding) from its pair."""
+    return jnp.where(row_pair >= 0, row_pair // top_k, tokens).astype(jnp.int32)
 
 
 def _blocks_by_comparison(ids, num_experts: int, block_t: int):
@@ -128,26 +134,31 @@ def _blocks_by_comparison(ids, num_experts: int, block_t: int):
     block_expert = jnp.where(owns.any(1), jnp.argmax(owns, axis=1), -1)
     r = jnp.arange(num_blocks * block_t)
     match = row[None, :] == r[:, None]
-    row_token = jnp.where(match.any(1), jnp.argmax(match, axis=1) // top_k, tokens).astype(jnp.int32)
-    return jnp.maximum(row, 0).astype(jnp.int32), block_expert.astype(jnp.int32), row_token
+    row_pair = jnp.where(match.any(1), jnp.argmax(match, axis=1), -1).astype(jnp.int32)
+    return jnp.maximum(row, 0).astype(jnp.int32), block_expert.astype(jnp.int32), row_pair
 
 
 def _shared_blocks(ids, num_experts: int, block_t: int):
     """Decode blocks that share their rows: block p is pair p's expert if no earlier pair has it (else
     -1: skipped), and every block multiplies all the step's tokens (`grouped_matmul(shared_rows=True)`),
     so there is no sort, no scatter and no activation gather; the weights of an expert picked twice
-    are read once. Returns (block of each block row's expert (-1: unused), output column of each pair:
-    its expert's first pair times block_t plus its token)."""
+    are read once. Returns (output row of each pair: its expert's first pair times block_t plus its
+    token; expert of each block (-1: unused); pair of each block row: the token's pair with the
+    block's expert, -1 if it has none)."""
     tokens, top_k = ids.shape
     flat = ids.reshape(-1)
     pair = jnp.arange(flat.shape[0])
     # One token picks an expert once; more tokens: the first pair with the same expert, by comparison.
     first = pair if tokens == 1 else jnp.argmax(flat[:, None] == flat[None, :], axis=1)
     block_expert = jnp.where((first == pair) & (flat < num_experts), flat, -1).astype(jnp.int32)
-    return block_expert, (first * block_t + pair // top_k).astype(jnp.int32)
+    picks = (ids[None, :, :] == block_expert[:, None, None]) & (block_expert >= 0)[:, None, None]  # [block, t, k]
+    row_pair = jnp.where(picks.any(2), jnp.arange(tokens)[None, :] * top_k + jnp.argmax(picks, axis=2), -1)
+    row_pair = jnp.pad(row_pair, ((0, 0), (0, block_t - tokens)), constant_values=-1).astype(jnp.int32)
+    return (first * block_t + pair // top_k).astype(jnp.int32), block_expert, row_pair.reshape(-1)
 
 
 SHARED_ROWS_MAX_TOKENS = 16
+PAIR_ORDER_MAX_BLOCK_T = 16  # the down GEMM stores a row at a time up to this many rows per block
 
 
 def default_config(tokens: int) -> dict:
@@ -191,11 +202,12 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     shared = block_builder == "shared"
     if shared:
         block_t = -(-tokens // 8) * 8
-        block_expert, pair_row = _shared_blocks(local_ids, num_experts, block_t)
+        pair_row, block_expert, row_pair = _shared_blocks(local_ids, num_experts, block_t)
         xs = nm.to_kernel_k_order(jnp.pad(x, ((0, block_t - tokens), (0, 0))))
     else:
         build = _blocks_by_comparison if block_builder == "compare" and tokens > 1 else pair_blocks
-        pair_row, block_expert, row_token = build(local_ids, num_experts, block_t)
+        pair_row, block_expert, row_pair = build(local_ids, num_experts, block_t)
+        row_token = row_tokens(row_pair, top_k, tokens)
         xs = nm.to_kernel_k_order(jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)])[row_token])
     # With one K split the kernel applies the global scales and rounds to bf16 itself.
     one_split = gate_up_splits == 1
@@ -207,7 +219,12 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         gu = (gu.sum(0) * nm.OUTPUT_FACTOR * gate_up.global_scale[row_expert]).astype(x.dtype)[None]
     act = mg._swiglu(gu[0, :, :intermediate], gu[0, :, intermediate:]).astype(x.dtype)
     act = act if gate_up.rows_in_k_order else nm.to_kernel_k_order(act)
+    # Decode blocks (at most 16 rows) write each pair's row straight to its place: [pairs, H], in pair
+    # order, and no more rows than pairs (shared-row blocks hold a row for every token).
+    by_pair = block_t <= PAIR_ORDER_MAX_BLOCK_T
     out = matmul(act, block_expert, down.packed, down.scales, block_t=block_t, tile_k=down.tile_k, splits=1,
-                 tile_n=down_tile_n, global_scale=down.global_scale)
-    pair_out = (out[0][pair_row].astype(jnp.float32) * weights.reshape(-1, 1)).astype(x.dtype)
+                 tile_n=down_tile_n, global_scale=down.global_scale,
+                 **(dict(row_destination=row_pair.reshape(-1, block_t), out_rows=ids.size) if by_pair else {}))
+    expert_out = out[0] if by_pair else out[0][pair_row]
+    pair_out = (expert_out.astype(jnp.float32) * weights.reshape(-1, 1)).astype(x.dtype)
     return mg._add_token_pairs(pair_out, local, tokens)

@@ -67,17 +67,20 @@ def _specs(experts, n, k, blocks, block_t, tile_k, shared_rows=False):
             spec((experts, k // tile_k, n, tile_k // 16), jnp.bfloat16))
 
 
-@pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,stages,scaled", [
-    (640, 5120, 8, 8, 256, 4, 64, False, 2, False), (640, 5120, 8, 8, 256, 1, 128, False, 4, True),
-    (5120, 320, 5, 16, 64, 1, 256, False, 4, True), (640, 5120, 64, 16, 256, 1, 64, True, 2, True)])
-def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, stages, scaled):
+@pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,stages,output", [
+    (640, 5120, 8, 8, 256, 4, 64, False, 2, "sums"), (640, 5120, 8, 8, 256, 1, 128, False, 4, "scaled"),
+    (5120, 320, 5, 16, 64, 1, 256, False, 4, "by_pair"), (640, 5120, 64, 16, 256, 1, 64, True, 2, "scaled")])
+def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, stages, output):
     """Beam's gate/up and down shapes lower to Mosaic GPU on the CPU (the PTX is built on the GPU)."""
     op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits, tile_n=tile_n,
                            shared_rows=shared_rows, stages=stages)
     specs = _specs(256, n, k, blocks, block_t, tile_k, shared_rows)
-    if scaled:
-        specs = (*specs, jax.ShapeDtypeStruct((256, n), jnp.float32))
-        op = functools.partial(lambda *args, op: op(*args[:4], global_scale=args[4]), op=op)
+    if output != "sums":
+        spec = jax.ShapeDtypeStruct
+        specs = (*specs, spec((256, n), jnp.float32), spec((blocks, block_t), jnp.int32))
+        scatter = dict(out_rows=blocks * block_t // 2) if output == "by_pair" else {}
+        op = functools.partial(lambda *args, op: op(*args[:4], global_scale=args[4],
+                                                    row_destination=args[5] if scatter else None, **scatter), op=op)
     text = jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -144,27 +147,30 @@ def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits
 
 def test_blocks_hold_every_pair_once():
     ids = jnp.asarray(np.random.default_rng(3).integers(0, 6, (11, 3)), jnp.int32)
-    pair_row, block_expert, row_token = nmm.pair_blocks(ids, 6, 4)
-    pair_row, block_expert, row_token = map(np.asarray, (pair_row, block_expert, row_token))
+    pair_row, block_expert, row_pair = map(np.asarray, nmm.pair_blocks(ids, 6, 4))
     assert len(set(pair_row)) == ids.size
     np.testing.assert_array_equal(block_expert[pair_row // 4], np.asarray(ids).reshape(-1))
-    np.testing.assert_array_equal(row_token[pair_row], np.arange(ids.size) // 3)
-    assert (row_token[np.setdiff1d(np.arange(row_token.size), pair_row)] == 11).all()
+    np.testing.assert_array_equal(row_pair[pair_row], np.arange(ids.size))
+    padding = np.setdiff1d(np.arange(row_pair.size), pair_row)
+    assert (row_pair[padding] == -1).all()
+    np.testing.assert_array_equal(np.asarray(nmm.row_tokens(jnp.asarray(row_pair), 3, 11))[padding], 11)
 
 
 @pytest.mark.parametrize("tokens,top_k", [(1, 8), (3, 4), (11, 3)])
 def test_shared_blocks_give_each_expert_one_block(tokens, top_k):
-    """Each pair's column lies in a block of its expert, at its token's row; an expert has one block;
-    other devices' pairs (id == experts) make no block."""
+    """Each pair's output row lies in a block of its expert, at its token's row, and that row names the
+    pair back; an expert has one block; other devices' pairs (id == experts) make no block."""
     experts = 6
     rng = np.random.default_rng(tokens)
     ids = np.stack([rng.choice(experts + 2, top_k, replace=False) for _ in range(tokens)])
     ids = np.minimum(ids, experts).astype(np.int32)
     block_t = -(-tokens // 8) * 8
-    block_expert, column = map(np.asarray, nmm._shared_blocks(jnp.asarray(ids), experts, block_t))
+    row, block_expert, row_pair = map(np.asarray, nmm._shared_blocks(jnp.asarray(ids), experts, block_t))
     flat, local = ids.reshape(-1), ids.reshape(-1) < experts
-    np.testing.assert_array_equal(block_expert[column // block_t][local], flat[local])
-    np.testing.assert_array_equal(column % block_t, np.arange(ids.size) // top_k)
+    np.testing.assert_array_equal(block_expert[row // block_t][local], flat[local])
+    np.testing.assert_array_equal(row % block_t, np.arange(ids.size) // top_k)
+    np.testing.assert_array_equal(row_pair[row[local]], np.flatnonzero(local))
+    assert (row_pair >= 0).sum() == local.sum()
     used = block_expert[block_expert >= 0]
     assert sorted(used) == sorted(set(flat[local]))
 
