@@ -178,14 +178,17 @@ def default_config(tokens: int) -> dict:
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
               gate_up_splits: int | None = None, gate_up_stages: int | None = None, gate_up_tile_n: int = 64,
-              down_tile_n: int | None = None, block_builder: str | None = None,
+              down_tile_n: int | None = None, block_builder: str | None = None, kernel_epilogue: bool = False,
               expert_offset: int | jax.Array | None = None, matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
     (`_shared_blocks`; its blocks have T rows rounded up to 8, whatever `block_t` says), "sort"
-    (`pair_blocks`) or "compare" (`_blocks_by_comparison`). `expert_offset`: the weights are one
-    device's experts from that index on (expert parallelism); other pairs count zero. `matmul` is the
-    GEMM (the kernel; tests on the CPU pass an emulation)."""
+    (`pair_blocks`) or "compare" (`_blocks_by_comparison`). `kernel_epilogue`: the GEMMs apply the
+    global scales and write bf16 (gate/up with one K split), and at decode the down GEMM writes each
+    pair's row in pair order (`grouped_matmul(global_scale=, row_destination=)`); off by default until
+    it has run on a GPU. `expert_offset`: the weights are one device's experts from that index on
+    (expert parallelism); other pairs count zero. `matmul` is the GEMM (the kernel; tests on the CPU
+    pass an emulation)."""
     tokens, top_k = ids.shape
     config = default_config(tokens)
     block_builder = config["block_builder"] if block_builder is None else block_builder
@@ -209,22 +212,27 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         pair_row, block_expert, row_pair = build(local_ids, num_experts, block_t)
         row_token = row_tokens(row_pair, top_k, tokens)
         xs = nm.to_kernel_k_order(jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)])[row_token])
-    # With one K split the kernel applies the global scales and rounds to bf16 itself.
-    one_split = gate_up_splits == 1
+    scaled_gate_up = kernel_epilogue and gate_up_splits == 1  # else XLA adds the splits and scales
     gu = matmul(xs, block_expert, gate_up.packed, gate_up.scales, block_t=block_t, tile_k=gate_up.tile_k,
                 splits=gate_up_splits, stages=gate_up_stages, tile_n=gate_up_tile_n, shared_rows=shared,
-                global_scale=gate_up.global_scale if one_split else None)
-    if not one_split:
+                global_scale=gate_up.global_scale if scaled_gate_up else None)
+    if not scaled_gate_up:
         row_expert = jnp.maximum(jnp.repeat(block_expert, block_t), 0)  # unused rows: any expert, never read
         gu = (gu.sum(0) * nm.OUTPUT_FACTOR * gate_up.global_scale[row_expert]).astype(x.dtype)[None]
     act = mg._swiglu(gu[0, :, :intermediate], gu[0, :, intermediate:]).astype(x.dtype)
     act = act if gate_up.rows_in_k_order else nm.to_kernel_k_order(act)
-    # Decode blocks (at most 16 rows) write each pair's row straight to its place: [pairs, H], in pair
-    # order, and no more rows than pairs (shared-row blocks hold a row for every token).
-    by_pair = block_t <= PAIR_ORDER_MAX_BLOCK_T
-    out = matmul(act, block_expert, down.packed, down.scales, block_t=block_t, tile_k=down.tile_k, splits=1,
-                 tile_n=down_tile_n, global_scale=down.global_scale,
-                 **(dict(row_destination=row_pair.reshape(-1, block_t), out_rows=ids.size) if by_pair else {}))
-    expert_out = out[0] if by_pair else out[0][pair_row]
-    pair_out = (expert_out.astype(jnp.float32) * weights.reshape(-1, 1)).astype(x.dtype)
+    down_gemm = functools.partial(matmul, act, block_expert, down.packed, down.scales, block_t=block_t,
+                                  tile_k=down.tile_k, splits=1, tile_n=down_tile_n)
+    if not kernel_epilogue:
+        # Only the pairs' rows are scaled and weighted (rows of unused blocks and padding are not).
+        pair_expert = jnp.minimum(local_ids.reshape(-1), num_experts - 1)
+        expert_out = down_gemm()[0][pair_row] * nm.OUTPUT_FACTOR * down.global_scale[pair_expert]
+    elif block_t <= PAIR_ORDER_MAX_BLOCK_T:
+        # Decode blocks write each pair's row straight to its place, [pairs, H] in pair order: no more
+        # rows than pairs (shared-row blocks hold a row for every token) and no gather after.
+        expert_out = down_gemm(global_scale=down.global_scale, row_destination=row_pair.reshape(-1, block_t),
+                               out_rows=ids.size)[0]
+    else:
+        expert_out = down_gemm(global_scale=down.global_scale)[0][pair_row]
+    pair_out = (expert_out.astype(x.dtype).astype(jnp.float32) * weights.reshape(-1, 1)).astype(x.dtype)
     return mg._add_token_pairs(pair_out, local, tokens)

@@ -166,9 +166,12 @@ def main():
         return
     if args.layers:
         # Runs S-U timed T = 1, 8, 16 (RESULTS.md) with 4-stage gate/up pipelines; next: 2 stages (now the
-        # default) against 4 at T = 8 and 1, the shared-row blocks past 16 tokens, and prefill.
+        # default) against 4, the kernel's own epilogue, the shared-row blocks past 16 tokens, and prefill.
         shared, by_sort, four = dict(block_builder="shared"), dict(block_builder="sort"), dict(gate_up_stages=4)
-        plans = {8: [{}, four], 1: [{}, four], 32: [shared, by_sort], 64: [shared, by_sort], 512: [{}], 8192: [{}]}
+        epilogue = dict(kernel_epilogue=True)
+        plans = {8: [{}, four, epilogue], 16: [{}, epilogue], 1: [{}, four, epilogue],
+                 32: [shared, by_sort, dict(by_sort, **epilogue)], 64: [by_sort, dict(by_sort, **epilogue)],
+                 512: [{}, epilogue], 8192: [{}]}
         weights = layer_weights()
         for t, variants in plans.items():
             try:

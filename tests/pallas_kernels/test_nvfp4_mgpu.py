@@ -131,17 +131,18 @@ def _assert_layer_close(problem, got, expert_offset=None):
     assert np.abs(want).max() > 0
 
 
-@pytest.mark.parametrize("tokens,block_t,splits,builder", [
-    (1, 8, 2, "sort"), (5, 2, 2, "sort"), (13, 2, 2, "sort"), (13, 8, 2, "compare"), (70, None, None, "sort"),
-    (1, None, 4, "shared"), (5, None, 1, "shared"), (13, None, 2, None)])
-def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits, builder):
+@pytest.mark.parametrize("tokens,block_t,splits,builder,epilogue", [
+    (1, 8, 2, "sort", False), (5, 2, 2, "sort", False), (13, 2, 1, "sort", True), (13, 8, 2, "compare", True),
+    (70, None, None, "sort", False), (70, None, None, "sort", True), (1, None, 4, "shared", True),
+    (5, None, 1, "shared", False), (5, None, 1, "shared", True), (13, None, 2, None, False)])
+def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits, builder, epilogue):
     """Blocks, gathers, splits, scales, SwiGLU and combine, with the GEMM emulated in plain jnp:
     experts with more pairs than a block (tails), experts picked by several tokens, unused experts,
     and unused blocks; None: the defaults (`default_config`: shared rows up to 16 tokens, 64-row
-    blocks past 64)."""
+    blocks past 64); with and without the kernel's own epilogue."""
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 256, 64, 16, 4, tile_k=128)
     layer = functools.partial(nmm.moe_nvfp4, block_t=block_t, gate_up_splits=splits, block_builder=builder,
-                              matmul=nm.grouped_matmul_emulated)
+                              kernel_epilogue=epilogue, matmul=nm.grouped_matmul_emulated)
     _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
 
 
@@ -188,8 +189,9 @@ def test_both_block_builders_agree(tokens, top_k, experts, block_t):
         np.testing.assert_array_equal(np.asarray(by_sort), np.asarray(by_comparison))
 
 
-@pytest.mark.parametrize("tokens,builder", [(1, "sort"), (7, "sort"), (7, "compare"), (1, "shared"), (7, "shared")])
-def test_expert_parallel_shares_add_up(tokens, builder):
+@pytest.mark.parametrize("tokens,builder,epilogue", [(1, "sort", False), (7, "sort", True), (7, "compare", False),
+                                                     (1, "shared", True), (7, "shared", True), (7, "shared", False)])
+def test_expert_parallel_shares_add_up(tokens, builder, epilogue):
     """Each device's share of the experts (`expert_offset`): equal to the reference on it (other
     shares' pairs count zero), and the shares add up to the whole layer."""
     from tests.pallas_kernels.test_moe_gemm import share_of_experts
@@ -202,7 +204,7 @@ def test_expert_parallel_shares_add_up(tokens, builder):
         kernel_weights = (nmm.KernelNvfp4.from_expert_weights(*share[:2], tile_k=128),
                           nmm.KernelNvfp4.from_expert_weights(share[2], tile_k=64))
         got = nmm.moe_nvfp4(x, weights, ids, *kernel_weights, expert_offset=start, block_builder=builder,
-                            matmul=nm.grouped_matmul_emulated)
+                            kernel_epilogue=epilogue, matmul=nm.grouped_matmul_emulated)
         want = mg.moe_gemm_reference(x, weights, ids, *share, expert_offset=start)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0,
                                    atol=4 * 2.0**-7 * np.abs(np.asarray(want, np.float32)).max())
@@ -218,12 +220,15 @@ def test_unknown_block_builder_is_rejected():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens,down_tile_n,builder", [(1, 64, None), (8, 128, None), (8, 64, "sort"), (13, 64, None),
-                                                        (32, 64, "shared"), (64, 256, None), (300, 64, None)])
-def test_layer_matches_reference_on_gpu(tokens, down_tile_n, builder):
-    """Beam's per-GPU TP8 expert shape on the kernel (None: `default_config`'s blocks)."""
+@pytest.mark.parametrize("tokens,down_tile_n,builder,epilogue", [
+    (1, 64, None, False), (1, 64, None, True), (8, 128, None, False), (8, 128, None, True), (8, 64, "sort", True),
+    (13, 64, None, True), (32, 64, "shared", False), (64, 256, None, True), (300, 64, None, True)])
+def test_layer_matches_reference_on_gpu(tokens, down_tile_n, builder, epilogue):
+    """Beam's per-GPU TP8 expert shape on the kernel (None: `default_config`'s blocks), with and
+    without the kernel's own epilogue."""
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 5120, 320, 256, 8, tile_k=256)
-    layer = functools.partial(nmm.moe_nvfp4, down_tile_n=down_tile_n, block_builder=builder)
+    layer = functools.partial(nmm.moe_nvfp4, down_tile_n=down_tile_n, block_builder=builder,
+                              kernel_epilogue=epilogue)
     _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
 
 
