@@ -156,6 +156,10 @@ class Experts(nnx.Module):
 
     def expert_weights(self) -> tuple[ExpertWeights, ExpertWeights, ExpertWeights]:
         """gate, up, down as the grouped-GEMM kernel takes them (packed weights stay packed)."""
+        if self.mosaic_layout:
+            raise ValueError("these experts are in the Mosaic kernel's layout (converted at load time): "
+                             "`beam_jax.quant.kernel_layout.kernel_weights(experts.arrays())` gives them as "
+                             "`moe_nvfp4` takes them; load with expert_kernel='triton' for the checkpoint layout")
         return expert_weights(self.arrays(), self.expert_format)
 
     def __call__(self, x, weights, indices):

@@ -124,6 +124,15 @@ def test_conversion_replaces_the_checkpoint_arrays():
         to_kernel_layout(converted_config, converted)
 
 
+def test_converted_experts_refuse_the_checkpoint_view():
+    from beam_jax.layers.moe import Experts
+
+    config, _ = nvfp4_model(1)
+    experts = Experts(config.replace(mosaic_experts=True), dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="in the Mosaic kernel's layout"):
+        experts.expert_weights()
+
+
 def test_shapes_the_kernel_cannot_take_are_refused_by_name():
     tiny = preset("beam-tiny")  # hidden 64, expert intermediate 32
     nvfp4 = tiny.replace(quantization_config=quantization_config_for(tiny, "nvfp4"))
