@@ -46,9 +46,13 @@ def grouped_matmul(xs, block_expert, w, *, block_t: int = 128, tile_n: int = 128
         expert = block_expert_gmem[b]
 
         def acc_scope(acc_ref):
+            def step(_, x_smem, w_smem):
+                plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0)))
+                # One wgmma stays in flight; the previous one, done now, releases its tiles (delay_release).
+                plgpu.wgmma_wait(1)
+
             plgpu.emit_pipeline(
-                # No wait per step: delay_release keeps a step's tiles until the next wgmma is issued.
-                lambda _, x_smem, w_smem: plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0))),
+                step,
                 grid=(k // tile_k,),
                 in_specs=[
                     plgpu.BlockSpec((block_t, tile_k), lambda kk: (b, kk), transforms=operand, delay_release=1),
