@@ -4,7 +4,8 @@ The weights are repacked once into the kernel's layouts (`KernelNvfp4.from_exper
 does it at load time on Hopper, `beam_jax.quant.kernel_layout`). Per call, XLA builds the blocks of
 one expert each (decode: one block per distinct expert, multiplying all the step's tokens; larger
 batches: pairs sorted into blocks of `block_t` rows), and after each GEMM adds the K splits, applies
-the global scales, SwiGLU and the routing weights. Rounding follows `moe_gemm_reference`.
+the global scales (with `kernel_epilogue`, the GEMMs do that themselves), SwiGLU and the routing
+weights. Rounding follows `moe_gemm_reference`.
 
 H200 (benchmarks/moe/RESULTS.md, runs T and U): 72.0 us at T = 8 and 117.5 at T = 16, against 105.6 and
 204.3 for the Triton NVFP4 layer in the same runs; the GEMMs are now ~85 % of the time.
