@@ -253,9 +253,13 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         _store_transposed(tile_n, block_t, scaled))
     out_dtype = xs.dtype if scaled else jnp.float32
 
+    # Optional inputs, in this order: the global scales (scaled), the row destinations (scattered).
+    optional = [a for a in (global_scale, row_destination) if a is not None]
+
     def kernel(block_expert_gmem, xs_gmem, packed_gmem, scales_gmem, *gmem, out_smem, scale_smem=None,
                scale_barrier=None):
-        *optional, out_gmem = gmem  # the global scales' ref when scaled, then the row destinations'
+        *optional_gmem, out_gmem = gmem
+        global_scale_gmem, row_destination_gmem = (*optional_gmem, None, None)[:2]
         b, ni, si = (jax.lax.axis_index(a) for a in ("b", "n", "s"))
         expert = block_expert_gmem[b]
         k0 = si * k_steps
@@ -284,19 +288,17 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         @pl.when(expert >= 0)  # unused blocks (expert -1) are skipped; their output is left unwritten
         def _():
             if scaled:  # the tile's global scales arrive while the K loop runs
-                plgpu.copy_gmem_to_smem(optional[0].at[expert, pl.ds(ni * tile_n, tile_n)], scale_smem,
+                plgpu.copy_gmem_to_smem(global_scale_gmem.at[expert, pl.ds(ni * tile_n, tile_n)], scale_smem,
                                         scale_barrier)
             acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, block_t)))
             if scaled:
                 plgpu.barrier_wait(scale_barrier)
-                store_transposed(acc, out_smem, scale_smem)
-            else:
-                store_transposed(acc, out_smem)
+            store_transposed(acc, out_smem, *([scale_smem] if scaled else []))
             plgpu.commit_smem()
             columns = pl.ds(ni * tile_n, tile_n)
             if scattered:
                 for r in range(block_t):
-                    destination = optional[1][b, r]
+                    destination = row_destination_gmem[b, r]
 
                     @pl.when(destination >= 0)
                     def _():
@@ -316,8 +318,7 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         grid_names=("b", "n", "s"),
         scratch_types=scratch,
     )
-    optional = [global_scale] if scaled else []
-    return call(block_expert, xs, packed, scales, *optional, *([row_destination] if scattered else []))
+    return call(block_expert, xs, packed, scales, *optional)
 
 
 def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: bool = False):

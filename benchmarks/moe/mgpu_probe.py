@@ -75,6 +75,11 @@ def time_triton_layer(t, repeats=4):
     return dict(kind="triton_layer", t=t, us=total, kernels=kernels)
 
 
+def variant_name(settings: dict) -> str:
+    """A Mosaic layer variant's name from its keyword arguments."""
+    return "mosaic[" + (",".join(f"{key}={value}" for key, value in settings.items()) or "default") + "]"
+
+
 def layer_weights():
     """Beam's TP8 NVFP4 experts (gate, up, down), and the Mosaic kernel's copies of them."""
     weights = bench.make_weights("nvfp4", jax.random.key(0))
@@ -92,7 +97,7 @@ def time_layers(t, variants, weights, repeats=4):
     # Weights are arguments, not closed over: jit would make them constants of the program.
     layers = {"triton": lambda x, w, ids, weights: mg.moe_gemm_kernel(x, w, ids, *weights[0])}
     for settings in variants:  # moe_nvfp4 keyword arguments; the rest from default_config
-        name = "mosaic[" + (",".join(f"{key}={value}" for key, value in settings.items()) or "default") + "]"
+        name = variant_name(settings)
         layers[name] = functools.partial(
             lambda x, w, ids, weights, **kw: nmm.moe_nvfp4(x, w, ids, *weights[1], **kw), **settings)
     # Tokens are independent: the reference (which gathers every pair's weights) checks the first 64.
@@ -126,7 +131,7 @@ def time_bf16_prefill(t, variants, weights, repeats=2):
                       np.float32)
     layers = {"triton": (lambda x, w, ids, weights: mg.moe_gemm_kernel(x, w, ids, *weights), weights)}
     for settings in variants:
-        name = "mosaic[" + (",".join(f"{key}={value}" for key, value in settings.items()) or "default") + "]"
+        name = variant_name(settings)
         layers[name] = (functools.partial(lambda x, w, ids, weights, **kw: bm.moe_bf16(x, w, ids, *weights, **kw),
                                           **settings), fused)
     flops = 2 * t * bench.TOP_K * 3 * bench.H * bench.I
