@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import moe_gemm as mg
+from pallas_kernels import row_gather as rg
 from pallas_kernels.nvfp4_moe_mgpu import pair_blocks, row_tokens
 
 
@@ -91,23 +92,25 @@ def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, **_):
 
 
 def moe_bf16(x, weights, ids, gate_up, down, *, block_t: int = 128, tile_n: int = 128, tile_k: int = 64,
-             stages: int = 4, down_tile_n: int | None = None, expert_offset: int | jax.Array | None = None,
-             matmul=grouped_matmul):
+             stages: int = 4, down_tile_n: int | None = None, down_stages: int | None = None,
+             expert_offset: int | jax.Array | None = None, matmul=grouped_matmul):
     """Routed experts for bf16 weights: `x [T, H]`, `weights`/`ids [T, top_k]`, `gate_up [E, 2I, H]`
     (gate rows then up rows), `down [E, H, I]`. Pairs are sorted into blocks of `block_t` rows of one
-    expert; XLA gathers their activations, applies SwiGLU between the GEMMs and adds each token's
-    weighted pairs. `down_tile_n`: the down GEMM's weight rows per program (default `tile_n`; its K is
-    short, so wider programs may pay). `expert_offset`: the weights are one device's experts from that
+    expert; `row_gather` copies their activations, applies SwiGLU between the GEMMs and adds each token's
+    weighted pairs. `down_tile_n`, `down_stages`: the down GEMM's weight rows per program and pipeline
+    stages (default `tile_n`, `stages`; its K is five steps, so wider programs or fewer stages, which fit
+    two programs on an SM, may pay). `expert_offset`: the weights are one device's experts from that
     index on (expert parallelism); other pairs count zero. `matmul`: the kernel (CPU tests pass the
     reference)."""
-    tokens, hidden = x.shape
+    tokens = x.shape[0]
     num_experts, intermediate = gate_up.shape[0], down.shape[2]
     local_ids, local = mg._local_pairs(ids, expert_offset, num_experts)
     pair_row, block_expert, row_pair = pair_blocks(local_ids, num_experts, block_t)
-    xs = jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)])[row_tokens(row_pair, ids.shape[1], tokens)]
+    xs = rg.gather_rows_on_backend(x, row_tokens(row_pair, ids.shape[1], tokens), block_expert, block_t=block_t)
     settings = dict(block_t=block_t, tile_n=tile_n, tile_k=tile_k, stages=stages)
     gu = matmul(xs, block_expert, gate_up, **settings)
     act = mg._swiglu(gu[:, :intermediate], gu[:, intermediate:]).astype(x.dtype)
-    out = matmul(act, block_expert, down, **dict(settings, tile_n=down_tile_n or tile_n))
+    down_settings = dict(settings, tile_n=down_tile_n or tile_n, stages=down_stages or stages)
+    out = matmul(act, block_expert, down, **down_settings)
     pair_out = (out[pair_row].astype(jnp.float32) * weights.reshape(-1, 1)).astype(x.dtype)
     return mg._add_token_pairs(pair_out, local, tokens)

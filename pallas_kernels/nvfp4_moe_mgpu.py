@@ -23,6 +23,7 @@ import numpy as np
 
 from pallas_kernels import moe_gemm as mg
 from pallas_kernels import nvfp4_mgpu as nm
+from pallas_kernels import row_gather as rg
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["packed", "scales", "global_scale"],
@@ -171,24 +172,26 @@ def default_config(tokens: int) -> dict:
     against 23.4 us with 64). Gate/up pipelines of 2 stages: the GEMM alone took 7.3 us at T = 1 with
     2 stages against 8.1 with 4 (run O), and 32.9 us at T = 8 with 2 (run P) where the layer's 4-stage
     GEMM takes 39 (runs S-U); half the shared memory fits twice the programs on an SM. The layer with
-    2 stages is not timed yet."""
+    2 stages: 65.2 us at T = 8 against 72.2 with 4 (run V). The kernel's epilogue with sorted blocks:
+    187.0 against 190.8 us at T = 32, 241.5 against 249.4 at T = 64, 585.8 against 685.6 at T = 512;
+    with shared rows it gains nothing (66.2 against 65.2 at T = 8, 20.3 against 18.5 at T = 1; run V)."""
     return dict(block_builder="shared" if tokens <= SHARED_ROWS_MAX_TOKENS else "sort",
                 block_t=8 if tokens <= 64 else 64, gate_up_splits=4 if tokens == 1 else 1,
-                gate_up_stages=2, down_tile_n=64 if tokens == 1 else 128)
+                gate_up_stages=2, down_tile_n=64 if tokens == 1 else 128,
+                kernel_epilogue=tokens > SHARED_ROWS_MAX_TOKENS)
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
               gate_up_splits: int | None = None, gate_up_stages: int | None = None, gate_up_tile_n: int = 64,
-              down_tile_n: int | None = None, block_builder: str | None = None, kernel_epilogue: bool = False,
+              down_tile_n: int | None = None, block_builder: str | None = None, kernel_epilogue: bool | None = None,
               expert_offset: int | jax.Array | None = None, matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
     (`_shared_blocks`; its blocks have T rows rounded up to 8, whatever `block_t` says), "sort"
     (`pair_blocks`) or "compare" (`_blocks_by_comparison`). `kernel_epilogue`: the GEMMs apply the
     global scales and write bf16 (gate/up with one K split), and at decode the down GEMM writes each
-    pair's row in pair order (`grouped_matmul(global_scale=, row_destination=)`); off by default until
-    it has run on a GPU. `expert_offset`: the weights are one device's experts from that index on
-    (expert parallelism); other pairs count zero. `matmul` is the GEMM (the kernel; tests on the CPU
+    pair's row in pair order (`grouped_matmul(global_scale=, row_destination=)`). `expert_offset`: the
+    weights are one device's experts from that index on (expert parallelism); other pairs count zero. `matmul` is the GEMM (the kernel; tests on the CPU
     pass an emulation)."""
     tokens, top_k = ids.shape
     config = default_config(tokens)
@@ -198,6 +201,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         gate_up_splits = math.gcd(config["gate_up_splits"], x.shape[1] // gate_up.tile_k)
     down_tile_n = config["down_tile_n"] if down_tile_n is None else down_tile_n
     gate_up_stages = config["gate_up_stages"] if gate_up_stages is None else gate_up_stages
+    kernel_epilogue = config["kernel_epilogue"] if kernel_epilogue is None else kernel_epilogue
     hidden, intermediate = x.shape[1], down.packed.shape[2] * 2
     num_experts = gate_up.packed.shape[0]
     if block_builder not in ("shared", "sort", "compare"):
@@ -211,8 +215,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     else:
         build = _blocks_by_comparison if block_builder == "compare" and tokens > 1 else pair_blocks
         pair_row, block_expert, row_pair = build(local_ids, num_experts, block_t)
-        row_token = row_tokens(row_pair, top_k, tokens)
-        xs = nm.to_kernel_k_order(jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)])[row_token])
+        xs = rg.gather_rows_on_backend(x, row_tokens(row_pair, top_k, tokens), block_expert, block_t=block_t,
+                                       column_order=nm.kernel_k_order(hidden))
     scaled_gate_up = kernel_epilogue and gate_up_splits == 1  # else XLA adds the splits and scales
     gu = matmul(xs, block_expert, gate_up.packed, gate_up.scales, block_t=block_t, tile_k=gate_up.tile_k,
                 splits=gate_up_splits, stages=gate_up_stages, tile_n=gate_up_tile_n, shared_rows=shared,

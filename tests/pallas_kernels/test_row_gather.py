@@ -1,0 +1,63 @@
+"""The row-gather kernel (interpret mode on the CPU, the kernel on a GPU) against its plain-jnp reference."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import nvfp4_mgpu as nm
+from pallas_kernels import row_gather as rg
+from pallas_kernels.nvfp4_moe_mgpu import pair_blocks, row_tokens
+
+
+def _case(tokens, k, block_t, seed, top_k=3, num_experts=7):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((tokens, k)), jnp.bfloat16)
+    ids = jnp.asarray(np.stack([rng.permutation(num_experts)[:top_k] for _ in range(tokens)]), jnp.int32)
+    _, block_expert, row_pair = pair_blocks(ids, num_experts, block_t)
+    return x, row_tokens(row_pair, top_k, tokens), block_expert
+
+
+def _check(x, row_token, block_expert, block_t, order, interpret):
+    got = np.asarray(rg.gather_rows(x, row_token, block_expert, block_t=block_t, column_order=order,
+                                    interpret=interpret), np.float32)
+    want = np.asarray(rg.gather_rows_reference(x, row_token, block_expert, block_t=block_t, column_order=order),
+                      np.float32)
+    used = np.repeat(np.asarray(block_expert) >= 0, block_t)
+    assert used.any() and not used.all()  # the case has unused blocks, whose rows the kernel leaves alone
+    np.testing.assert_array_equal(got[used], want[used])
+    # Every token's row lands somewhere, and padding rows of used blocks are zeros.
+    token = np.asarray(row_token)
+    assert set(token[used][token[used] < x.shape[0]]) == set(range(x.shape[0]))
+    assert not got[used & (token == x.shape[0])].any()
+
+
+# Odd token counts, K not a multiple of the program's 512 columns, blocks of 8 to 128 rows.
+CASES = [(2, 96, 8), (5, 608, 8), (37, 1056, 64), (70, 64, 128)]
+
+
+@pytest.mark.parametrize("tokens,k,block_t", CASES)
+@pytest.mark.parametrize("k_order", [False, True])
+def test_gather_matches_reference_interpret(tokens, k, block_t, k_order):
+    x, row_token, block_expert = _case(tokens, k, block_t, seed=tokens + k)
+    _check(x, row_token, block_expert, block_t, nm.kernel_k_order(k) if k_order else None, interpret=True)
+
+
+def test_k_order_gather_equals_the_models_permutation():
+    x, row_token, block_expert = _case(9, 128, 8, seed=3)
+    got = rg.gather_rows_reference(x, row_token, block_expert, block_t=8, column_order=nm.kernel_k_order(128))
+    want = rg.gather_rows_reference(nm.to_kernel_k_order(x), row_token, block_expert, block_t=8)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_rows_must_fill_whole_blocks():
+    x, row_token, block_expert = _case(4, 64, 8, seed=1)
+    with pytest.raises(ValueError, match="rows for"):
+        rg.gather_rows(x, row_token[:-1], block_expert, block_t=8, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,k,block_t", CASES + [(8192, 5120, 64)])
+def test_gather_matches_reference_on_gpu(tokens, k, block_t):
+    experts = 256 if tokens > 100 else 9
+    x, row_token, block_expert = _case(tokens, k, block_t, seed=tokens, top_k=8, num_experts=experts)
+    _check(x, row_token, block_expert, block_t, nm.kernel_k_order(k), interpret=False)
