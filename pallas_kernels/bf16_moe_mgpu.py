@@ -6,8 +6,9 @@ The Triton kernels of `moe_gemm` reach 37 % of the H200's measured bf16 rate at 
 are the wgmma's M, the weight rows its N, both operands stream through shared memory by TMA in a
 `stages`-deep pipeline. The output is `[rows, N]` bf16, rounded as `moe_gemm_reference` rounds.
 
-Not yet run on a GPU, and not called by the model: `moe_gemm` keeps the Triton kernels until this
-is measured (benchmarks/moe/bench.py, variant `mosaic` for bf16).
+H200 (benchmarks/moe/RESULTS.md, run X): 2270 us at T = 8192 against the Triton layer's 2538, but
+1141 against 978 at T = 2048 (blocks of 128 rows pad the few pairs each expert gets). The model calls
+it from PREFILL_MIN_TOKENS tokens on where the tiles fit (`fits`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import moe_gemm as mg
 from pallas_kernels import row_gather as rg
 from pallas_kernels.nvfp4_moe_mgpu import pair_blocks, row_tokens
+
+
+PREFILL_MIN_TOKENS = 8192
+
+
+def fits(hidden: int, intermediate: int, *, tile_n: int = 128, tile_k: int = 64) -> bool:
+    """Whether `moe_bf16`'s tiles divide experts of this size (both GEMMs)."""
+    return not (2 * intermediate % tile_n or hidden % tile_n or hidden % tile_k or intermediate % tile_k)
 
 
 def _smem_transforms(cols: int, dtype) -> tuple:
@@ -92,14 +101,14 @@ def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, **_):
 
 
 def moe_bf16(x, weights, ids, gate_up, down, *, block_t: int = 128, tile_n: int = 128, tile_k: int = 64,
-             stages: int = 4, down_tile_n: int | None = None, down_stages: int | None = None,
+             stages: int = 4, down_tile_n: int | None = None, down_stages: int = 2,
              expert_offset: int | jax.Array | None = None, matmul=grouped_matmul):
     """Routed experts for bf16 weights: `x [T, H]`, `weights`/`ids [T, top_k]`, `gate_up [E, 2I, H]`
     (gate rows then up rows), `down [E, H, I]`. Pairs are sorted into blocks of `block_t` rows of one
     expert; `row_gather` copies their activations, applies SwiGLU between the GEMMs and adds each token's
-    weighted pairs. `down_tile_n`, `down_stages`: the down GEMM's weight rows per program and pipeline
-    stages (default `tile_n`, `stages`; its K is five steps, so wider programs or fewer stages, which fit
-    two programs on an SM, may pay). `expert_offset`: the weights are one device's experts from that
+    weighted pairs. `down_tile_n`, `down_stages`: the down GEMM's weight rows per program (default
+    `tile_n`) and pipeline stages: its K is five steps, and 2 stages, which fit two programs on an SM,
+    took 693 against 830 us with 4 at T = 8192 (run X). `expert_offset`: the weights are one device's experts from that
     index on (expert parallelism); other pairs count zero. `matmul`: the kernel (CPU tests pass the
     reference)."""
     tokens = x.shape[0]
@@ -110,7 +119,7 @@ def moe_bf16(x, weights, ids, gate_up, down, *, block_t: int = 128, tile_n: int 
     settings = dict(block_t=block_t, tile_n=tile_n, tile_k=tile_k, stages=stages)
     gu = matmul(xs, block_expert, gate_up, **settings)
     act = mg._swiglu(gu[:, :intermediate], gu[:, intermediate:]).astype(x.dtype)
-    down_settings = dict(settings, tile_n=down_tile_n or tile_n, stages=down_stages or stages)
+    down_settings = dict(settings, tile_n=down_tile_n or tile_n, stages=down_stages)
     out = matmul(act, block_expert, down, **down_settings)
     pair_out = (out[pair_row].astype(jnp.float32) * weights.reshape(-1, 1)).astype(x.dtype)
     return mg._add_token_pairs(pair_out, local, tokens)

@@ -17,9 +17,9 @@ from beam_jax.config import BeamConfig
 from beam_jax.layers.linear import matmul_precision
 from beam_jax.layers.mlp import swiglu
 from beam_jax.layers.quantized import QuantizedExpertLinear, dequantize_experts, packed_expert_weights
-from beam_jax.quant.kernel_layout import DOWN_TILE_K, GATE_UP_TILE_K, KernelNvfp4Linear, kernel_weights
+from beam_jax.quant.kernel_layout import DOWN_TILE_K, GATE_UP_TILE_K, KernelNvfp4Linear, kernel_weights, on_hopper
 from beam_jax.sharding import experts_on_mesh, mesh_shards_experts
-from pallas_kernels import nvfp4_mgpu, nvfp4_moe_mgpu
+from pallas_kernels import bf16_moe_mgpu, nvfp4_mgpu, nvfp4_moe_mgpu
 from pallas_kernels.moe_gemm import ExpertWeights, moe_gemm
 from pallas_kernels.routing import routing as route  # fp32 routing (the kernel for GPU decode batches)
 
@@ -205,7 +205,8 @@ def compute_experts(
     of them, holding experts from `expert_offset` on). The GPU runs the Pallas kernels (pairs routed
     to other devices' experts form no block there), or XLA's gather + einsum where that is faster
     (`pallas_kernels.moe_gemm.kernel_is_faster`); the CPU the plain-jnp reference, dequantizing
-    packed weights. Experts in the Mosaic kernel's layout (`mosaic_layout`) run `mosaic_experts`."""
+    packed weights. Experts in the Mosaic kernel's layout (`mosaic_layout`) run `mosaic_experts`; bf16
+    experts at prefill sizes on Hopper the Mosaic prefill layer (`_bf16_prefill_kernel`)."""
     if _DENSE_EXPERTS.get():
         if expert_format != "bf16" or expert_offset is not None:
             raise ValueError("training (dense experts) needs unquantized experts on one device")
@@ -213,6 +214,11 @@ def compute_experts(
     if mosaic_layout:
         return mosaic_experts(arrays, x, weights, indices, expert_offset=expert_offset)
     if jax.default_backend() == "gpu":  # the kernels, or XLA where it is faster (`moe_gemm`)
+        if expert_format == "bf16" and _bf16_prefill_kernel(arrays, x.shape[0]):
+            gate_up, down = _fused_gate_up(arrays["gate_up_proj"]), arrays["down_proj"]
+            out = bf16_moe_mgpu.moe_bf16(x.astype(jnp.bfloat16), weights, indices, gate_up.astype(jnp.bfloat16),
+                                         down.astype(jnp.bfloat16), expert_offset=expert_offset)
+            return out.astype(x.dtype)
         return moe_gemm(x, weights, indices, *expert_weights(arrays, expert_format), expert_offset=expert_offset)
     if expert_format == "bf16":
         gate_up, down = _fused_gate_up(arrays["gate_up_proj"]), arrays["down_proj"]
@@ -220,6 +226,13 @@ def compute_experts(
         gate, up, down = (dequantize_experts(_projection(arrays, p), expert_format, x.dtype) for p in PROJECTIONS)
         gate_up = jnp.concatenate([gate, up], axis=1)
     return experts_reference(x, weights, indices, gate_up, down, 0 if expert_offset is None else expert_offset)
+
+
+def _bf16_prefill_kernel(arrays: dict[str, Array], tokens: int) -> bool:
+    """Whether bf16 experts run `bf16_moe_mgpu.moe_bf16` (Hopper, prefill sizes, tiles that fit)."""
+    down = arrays["down_proj"]
+    return (tokens >= bf16_moe_mgpu.PREFILL_MIN_TOKENS and bf16_moe_mgpu.fits(down.shape[1], down.shape[2])
+            and on_hopper())
 
 
 def mosaic_experts(

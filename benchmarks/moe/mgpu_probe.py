@@ -2,7 +2,7 @@
 plain jnp, then times it at Beam's TP8 expert shapes beside the Triton NVFP4 layer of `moe_gemm` in the
 same run. CUPTI device time per call; weights rotate over fresh expert ids so they come from HBM.
 
-    OUT=dir python3 -u benchmarks/moe/mgpu_probe.py [--no-check | --layers | --bf16-prefill]
+    OUT=dir python3 -u benchmarks/moe/mgpu_probe.py [--no-check | --layers | --bf16-prefill | --table]
 """
 
 from __future__ import annotations
@@ -121,9 +121,10 @@ def time_layers(t, variants, weights, repeats=4):
     return row
 
 
-def time_bf16_prefill(t, variants, weights, repeats=2):
-    """The bf16 layer at prefill sizes: Triton kernels (`moe_gemm_kernel`, its default blocks) against
-    the Mosaic TMA + wgmma layer (`bf16_moe_mgpu.moe_bf16`) per setting; µs, TFLOP/s, kernels, error."""
+def time_bf16_layers(t, variants, weights, repeats=2):
+    """The bf16 layer: the model's path before this layer existed (`moe_gemm`: Triton kernels, XLA at
+    one token) against the Mosaic TMA + wgmma layer (`bf16_moe_mgpu.moe_bf16`) per setting; µs,
+    TFLOP/s, % of the HBM floor (touched experts' bytes), kernels, error against the reference."""
     from beam_jax.layers.moe import experts_reference
     from pallas_kernels import bf16_moe_mgpu as bm
 
@@ -133,13 +134,14 @@ def time_bf16_prefill(t, variants, weights, repeats=2):
     checked = min(t, 512)  # tokens are independent; XLA's ragged_dot runs out of memory at T = 8192
     want = np.asarray(jax.jit(experts_reference)(x[0, :checked], w[0, :checked], ids[0, :checked], *fused),
                       np.float32)
-    layers = {"triton": (lambda x, w, ids, weights: mg.moe_gemm_kernel(x, w, ids, *weights), weights)}
+    layers = {"moe_gemm": (lambda x, w, ids, weights: mg.moe_gemm(x, w, ids, *weights), weights)}
     for settings in variants:
         name = variant_name(settings)
         layers[name] = (functools.partial(lambda x, w, ids, weights, **kw: bm.moe_bf16(x, w, ids, *weights, **kw),
                                           **settings), fused)
     flops = 2 * t * bench.TOP_K * 3 * bench.H * bench.I
-    row = dict(kind="bf16_prefill", t=t)
+    floor_bytes = bench.expert_bytes(gate, up, down) * len(np.unique(np.asarray(ids[0])))
+    row = dict(kind="bf16_layers", t=t, floor_us=floor_bytes / HBM_BYTES_PER_S * 1e6)
     for name, (layer, args) in layers.items():
         t0 = time.time()
         try:
@@ -158,6 +160,7 @@ def main():
     parser.add_argument("--no-check", action="store_true", help="skip the checks against plain numpy")
     parser.add_argument("--layers", action="store_true", help="only the whole layer, Triton against Mosaic")
     parser.add_argument("--bf16-prefill", action="store_true", help="only the bf16 layer at prefill sizes")
+    parser.add_argument("--table", action="store_true", help="both formats' layers on the model's paths, all T")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows = []
@@ -177,7 +180,20 @@ def main():
         plans = {8192: [{}, down2, dict(down2, block_t=64, down_tile_n=256), dict(block_t=64, down_tile_n=256)],
                  2048: [{}, down2]}
         for t, variants in plans.items():
-            record(time_bf16_prefill(t, variants, weights))
+            record(time_bf16_layers(t, variants, weights))
+        return
+    if args.table:
+        # Issue 4's table for the paths the model takes, both formats in one run: NVFP4 (Triton against
+        # the Mosaic layer) and bf16 (`moe_gemm` against the Mosaic prefill layer at T >= 512).
+        nvfp4, bf16 = layer_weights(), bench.make_weights("bf16", jax.random.key(0))
+        for t in (1, 8, 16, 32, 64, 512, 4096, 8192):
+            for kind, time_row in (("layers", lambda: time_layers(t, [{}] + ([dict(down_tile_n=256)] if 1 < t <= 16
+                                                                             else []), nvfp4)),
+                                   ("bf16_layers", lambda: time_bf16_layers(t, [{}] if t >= 512 else [], bf16))):
+                try:
+                    record(time_row())
+                except Exception as e:  # noqa: BLE001
+                    record(dict(kind=kind, t=t, error=repr(e)[:2000]))
         return
     if args.layers:
         # Run V (RESULTS.md) chose 2 gate/up stages and the kernel's epilogue past 16 tokens; run W found

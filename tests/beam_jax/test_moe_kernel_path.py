@@ -121,3 +121,37 @@ def test_mosaic_nvfp4_layer_takes_the_models_experts():
     got = np.asarray(nmm.moe_nvfp4(x, weights, ids, *kernel_weights, matmul=nm.grouped_matmul_emulated), np.float32)
     np.testing.assert_allclose(got, want, rtol=0, atol=8 * 2.0**-8 * np.abs(want).max())
     assert np.abs(want).max() > 0
+
+
+def test_bf16_prefill_kernel_takes_only_fitting_experts():
+    from pallas_kernels import bf16_moe_mgpu as bm
+
+    assert bm.fits(5120, 320)  # Beam's TP8 share
+    assert not bm.fits(5120, 32)  # beam-tiny's experts: below one K step of the down GEMM
+    assert not bm.fits(5120 + 64, 320)  # hidden not a multiple of the 128-row tiles
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_prefill_takes_the_mosaic_layer():
+    """On an H200, bf16 experts at prefill size go through `bf16_moe_mgpu.moe_bf16` (its row-gather
+    kernel shows in the compiled program) and agree with the layer's reference, also for one device's
+    share of the experts."""
+    from beam_jax.layers.moe import experts_reference
+    from pallas_kernels import bf16_moe_mgpu as bm
+
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    rng = np.random.default_rng(seed)
+    experts, hidden, intermediate, top_k, tokens = 16, 256, 128, 4, bm.PREFILL_MIN_TOKENS
+    shapes = {"gate_up_proj": (experts, 2 * intermediate, hidden), "down_proj": (experts, hidden, intermediate)}
+    arrays = {name: jnp.asarray(rng.standard_normal(shape) / 16, jnp.bfloat16) for name, shape in shapes.items()}
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
+    ids = jnp.asarray(np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k], jnp.int32)
+    weights = jnp.asarray(rng.uniform(0.1, 1, (tokens, top_k)), jnp.float32)
+    for offset, share in ((None, arrays), (8, {name: a[8:] for name, a in arrays.items()})):
+        run = jax.jit(functools.partial(compute_experts, expert_format="bf16", expert_offset=offset))
+        assert "_gather_kernel" in run.lower(share, x, weights, ids).as_text()
+        got = np.asarray(run(share, x, weights, ids), np.float32)
+        want = np.asarray(experts_reference(x, weights, ids, share["gate_up_proj"], share["down_proj"], offset or 0),
+                          np.float32)
+        np.testing.assert_allclose(got, want, rtol=0, atol=8 * 2.0**-8 * np.abs(want).max(),
+                                   err_msg=f"seed {seed}, offset {offset}")
