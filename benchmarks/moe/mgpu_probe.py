@@ -197,8 +197,11 @@ def main():
         return
     if args.layers:
         # Run V (RESULTS.md) chose 2 gate/up stages and the kernel's epilogue past 16 tokens; run W found
-        # XLA's row gather slow (now `row_gather`) and blocks of 128 rows slower at prefill.
-        plans = {32: [{}], 64: [{}], 512: [{}], 8192: [{}, dict(gate_up_stages=4)]}
+        # XLA's row gather slow (now `row_gather`) and blocks of 128 rows slower at prefill (run X).
+        # Run Y: the GEMMs are 85-90 % of the layer at T <= 64; next, gate/up program shapes.
+        wide, split2, stages3 = dict(gate_up_tile_n=128), dict(gate_up_splits=2), dict(gate_up_stages=3)
+        plans = {8: [{}, wide, split2, stages3, dict(down_tile_n=64)], 16: [{}, wide, split2],
+                 1: [{}, dict(gate_up_splits=8), split2], 64: [{}, wide, stages3]}
         weights = layer_weights()
         for t, variants in plans.items():
             try:
