@@ -18,13 +18,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-ROWS_PER_PROGRAM = 32
-COLUMNS_PER_PROGRAM = 512
-
-
-def _gather_kernel(row_token_ref, block_expert_ref, column_ref, x_ref, out_ref, *, block_t: int, tokens: int):
-    rows = pl.program_id(0) * ROWS_PER_PROGRAM + jnp.arange(ROWS_PER_PROGRAM)
-    cols = pl.program_id(1) * COLUMNS_PER_PROGRAM + jnp.arange(COLUMNS_PER_PROGRAM)
+def _gather_kernel(row_token_ref, block_expert_ref, column_ref, x_ref, out_ref, *, block_t: int, tokens: int,
+                   rows_per_program: int, columns_per_program: int):
+    rows = pl.program_id(0) * rows_per_program + jnp.arange(rows_per_program)
+    cols = pl.program_id(1) * columns_per_program + jnp.arange(columns_per_program)
     num_rows, num_cols = out_ref.shape
     in_rows = rows < num_rows
     in_cols = cols < num_cols
@@ -37,10 +34,12 @@ def _gather_kernel(row_token_ref, block_expert_ref, column_ref, x_ref, out_ref, 
     plgpu.store(out_ref.at[rows[:, None], cols[None, :]], values, mask=used[:, None] & in_cols[None, :])
 
 
-def gather_rows(x, row_token, block_expert, *, block_t: int, column_order=None, interpret: bool = False):
+def gather_rows(x, row_token, block_expert, *, block_t: int, column_order=None, rows_per_program: int = 32,
+                columns_per_program: int = 512, num_warps: int = 4, interpret: bool = False):
     """`out[r] = x[row_token[r]][column_order]` for the rows of blocks with `block_expert >= 0`; rows
     whose token is `T` (padding) are zeros, and rows of unused blocks (`block_expert < 0`) are left
-    unwritten. `x [T, K]`, `row_token [blocks * block_t]`, `column_order [K]` (default: identity)."""
+    unwritten. `x [T, K]`, `row_token [blocks * block_t]`, `column_order [K]` (default: identity).
+    A program copies `rows_per_program` x `columns_per_program` values."""
     tokens, k = x.shape
     num_rows = row_token.shape[0]
     if num_rows != block_expert.shape[0] * block_t:
@@ -48,12 +47,13 @@ def gather_rows(x, row_token, block_expert, *, block_t: int, column_order=None, 
     if tokens == 0 or num_rows == 0:
         return jnp.zeros((num_rows, k), x.dtype)
     column_order = jnp.arange(k, dtype=jnp.int32) if column_order is None else jnp.asarray(column_order, jnp.int32)
-    kernel = functools.partial(_gather_kernel, block_t=block_t, tokens=tokens)
+    kernel = functools.partial(_gather_kernel, block_t=block_t, tokens=tokens, rows_per_program=rows_per_program,
+                               columns_per_program=columns_per_program)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_rows, k), x.dtype),
-        grid=(pl.cdiv(num_rows, ROWS_PER_PROGRAM), pl.cdiv(k, COLUMNS_PER_PROGRAM)),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        grid=(pl.cdiv(num_rows, rows_per_program), pl.cdiv(k, columns_per_program)),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
     )(row_token.astype(jnp.int32), block_expert.astype(jnp.int32), column_order, x)
 

@@ -2,7 +2,7 @@
 plain jnp, then times it at Beam's TP8 expert shapes beside the Triton NVFP4 layer of `moe_gemm` in the
 same run. CUPTI device time per call; weights rotate over fresh expert ids so they come from HBM.
 
-    OUT=dir python3 -u benchmarks/moe/mgpu_probe.py [--no-check | --layers | --bf16-prefill | --table]
+    OUT=dir python3 -u benchmarks/moe/mgpu_probe.py [--no-check | --layers | --bf16-prefill | --table | --gather]
 """
 
 from __future__ import annotations
@@ -155,11 +155,37 @@ def time_bf16_layers(t, variants, weights, repeats=2):
     return row
 
 
+def time_gathers(t, block_t, configs, *, k_order: bool, repeats=2):
+    """`row_gather.gather_rows` alone for T tokens' sorted blocks of `block_t` rows, per program shape
+    (rows, columns, warps): µs per call and the rate of rows written."""
+    from pallas_kernels import nvfp4_moe_mgpu as nmm
+    from pallas_kernels import row_gather as rg
+
+    x, _, ids = bench.make_tokens(t, repeats, jax.random.key(t))
+    order = nm.kernel_k_order(bench.H) if k_order else None
+    row = dict(kind="gather", t=t, block_t=block_t, k_order=k_order)
+    for rows, cols, warps in configs:
+        def gather(x, ids, rows=rows, cols=cols, warps=warps):
+            _, block_expert, row_pair = nmm.pair_blocks(ids, bench.E, block_t)
+            return rg.gather_rows(x, nmm.row_tokens(row_pair, bench.TOP_K, t), block_expert, block_t=block_t,
+                                  column_order=order, rows_per_program=rows, columns_per_program=cols,
+                                  num_warps=warps)
+        try:
+            us, kernels, _ = bench.time_calls(gather, (x, ids))
+        except Exception as e:  # noqa: BLE001 - report and go on
+            row[f"r{rows}c{cols}w{warps}"] = dict(error=repr(e)[:1000])
+            continue
+        gather_us = sum(u for name, u in kernels if "gather" in name)
+        row[f"r{rows}c{cols}w{warps}"] = dict(us=us, gather_us=gather_us, kernels=kernels)
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-check", action="store_true", help="skip the checks against plain numpy")
     parser.add_argument("--layers", action="store_true", help="only the whole layer, Triton against Mosaic")
     parser.add_argument("--bf16-prefill", action="store_true", help="only the bf16 layer at prefill sizes")
+    parser.add_argument("--gather", action="store_true", help="the row-gather kernel's program shapes")
     parser.add_argument("--table", action="store_true", help="both formats' layers on the model's paths, all T")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
@@ -174,13 +200,16 @@ def main():
 
     if args.bf16_prefill:
         weights = bench.make_weights("bf16", jax.random.key(0))
-        # Run W: 2743 us at T = 8192 against Triton's 2555, 663 of them in XLA's row gather (now a kernel)
-        # and 839 in the down GEMM, whose five K steps leave a 4-stage program mostly filling its pipeline.
-        down2 = dict(down_stages=2)
-        plans = {8192: [{}, down2, dict(down2, block_t=64, down_tile_n=256), dict(block_t=64, down_tile_n=256)],
-                 2048: [{}, down2]}
+        # Run X: 2270 us at T = 8192 with 2-stage down pipelines (now the default) against Triton's 2538;
+        # next, deeper gate/up pipelines and narrower down programs.
+        plans = {8192: [{}, dict(stages=5), dict(stages=6), dict(down_tile_n=64)]}
         for t, variants in plans.items():
             record(time_bf16_layers(t, variants, weights))
+        return
+    if args.gather:
+        configs = [(32, 512, 4), (64, 512, 4), (32, 1024, 4), (64, 1024, 8), (16, 1024, 4), (128, 256, 4)]
+        for t, block_t, k_order in ((8192, 128, False), (8192, 64, True), (512, 64, True)):
+            record(time_gathers(t, block_t, configs, k_order=k_order))
         return
     if args.table:
         # Issue 4's table for the paths the model takes, both formats in one run: NVFP4 (Triton against
@@ -199,9 +228,10 @@ def main():
         # Run V (RESULTS.md) chose 2 gate/up stages and the kernel's epilogue past 16 tokens; run W found
         # XLA's row gather slow (now `row_gather`) and blocks of 128 rows slower at prefill (run X).
         # Run Y: the GEMMs are 85-90 % of the layer at T <= 64; next, gate/up program shapes.
-        wide, split2, stages3 = dict(gate_up_tile_n=128), dict(gate_up_splits=2), dict(gate_up_stages=3)
-        plans = {8: [{}, wide, split2, stages3, dict(down_tile_n=64)], 16: [{}, wide, split2],
-                 1: [{}, dict(gate_up_splits=8), split2], 64: [{}, wide, stages3]}
+        # Run Z: nothing near the decode defaults won (tile_n 128 by 2 % at T = 64 only); next, block
+        # sizes at T = 512, where each expert gets ~16 pairs and blocks of 64 rows are mostly padding.
+        wide = dict(gate_up_tile_n=128)
+        plans = {32: [{}, wide], 512: [{}, dict(block_t=16), dict(block_t=32), dict(block_t=32, **wide)]}
         weights = layer_weights()
         for t, variants in plans.items():
             try:

@@ -17,9 +17,9 @@ def _case(tokens, k, block_t, seed, top_k=3, num_experts=7):
     return x, row_tokens(row_pair, top_k, tokens), block_expert
 
 
-def _check(x, row_token, block_expert, block_t, order, interpret):
+def _check(x, row_token, block_expert, block_t, order, interpret, **program):
     got = np.asarray(rg.gather_rows(x, row_token, block_expert, block_t=block_t, column_order=order,
-                                    interpret=interpret), np.float32)
+                                    interpret=interpret, **program), np.float32)
     want = np.asarray(rg.gather_rows_reference(x, row_token, block_expert, block_t=block_t, column_order=order),
                       np.float32)
     used = np.repeat(np.asarray(block_expert) >= 0, block_t)
@@ -33,6 +33,9 @@ def _check(x, row_token, block_expert, block_t, order, interpret):
 
 # Odd token counts, K not a multiple of the program's 512 columns, blocks of 8 to 128 rows.
 CASES = [(2, 96, 8), (5, 608, 8), (37, 1056, 64), (70, 64, 128)]
+# Program shapes: the default, and others that leave row and column tails.
+PROGRAM_SHAPES = [{}, dict(rows_per_program=16, columns_per_program=256),
+                  dict(rows_per_program=64, columns_per_program=1024, num_warps=8)]
 
 
 @pytest.mark.parametrize("tokens,k,block_t", CASES)
@@ -40,6 +43,12 @@ CASES = [(2, 96, 8), (5, 608, 8), (37, 1056, 64), (70, 64, 128)]
 def test_gather_matches_reference_interpret(tokens, k, block_t, k_order):
     x, row_token, block_expert = _case(tokens, k, block_t, seed=tokens + k)
     _check(x, row_token, block_expert, block_t, nm.kernel_k_order(k) if k_order else None, interpret=True)
+
+
+@pytest.mark.parametrize("program", PROGRAM_SHAPES[1:])
+def test_program_shapes_gather_the_same_rows_interpret(program):
+    x, row_token, block_expert = _case(37, 1056, 64, seed=5)
+    _check(x, row_token, block_expert, 64, nm.kernel_k_order(1056), interpret=True, **program)
 
 
 def test_k_order_gather_equals_the_models_permutation():
@@ -56,8 +65,9 @@ def test_rows_must_fill_whole_blocks():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("program", PROGRAM_SHAPES)
 @pytest.mark.parametrize("tokens,k,block_t", CASES + [(8192, 5120, 64)])
-def test_gather_matches_reference_on_gpu(tokens, k, block_t):
+def test_gather_matches_reference_on_gpu(tokens, k, block_t, program):
     experts = 256 if tokens > 100 else 9
     x, row_token, block_expert = _case(tokens, k, block_t, seed=tokens, top_k=8, num_experts=experts)
-    _check(x, row_token, block_expert, block_t, nm.kernel_k_order(k), interpret=False)
+    _check(x, row_token, block_expert, block_t, nm.kernel_k_order(k), interpret=False, **program)
