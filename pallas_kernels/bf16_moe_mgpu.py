@@ -6,9 +6,9 @@ The Triton kernels of `moe_gemm` reach 37 % of the H200's measured bf16 rate at 
 are the wgmma's M, the weight rows its N, both operands stream through shared memory by TMA in a
 `stages`-deep pipeline. The output is `[rows, N]` bf16, rounded as `moe_gemm_reference` rounds.
 
-H200 (benchmarks/moe/RESULTS.md, run X): 2270 us at T = 8192 against the Triton layer's 2538, but
-1141 against 978 at T = 2048 (blocks of 128 rows pad the few pairs each expert gets). The model calls
-it from PREFILL_MIN_TOKENS tokens on where the tiles fit (`fits`).
+H200 (benchmarks/moe/RESULTS.md, runs X and AA): 2204 us at T = 8192 against the Triton layer's 2518
+(run AA), but 1141 against 978 at T = 2048 (run X; blocks of 128 rows pad the few pairs each expert
+gets). The model calls it from PREFILL_MIN_TOKENS tokens on where the tiles fit (`fits`).
 """
 
 from __future__ import annotations
@@ -101,16 +101,17 @@ def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, **_):
 
 
 def moe_bf16(x, weights, ids, gate_up, down, *, block_t: int = 128, tile_n: int = 128, tile_k: int = 64,
-             stages: int = 4, down_tile_n: int | None = None, down_stages: int = 2,
+             stages: int = 6, down_tile_n: int | None = None, down_stages: int = 2,
              expert_offset: int | jax.Array | None = None, matmul=grouped_matmul):
     """Routed experts for bf16 weights: `x [T, H]`, `weights`/`ids [T, top_k]`, `gate_up [E, 2I, H]`
     (gate rows then up rows), `down [E, H, I]`. Pairs are sorted into blocks of `block_t` rows of one
-    expert; `row_gather` copies their activations, applies SwiGLU between the GEMMs and adds each token's
-    weighted pairs. `down_tile_n`, `down_stages`: the down GEMM's weight rows per program (default
-    `tile_n`) and pipeline stages: its K is five steps, and 2 stages, which fit two programs on an SM,
-    took 693 against 830 us with 4 at T = 8192 (run X). `expert_offset`: the weights are one device's experts from that
-    index on (expert parallelism); other pairs count zero. `matmul`: the kernel (CPU tests pass the
-    reference)."""
+    expert; `row_gather` copies their activations, applies SwiGLU between the GEMMs and adds each
+    token's weighted pairs. `down_tile_n`, `down_stages`: the down GEMM's weight rows per program
+    (default `tile_n`) and pipeline stages: its K is five steps, and 2 stages, which fit two programs on
+    an SM, took 693 against 830 us with 4 at T = 8192 (run X). `stages` (gate/up): 6 took 2204 us for
+    the layer at T = 8192 against 2284 with 4 (run AA); 6 x 32 KB of tiles fill the shared memory.
+    `expert_offset`: the weights are one device's experts from that index on (expert parallelism); other
+    pairs count zero. `matmul`: the kernel (CPU tests pass the reference)."""
     tokens = x.shape[0]
     num_experts, intermediate = gate_up.shape[0], down.shape[2]
     local_ids, local = mg._local_pairs(ids, expert_offset, num_experts)

@@ -164,25 +164,30 @@ PAIR_ORDER_MAX_BLOCK_T = 16  # the down GEMM stores a row at a time up to this m
 
 
 def default_config(tokens: int) -> dict:
-    """Blocks and gate/up K splits by token count. H200 (benchmarks/moe/RESULTS.md, runs O and P):
-    4 splits fill the GPU at one token (7.3 us against 11.5 with one); one split is best at T = 8
-    (32.9 against 34.0). Up to SHARED_ROWS_MAX_TOKENS tokens every block takes all the tokens
-    (`_shared_blocks`); past that, sorted blocks of 8 rows (wgmma's narrowest N), 64 past T = 64
-    (prefill, not measured yet). Down GEMM programs of 128 rows past one token (run T at T = 8: 21.4
-    against 23.4 us with 64). Gate/up pipelines of 2 stages: the GEMM alone took 7.3 us at T = 1 with
-    2 stages against 8.1 with 4 (run O), and 32.9 us at T = 8 with 2 (run P) where the layer's 4-stage
-    GEMM takes 39 (runs S-U); half the shared memory fits twice the programs on an SM. The layer with
-    2 stages: 65.2 us at T = 8 against 72.2 with 4 (run V). The kernel's epilogue with sorted blocks:
-    187.0 against 190.8 us at T = 32, 241.5 against 249.4 at T = 64, 585.8 against 685.6 at T = 512;
-    with shared rows it gains nothing (66.2 against 65.2 at T = 8, 20.3 against 18.5 at T = 1; run V)."""
-    return dict(block_builder="shared" if tokens <= SHARED_ROWS_MAX_TOKENS else "sort",
-                block_t=8 if tokens <= 64 else 64, gate_up_splits=4 if tokens == 1 else 1,
-                gate_up_stages=2, down_tile_n=64 if tokens == 1 else 128,
-                kernel_epilogue=tokens > SHARED_ROWS_MAX_TOKENS)
+    """Blocks and gate/up K splits by token count. H200 (benchmarks/moe/RESULTS.md, runs O and P): 4
+    splits fill the GPU at one token (7.3 us against 11.5 with one); one split is best at T = 8 (32.9
+    against 34.0). Up to SHARED_ROWS_MAX_TOKENS tokens every block takes all the tokens
+    (`_shared_blocks`); past that, sorted blocks of 8 rows (wgmma's narrowest N) up to T = 64, then 32
+    or 64 rows (below; 128 were slower at T = 512 and 8192, run W). Down GEMM programs of 128 rows past
+    one token (run T at T = 8: 21.4 against 23.4 us with 64). Gate/up pipelines of 2 stages: the GEMM
+    alone took 7.3 us at T = 1 with 2 stages against 8.1 with 4 (run O), and 32.9 us at T = 8 with 2
+    (run P) where the layer's 4-stage GEMM takes 39 (runs S-U); half the shared memory fits twice the
+    programs on an SM. The layer with 2 stages: 65.2 us at T = 8 against 72.2 with 4 (run V). The
+    kernel's epilogue with sorted blocks: 187.0 against 190.8 us at T = 32, 241.5 against 249.4 at T =
+    64, 585.8 against 685.6 at T = 512; with shared rows it gains nothing (66.2 against 65.2 at T = 8,
+    20.3 against 18.5 at T = 1; run V). Up to 1024 tokens, sorted blocks take gate/up programs of 128
+    rows (2 % faster at T = 32, 64 and 512, 2-5 % slower with shared rows; runs Z, AA; not timed at
+    prefill) and blocks of 32 rows, where an expert gets ~32 pairs or fewer (T = 512: 389.6 us against
+    516.5 with 64 rows and 416.1 with 16; run AA)."""
+    shared, small_blocks = tokens <= SHARED_ROWS_MAX_TOKENS, tokens <= 1024
+    return dict(block_builder="shared" if shared else "sort",
+                block_t=8 if tokens <= 64 else 32 if small_blocks else 64, gate_up_splits=4 if tokens == 1 else 1,
+                gate_up_stages=2, gate_up_tile_n=128 if small_blocks and not shared else 64,
+                down_tile_n=64 if tokens == 1 else 128, kernel_epilogue=not shared)
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
-              gate_up_splits: int | None = None, gate_up_stages: int | None = None, gate_up_tile_n: int = 64,
+              gate_up_splits: int | None = None, gate_up_stages: int | None = None, gate_up_tile_n: int | None = None,
               down_tile_n: int | None = None, block_builder: str | None = None, kernel_epilogue: bool | None = None,
               expert_offset: int | jax.Array | None = None, matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
@@ -191,8 +196,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     (`pair_blocks`) or "compare" (`_blocks_by_comparison`). `kernel_epilogue`: the GEMMs apply the
     global scales and write bf16 (gate/up with one K split), and at decode the down GEMM writes each
     pair's row in pair order (`grouped_matmul(global_scale=, row_destination=)`). `expert_offset`: the
-    weights are one device's experts from that index on (expert parallelism); other pairs count zero. `matmul` is the GEMM (the kernel; tests on the CPU
-    pass an emulation)."""
+    weights are one device's experts from that index on (expert parallelism); other pairs count zero.
+    `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation)."""
     tokens, top_k = ids.shape
     config = default_config(tokens)
     block_builder = config["block_builder"] if block_builder is None else block_builder
@@ -202,6 +207,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     down_tile_n = config["down_tile_n"] if down_tile_n is None else down_tile_n
     gate_up_stages = config["gate_up_stages"] if gate_up_stages is None else gate_up_stages
     kernel_epilogue = config["kernel_epilogue"] if kernel_epilogue is None else kernel_epilogue
+    gate_up_tile_n = config["gate_up_tile_n"] if gate_up_tile_n is None else gate_up_tile_n
     hidden, intermediate = x.shape[1], down.packed.shape[2] * 2
     num_experts = gate_up.packed.shape[0]
     if block_builder not in ("shared", "sort", "compare"):
