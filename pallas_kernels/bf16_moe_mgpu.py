@@ -6,9 +6,9 @@ The Triton kernels of `moe_gemm` reach 37 % of the H200's measured bf16 rate at 
 are the wgmma's M, the weight rows its N, both operands stream through shared memory by TMA in a
 `stages`-deep pipeline. The output is `[rows, N]` bf16, rounded as `moe_gemm_reference` rounds.
 
-H200 (benchmarks/moe/RESULTS.md, runs X and AA): 2204 us at T = 8192 against the Triton layer's 2518
-(run AA), but 1141 against 978 at T = 2048 (run X; blocks of 128 rows pad the few pairs each expert
-gets). The model calls it from PREFILL_MIN_TOKENS tokens on where the tiles fit (`fits`).
+H200 (benchmarks/moe/RESULTS.md, runs X, AA and AB): 2190 us at T = 8192 against the Triton layer's
+2538 and 1437 against 1497 at T = 4096 (run AB), but 1141 against 978 at T = 2048 (run X; blocks of
+128 rows pad the few pairs each expert gets). The model calls it from PREFILL_MIN_TOKENS tokens on where the tiles fit (`fits`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pallas_kernels import row_gather as rg
 from pallas_kernels.nvfp4_moe_mgpu import pair_blocks, row_tokens
 
 
-PREFILL_MIN_TOKENS = 8192
+PREFILL_MIN_TOKENS = 4096  # run AB: 1437 against Triton's 1497 us at T = 4096 (run Y, 4 stages: a tie)
 
 
 def fits(hidden: int, intermediate: int, *, tile_n: int = 128, tile_k: int = 64) -> bool:
