@@ -8,7 +8,8 @@ are the wgmma's M, the weight rows its N, both operands stream through shared me
 
 H200 (benchmarks/moe/RESULTS.md, runs X, AA and AB): 2190 us at T = 8192 against the Triton layer's
 2538 and 1437 against 1497 at T = 4096 (run AB), but 1141 against 978 at T = 2048 (run X; blocks of
-128 rows pad the few pairs each expert gets). The model calls it from PREFILL_MIN_TOKENS tokens on where the tiles fit (`fits`).
+128 rows pad the few pairs each expert gets). The model calls it from PREFILL_MIN_TOKENS tokens on,
+where the tiles fit (`fits`).
 """
 
 from __future__ import annotations
@@ -105,8 +106,8 @@ def moe_bf16(x, weights, ids, gate_up, down, *, block_t: int = 128, tile_n: int 
              expert_offset: int | jax.Array | None = None, matmul=grouped_matmul):
     """Routed experts for bf16 weights: `x [T, H]`, `weights`/`ids [T, top_k]`, `gate_up [E, 2I, H]`
     (gate rows then up rows), `down [E, H, I]`. Pairs are sorted into blocks of `block_t` rows of one
-    expert; `row_gather` copies their activations, applies SwiGLU between the GEMMs and adds each
-    token's weighted pairs. `down_tile_n`, `down_stages`: the down GEMM's weight rows per program
+    expert; `row_gather` copies their activations, and XLA applies SwiGLU between the GEMMs and adds
+    each token's weighted pairs. `down_tile_n`, `down_stages`: the down GEMM's weight rows per program
     (default `tile_n`) and pipeline stages: its K is five steps, and 2 stages, which fit two programs on
     an SM, took 693 against 830 us with 4 at T = 8192 (run X). `stages` (gate/up): 6 took 2204 us for
     the layer at T = 8192 against 2284 with 4 (run AA); 6 x 32 KB of tiles fill the shared memory.

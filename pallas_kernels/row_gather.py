@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+
 def _gather_kernel(row_token_ref, block_expert_ref, column_ref, x_ref, out_ref, *, block_t: int, tokens: int,
                    rows_per_program: int, columns_per_program: int):
     rows = pl.program_id(0) * rows_per_program + jnp.arange(rows_per_program)
