@@ -157,7 +157,7 @@ def time_bf16_layers(t, variants, weights, repeats=2):
 
 def time_gathers(t, block_t, configs, *, k_order: bool, repeats=2):
     """`row_gather.gather_rows` alone for T tokens' sorted blocks of `block_t` rows, per program shape
-    (rows, columns, warps): µs per call and the rate of rows written."""
+    (rows, columns, warps): µs per call (with the block building) and the gather kernel's own µs."""
     from pallas_kernels import nvfp4_moe_mgpu as nmm
     from pallas_kernels import row_gather as rg
 
@@ -200,9 +200,9 @@ def main():
 
     if args.bf16_prefill:
         weights = bench.make_weights("bf16", jax.random.key(0))
-        # Run X: 2270 us at T = 8192 with 2-stage down pipelines (now the default) against Triton's 2538;
-        # next, deeper gate/up pipelines and narrower down programs.
-        plans = {8192: [{}, dict(stages=5), dict(stages=6), dict(down_tile_n=64)]}
+        # Runs X and AA chose 2-stage down and 6-stage gate/up pipelines at T = 8192; next, blocks of 64
+        # rows where experts get fewer pairs (the layer loses to Triton at T = 2048 with 128).
+        plans = {2048: [{}, dict(block_t=64)], 4096: [{}, dict(block_t=64)]}
         for t, variants in plans.items():
             record(time_bf16_layers(t, variants, weights))
         return
@@ -216,9 +216,10 @@ def main():
         # the Mosaic layer) and bf16 (`moe_gemm` against the Mosaic prefill layer at T >= 512).
         nvfp4, bf16 = layer_weights(), bench.make_weights("bf16", jax.random.key(0))
         for t in (1, 8, 16, 32, 64, 512, 4096, 8192):
-            for kind, time_row in (("layers", lambda: time_layers(t, [{}] + ([dict(down_tile_n=256)] if 1 < t <= 16
-                                                                             else []), nvfp4)),
-                                   ("bf16_layers", lambda: time_bf16_layers(t, [{}] if t >= 512 else [], bf16))):
+            nvfp4_variants = [{}, dict(down_tile_n=256)] if 1 < t <= 16 else [{}]
+            bf16_variants = [{}] if t >= 512 else []
+            for kind, time_row in (("layers", lambda: time_layers(t, nvfp4_variants, nvfp4)),
+                                   ("bf16_layers", lambda: time_bf16_layers(t, bf16_variants, bf16))):
                 try:
                     record(time_row())
                 except Exception as e:  # noqa: BLE001
@@ -228,10 +229,11 @@ def main():
         # Run V (RESULTS.md) chose 2 gate/up stages and the kernel's epilogue past 16 tokens; run W found
         # XLA's row gather slow (now `row_gather`) and blocks of 128 rows slower at prefill (run X).
         # Run Y: the GEMMs are 85-90 % of the layer at T <= 64; next, gate/up program shapes.
-        # Run Z: nothing near the decode defaults won (tile_n 128 by 2 % at T = 64 only); next, block
-        # sizes at T = 512, where each expert gets ~16 pairs and blocks of 64 rows are mostly padding.
+        # Run Z: nothing near the decode defaults won (tile_n 128 by 2 % at T = 64 only). Run AA: blocks
+        # of 32 rows and gate/up programs of 128 rows at T = 512 (now the defaults up to 1024 tokens);
+        # next, the same choices where they are untimed: 2048 tokens and prefill.
         wide = dict(gate_up_tile_n=128)
-        plans = {32: [{}, wide], 512: [{}, dict(block_t=16), dict(block_t=32), dict(block_t=32, **wide)]}
+        plans = {2048: [{}, dict(block_t=32), dict(block_t=32, **wide), dict(wide)], 8192: [{}, wide]}
         weights = layer_weights()
         for t, variants in plans.items():
             try:
