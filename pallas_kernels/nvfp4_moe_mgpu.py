@@ -178,18 +178,20 @@ def default_config(tokens: int) -> dict:
     20.3 against 18.5 at T = 1; run V). Up to 1024 tokens, sorted blocks take gate/up programs of 128
     rows (2 % faster at T = 32, 64 and 512, 2-5 % slower with shared rows; runs Z, AA; not timed at
     prefill) and blocks of 32 rows, where an expert gets ~32 pairs or fewer (T = 512: 389.6 us against
-    516.5 with 64 rows and 416.1 with 16; run AA)."""
+    516.5 with 64 rows and 416.1 with 16; run AA). Down GEMM pipelines: 4 stages, never swept (its K is
+    5 steps)."""
     shared, small_blocks = tokens <= SHARED_ROWS_MAX_TOKENS, tokens <= 1024
     return dict(block_builder="shared" if shared else "sort",
                 block_t=8 if tokens <= 64 else 32 if small_blocks else 64, gate_up_splits=4 if tokens == 1 else 1,
                 gate_up_stages=2, gate_up_tile_n=128 if small_blocks and not shared else 64,
-                down_tile_n=64 if tokens == 1 else 128, kernel_epilogue=not shared)
+                down_tile_n=64 if tokens == 1 else 128, down_stages=4, kernel_epilogue=not shared)
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
               gate_up_splits: int | None = None, gate_up_stages: int | None = None, gate_up_tile_n: int | None = None,
-              down_tile_n: int | None = None, block_builder: str | None = None, kernel_epilogue: bool | None = None,
-              expert_offset: int | jax.Array | None = None, matmul=nm.grouped_matmul):
+              down_tile_n: int | None = None, down_stages: int | None = None, block_builder: str | None = None,
+              kernel_epilogue: bool | None = None, expert_offset: int | jax.Array | None = None,
+              matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
     (`_shared_blocks`; its blocks have T rows rounded up to 8, whatever `block_t` says), "sort"
@@ -205,6 +207,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     if gate_up_splits is None:  # the default, where it divides gate/up's K steps (else fewer)
         gate_up_splits = math.gcd(config["gate_up_splits"], x.shape[1] // gate_up.tile_k)
     down_tile_n = config["down_tile_n"] if down_tile_n is None else down_tile_n
+    down_stages = config["down_stages"] if down_stages is None else down_stages
     gate_up_stages = config["gate_up_stages"] if gate_up_stages is None else gate_up_stages
     kernel_epilogue = config["kernel_epilogue"] if kernel_epilogue is None else kernel_epilogue
     gate_up_tile_n = config["gate_up_tile_n"] if gate_up_tile_n is None else gate_up_tile_n
@@ -233,7 +236,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     act = mg._swiglu(gu[0, :, :intermediate], gu[0, :, intermediate:]).astype(x.dtype)
     act = act if gate_up.rows_in_k_order else nm.to_kernel_k_order(act)
     down_gemm = functools.partial(matmul, act, block_expert, down.packed, down.scales, block_t=block_t,
-                                  tile_k=down.tile_k, splits=1, tile_n=down_tile_n)
+                                  tile_k=down.tile_k, splits=1, stages=down_stages, tile_n=down_tile_n)
     if not kernel_epilogue:
         # Only the pairs' rows are scaled and weighted (rows of unused blocks and padding are not).
         pair_expert = jnp.minimum(local_ids.reshape(-1), num_experts - 1)

@@ -51,7 +51,7 @@ def check(rng, experts, n, k, blocks, block_t, tile_k, splits):
                 splits=splits, rel_err=err, ok=err < 1e-5)
 
 
-def time_kernel(rng, n, k, blocks, block_t, tile_k, splits, stages, repeats=4):
+def time_kernel(rng, n, k, blocks, block_t, tile_k, splits, stages, tile_n=64, repeats=4):
     # Random bytes and scales made on the device: timing does not need known values.
     kp, ks = jax.random.split(jax.random.key(n * k + splits))
     packed = jax.random.bits(kp, (bench.E, n, k // 2), jnp.uint8)
@@ -59,11 +59,12 @@ def time_kernel(rng, n, k, blocks, block_t, tile_k, splits, stages, repeats=4):
     scales = (scales * nm.SCALE_FACTOR).astype(jnp.bfloat16)
     xs = jnp.asarray(rng.standard_normal((repeats, blocks * block_t, k)), jnp.bfloat16)
     ids = jnp.asarray(np.stack([rng.permutation(bench.E)[:blocks] for _ in range(repeats)]).astype(np.int32))
-    op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits, stages=stages)
+    op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits, stages=stages,
+                           tile_n=tile_n)
     us, _, _ = bench.time_calls(op, (xs, ids), packed, scales)
     weight_bytes = blocks * n * k // 2 + blocks * n * k // 16  # values + e4m3 scales (the layer's floor bytes)
     return dict(kind="time", n=n, k=k, blocks=blocks, block_t=block_t, tile_k=tile_k, splits=splits,
-                stages=stages, us=us, floor_us=weight_bytes / HBM_BYTES_PER_S * 1e6,
+                stages=stages, tile_n=tile_n, us=us, floor_us=weight_bytes / HBM_BYTES_PER_S * 1e6,
                 pct_floor=100 * weight_bytes / HBM_BYTES_PER_S / (us * 1e-6))
 
 
@@ -233,7 +234,9 @@ def main():
         # of 32 rows and gate/up programs of 128 rows at T = 512 (now the defaults up to 1024 tokens);
         # next, the same choices where they are untimed: 2048 tokens and prefill.
         wide = dict(gate_up_tile_n=128)
-        plans = {2048: [{}, dict(block_t=32), dict(block_t=32, **wide), dict(wide)], 8192: [{}, wide]}
+        down2 = dict(down_stages=2)  # the down GEMM's K is 5 steps; the isolated sweep (no flag) times more
+        plans = {8: [{}, down2], 64: [{}, down2], 2048: [{}, dict(block_t=32), dict(block_t=32, **wide), dict(wide)],
+                 8192: [{}, wide]}
         weights = layer_weights()
         for t, variants in plans.items():
             try:
@@ -248,20 +251,23 @@ def main():
             except Exception as e:  # noqa: BLE001 - report and go on
                 record(dict(kind="check", case=case, error=repr(e)[:2000]))
     # (tokens, distinct experts): T=1 uses 8 experts; T=8/64 about 57/223 of 256 (random top-8 ids).
-    # Each T: the Triton layer first (same-run baseline), then the Mosaic GEMMs, gate/up then down.
-    plans = {1: [(640, 5120, 256, 4, 2), (640, 5120, 256, 8, 2), (640, 5120, 256, 4, 3), (5120, 320, 64, 1, 2)],
-             8: [(640, 5120, 256, 1, 2), (640, 5120, 256, 2, 2), (5120, 320, 64, 1, 2)],
-             64: [(640, 5120, 256, 1, 2), (5120, 320, 64, 1, 2)]}
-    for t, blocks in [(1, 8), (8, 57), (64, 223)]:
+    # Each T: the Triton layer first (same-run baseline), then the Mosaic GEMMs alone as
+    # (N, K, tile_k, splits, stages, tile_n). Runs Y-Z: in the layer the down GEMM reaches 57 % of its
+    # share of the floor at T = 8, gate/up 73 %; this sweeps the down GEMM's stages and program rows.
+    down = [(5120, 320, 64, 1, stages, tile_n) for stages in (1, 2, 4) for tile_n in (64, 128, 256)]
+    plans = {8: [(640, 5120, 256, 1, 2, 64), (640, 5120, 256, 1, 1, 64)] + down,
+             64: [(640, 5120, 256, 1, 2, 64), (5120, 320, 64, 1, 4, 128), (5120, 320, 64, 1, 2, 128)]}
+    for t, blocks in [(8, 57), (64, 223)]:
         try:
             record(time_triton_layer(t))
         except Exception as e:  # noqa: BLE001
             record(dict(kind="triton_layer", t=t, error=repr(e)[:2000]))
-        for n, k, tile_k, splits, stages in plans[t]:
+        for n, k, tile_k, splits, stages, tile_n in plans[t]:
             try:
-                record(dict(t=t, **time_kernel(rng, n, k, blocks, 8, tile_k, splits, stages)))
+                record(dict(t=t, **time_kernel(rng, n, k, blocks, 8, tile_k, splits, stages, tile_n)))
             except Exception as e:  # noqa: BLE001
-                record(dict(kind="time", t=t, n=n, splits=splits, stages=stages, error=repr(e)[:2000]))
+                record(dict(kind="time", t=t, n=n, splits=splits, stages=stages, tile_n=tile_n,
+                            error=repr(e)[:2000]))
 
 
 if __name__ == "__main__":
