@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from beam_jax.api import QUANTIZATIONS
-from beam_jax.config import PRESETS
+from beam_jax.config import EXPERT_KERNELS, PRESETS
 
 
 def _token_ids(text: str) -> list[int]:
@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     gen.add_argument("--seed", type=int, default=0, help="weights seed for presets")
-    gen.add_argument("--expert-kernel", choices=["auto", "mosaic", "triton"], default="auto",
+    gen.add_argument("--expert-kernel", choices=EXPERT_KERNELS, default="auto",
                      help="NVFP4 experts: the Mosaic GPU kernel's layout (mosaic), the checkpoint's for the Triton "
                      "kernels (triton), or mosaic on Hopper GPUs where the shapes fit (auto)")
     gen.set_defaults(run=cmd_generate)

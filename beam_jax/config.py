@@ -18,6 +18,8 @@ DENSE = "dense"
 SPARSE = "sparse"
 # Expert weight formats (everything else stays bf16, the router fp32).
 EXPERT_FORMATS = ("bf16", "nvfp4", "fp8_channel", "fp8_tensor")
+# How NVFP4 experts run on GPUs (`beam_jax.quant.kernel_layout.use_mosaic`), for `load(expert_kernel=)`.
+EXPERT_KERNELS = ("auto", "mosaic", "triton")
 
 # Fields of transformers.BeamConfig that matter only for training or HF plumbing: kept on a
 # round trip through config.json so that nothing a user wrote is dropped.

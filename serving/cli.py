@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 
+from beam_jax.config import EXPERT_KERNELS
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -62,7 +64,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--expert-kernel",
-        choices=["auto", "mosaic", "triton"],
+        choices=EXPERT_KERNELS,
         default="auto",
         help="NVFP4 experts: repacked at load time for the Mosaic GPU kernel (mosaic), kept in the checkpoint "
         "layout for the Triton kernels (triton), or mosaic on Hopper GPUs where the shapes fit (auto, the default)",

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from beam_jax.config import BeamConfig
+from beam_jax.config import EXPERT_KERNELS, BeamConfig
 from beam_jax.sharding import EP, TP, expert_spec, mesh_layout
 from pallas_kernels import moe_gemm as mg
 from pallas_kernels.nvfp4_moe_mgpu import KernelNvfp4, kernel_experts
@@ -41,7 +41,6 @@ from pallas_kernels.nvfp4_moe_mgpu import KernelNvfp4, kernel_experts
 GATE_UP_TILE_K = 256  # gate/up: K = hidden_size
 DOWN_TILE_K = 64  # down: K = moe_intermediate_size (per device under TP)
 ROW_QUANTUM = 64  # the kernel's rows (N) come in tiles of 64
-EXPERT_KERNELS = ("auto", "mosaic", "triton")
 HOPPER = "9.0"  # jax's compute_capability of the GPUs the Mosaic kernel is written for
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 CHECKPOINT_ARRAYS = ("weight", "weight_scale", "weight_scale_2")  # what the conversion reads

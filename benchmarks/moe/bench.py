@@ -192,10 +192,10 @@ def mosaic_layout(gate, up, down):
 def time_calls(op, stacked, *rest):
     """CUPTI device time of `jit(op)` called once per leading index of `stacked` (different inputs, so
     weights come from HBM): (mean µs per call, the first call's kernels as (name, µs), the first call's
-    output). Unlike
-    `chain`, the function is compiled once: an unrolled chain compiles every call site of a Mosaic or
-    Triton kernel on its own (a minute or more per variant), and a scan adds slicing kernels that CUPTI
-    counts. Uses the CUPTI hooks behind `profiler.measure`, which calls with the same inputs each time."""
+    output). Unlike `chain`, the function is compiled once: an unrolled chain compiles every call site
+    of a Mosaic or Triton kernel on its own (a minute or more per variant), and a scan adds slicing
+    kernels that CUPTI counts. Uses the CUPTI hooks behind `profiler.measure`, which calls with the same
+    inputs each time."""
     from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
 
     fn = jax.jit(op)
@@ -450,11 +450,11 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
                 variants["mgpu"] = mgpu_layer
         res = {}
         for name, op in variants.items():
-            f = chain(lambda xx, ww, ii, g, u, d, op=op: op(xx, ww, ii, g, u, d))
             try:
                 if name.startswith("mosaic"):
                     res[name] = (time_calls(op, (x, w, ids), mosaic_weights)[0], float("nan"))
                 else:
+                    f = chain(lambda xx, ww, ii, g, u, d, op=op: op(xx, ww, ii, g, u, d))
                     res[name] = time_chain(f, (x, w, ids), gate, up, down, repeats=repeats, wall=not sweep)
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"moe {fmt} T={t} {name}: {type(e).__name__}: {e}"[:600], flush=True)
