@@ -138,8 +138,8 @@ def _assert_layer_close(problem, got, expert_offset=None):
 def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits, builder, epilogue):
     """Blocks, gathers, splits, scales, SwiGLU and combine, with the GEMM emulated in plain jnp:
     experts with more pairs than a block (tails), experts picked by several tokens, unused experts,
-    and unused blocks; None: the defaults (`default_config`: shared rows up to 16 tokens, 64-row
-    blocks past 64); with and without the kernel's own epilogue."""
+    and unused blocks; None: the defaults (`default_config`: shared rows up to 16 tokens, sorted
+    blocks of 8 rows up to 64, then 32); with and without the kernel's own epilogue."""
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 256, 64, 16, 4, tile_k=128)
     layer = functools.partial(nmm.moe_nvfp4, block_t=block_t, gate_up_splits=splits, block_builder=builder,
                               kernel_epilogue=epilogue, matmul=nm.grouped_matmul_emulated)
