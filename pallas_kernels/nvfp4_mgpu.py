@@ -70,8 +70,9 @@ def kernel_k_order(k: int) -> np.ndarray:
 
 
 def to_kernel_k_order(x) -> jax.Array:
-    """`x[..., kernel_k_order(K)]` as a reshape and transpose, which XLA fuses into the producer (a
-    gather by an index array is a kernel of its own: 2 us for 8 x 5120 values, H200 run T)."""
+    """`x[..., kernel_k_order(K)]` as a reshape and transpose, for a few rows (decode): a gather by an
+    index array is a kernel of its own (2 us for 8 x 5120 values, H200 run T). XLA's transpose of many
+    rows is slow (789 us for 8192 x 5120, run W): sorted blocks permute in `row_gather` instead."""
     *lead, k = x.shape
     if k % _K_PER_WORD_GROUP:
         raise ValueError(f"K={k} must be a multiple of {_K_PER_WORD_GROUP}")
