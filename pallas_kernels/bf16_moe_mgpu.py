@@ -14,6 +14,8 @@ where the tiles fit (`fits`).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -24,12 +26,25 @@ from pallas_kernels import row_gather as rg
 from pallas_kernels.nvfp4_moe_mgpu import pair_blocks, row_tokens
 
 
-PREFILL_MIN_TOKENS = 4096  # run AB: 1437 against Triton's 1497 us at T = 4096 (run Y, 4 stages: a tie)
+PREFILL_MIN_TOKENS = 4096  # run AC: 1327 against Triton's 1477 us at T = 4096; at 2048 Triton's 983 beat 1061
 
 
-def fits(hidden: int, intermediate: int, *, tile_n: int = 128, tile_k: int = 64) -> bool:
-    """Whether `moe_bf16`'s tiles divide experts of this size (both GEMMs)."""
-    return not (2 * intermediate % tile_n or hidden % tile_n or hidden % tile_k or intermediate % tile_k)
+def default_tiles(tokens: int, persistent: bool) -> dict:
+    """`moe_bf16`'s tiles and stages. Grid kernels: runs X and AA (see `moe_bf16`). Persistent kernels
+    (H200 run AC, benchmarks/moe/RESULTS.md): down programs of 256 weight rows and 3 stages (581 us at T =
+    8192, against 645 with 128 rows and 4 stages); gate/up tiles of 64 SwiGLU columns and 6 stages at
+    T >= 8192 (821 against 830 us with 160 and 3), 160 and 3 below (601 against 638 us at T = 4096)."""
+    if not persistent:
+        return dict(tile_n=128, stages=6, down_tile_n=128, down_stages=2)
+    gate_up = dict(tile_n=64, stages=6) if tokens >= 8192 else dict(tile_n=160, stages=3)
+    return dict(gate_up, down_tile_n=256, down_stages=3)
+
+
+def fits(hidden: int, intermediate: int, *, tile_k: int = 64) -> bool:
+    """Whether the persistent `moe_bf16`'s default tiles divide experts of this size at every token count."""
+    return all(not (intermediate % tiles["tile_n"] or hidden % tiles["down_tile_n"]) for tiles in
+               (default_tiles(tokens, True) for tokens in (PREFILL_MIN_TOKENS, 8192))) and not (
+        hidden % tile_k or intermediate % tile_k)
 
 
 def _smem_transforms(cols: int, dtype) -> tuple:
@@ -92,36 +107,138 @@ def grouped_matmul(xs, block_expert, w, *, block_t: int = 128, tile_n: int = 128
     return call(block_expert, xs, w)
 
 
-def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, **_):
-    """Plain jnp with the kernel's contract (blocks of expert -1 give zeros here)."""
+def _num_sms() -> int:
+    """Streaming multiprocessors of the default device (132 on an H100/H200 SXM, and when lowering on a CPU)."""
+    device = jax.devices()[0]
+    return device.core_count if device.platform == "gpu" else 132
+
+
+def persistent_matmul(xs, block_expert, w, *, block_t: int = 128, tile_n: int = 128, tile_k: int = 64,
+                      stages: int = 4, swiglu: bool = False, num_programs: int | None = None):
+    """`grouped_matmul`'s contract on a persistent, warp-specialized kernel: one program per SM walks the
+    `[block, tile]` tiles (block-major, so an expert's consecutive blocks share its weights in L2); a
+    memory warpgroup streams both operands by TMA while two compute warpgroups (half the block's rows
+    each) run wgmma, so the next tile's loads overlap this tile's epilogue (the down GEMM's K is five
+    steps: per-tile ramp-up and stores were most of its time). `swiglu`: `w` is gate/up `[E, 2I, K]`;
+    a tile multiplies `tile_n` gate rows and the matching up rows and writes `SwiGLU(gate, up)`
+    `[rows, I]`, rounded as `moe_bf16` rounds (gate and up to bf16 first)."""
+    rows, k = xs.shape
+    _, n_w, k2 = w.shape
+    n_out = n_w // 2 if swiglu else n_w
+    blocks = block_expert.shape[0]
+    if (rows != blocks * block_t or k2 != k or block_t % 128 or tile_n % 8 or n_out % tile_n or k % tile_k
+            or xs.dtype != w.dtype or (swiglu and n_w % 2)):
+        raise ValueError(f"shapes: xs {xs.shape} {xs.dtype}, w {w.shape} {w.dtype}, blocks {blocks}, "
+                         f"block_t {block_t} (a multiple of 128), tile_n {tile_n}, tile_k {tile_k}")
+    wg_rows, n_tiles = block_t // 2, n_out // tile_n
+    operand = _smem_transforms(tile_k, xs.dtype)
+    weight_specs = 2 if swiglu else 1
+
+    def pipeline(body, context):
+        spec = lambda shape: plgpu.BlockSpec(shape, lambda kk: (0, kk), transforms=operand, delay_release=1)
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(k // tile_k,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+            in_specs=[spec((block_t, tile_k))] + [spec((tile_n, tile_k))] * weight_specs,
+            max_concurrent_steps=stages, compute_context=context)
+
+    def kernel(block_expert_gmem, xs_gmem, w_gmem, out_gmem):
+        wg = jax.lax.axis_index("wg")
+        my_rows = pl.ds(wg * wg_rows, wg_rows)
+        ignore = lambda *_, **__: None
+        shapes = (xs_gmem.at[pl.ds(0, block_t)],) + (w_gmem.at[0, pl.ds(0, tile_n)],) * weight_specs
+
+        @functools.partial(pl.run_scoped, allocations=pipeline(ignore, ignore).get_allocations(*shapes),
+                           out_smem=plgpu.SMEM((2, wg_rows, tile_n), xs.dtype,
+                                               transforms=_smem_transforms(tile_n, xs.dtype)),
+                           collective_axes="wg")
+        def scope(allocations, out_smem):
+            @plgpu.nd_loop((blocks * n_tiles,), collective_axes="sm")
+            def tile(info):
+                b, ni = info.index[0] // n_tiles, info.index[0] % n_tiles
+                expert = block_expert_gmem[b]
+
+                def step(_, x_smem, *refs):
+                    *w_smems, accs = refs
+                    for acc, w_smem in zip(accs, w_smems):
+                        plgpu.wgmma(acc, x_smem.at[my_rows], w_smem.transpose((1, 0)))
+                    # Only this step's wgmmas stay in flight: the previous step's tiles are released.
+                    plgpu.wgmma_wait(len(accs))
+                    return accs
+
+                def context(run):
+                    def acc_scope(*accs):
+                        run(accs)
+                        values = [acc[...] for acc in accs]
+                        if swiglu:
+                            gate, up = (v.astype(xs.dtype).astype(jnp.float32) for v in values)
+                            values = [gate / (1.0 + jnp.exp(-gate)) * up]
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store read out_smem
+                        out_smem[wg] = values[0].astype(xs.dtype)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[pl.ds(b * block_t + wg * wg_rows, wg_rows),
+                                                                           pl.ds(ni * tile_n, tile_n)])
+                    pl.run_scoped(acc_scope, *[plgpu.ACC((wg_rows, tile_n))] * weight_specs)
+
+                weights = [w_gmem.at[expert, pl.ds(ni * tile_n, tile_n)],
+                           w_gmem.at[expert, pl.ds(n_out + ni * tile_n, tile_n)]][:weight_specs]
+
+                @pl.when(expert >= 0)
+                def _():
+                    pipeline(step, context)(xs_gmem.at[pl.ds(b * block_t, block_t)], *weights,
+                                            allocations=allocations)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((rows, n_out), xs.dtype),
+        grid=(num_programs or _num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    return call(block_expert, xs, w)
+
+
+def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, swiglu: bool = False, **_):
+    """Plain jnp with the kernels' contract (blocks of expert -1 give zeros here); `swiglu` as
+    `persistent_matmul`'s."""
     x = xs.reshape(block_expert.shape[0], block_t, -1)
     out = jnp.einsum("btk,bnk->btn", x, w[jnp.maximum(block_expert, 0)], preferred_element_type=jnp.float32,
                      precision=jax.lax.Precision.HIGHEST)
-    out = jnp.where((block_expert >= 0)[:, None, None], out, 0)
-    return out.reshape(-1, w.shape[1]).astype(xs.dtype)
+    out = jnp.where((block_expert >= 0)[:, None, None], out, 0).reshape(-1, w.shape[1]).astype(xs.dtype)
+    if swiglu:
+        half = w.shape[1] // 2
+        out = mg._swiglu(out[:, :half], out[:, half:]).astype(xs.dtype)
+    return out
 
 
-def moe_bf16(x, weights, ids, gate_up, down, *, block_t: int = 128, tile_n: int = 128, tile_k: int = 64,
-             stages: int = 6, down_tile_n: int | None = None, down_stages: int = 2,
-             expert_offset: int | jax.Array | None = None, matmul=grouped_matmul):
+def moe_bf16(x, weights, ids, gate_up, down, *, persistent: bool = True, block_t: int = 128,
+             tile_n: int | None = None, tile_k: int = 64, stages: int | None = None, down_tile_n: int | None = None,
+             down_stages: int | None = None, expert_offset: int | jax.Array | None = None, matmul=None):
     """Routed experts for bf16 weights: `x [T, H]`, `weights`/`ids [T, top_k]`, `gate_up [E, 2I, H]`
     (gate rows then up rows), `down [E, H, I]`. Pairs are sorted into blocks of `block_t` rows of one
-    expert; `row_gather` copies their activations, and XLA applies SwiGLU between the GEMMs and adds
-    each token's weighted pairs. `down_tile_n`, `down_stages`: the down GEMM's weight rows per program
-    (default `tile_n`) and pipeline stages: its K is five steps, and 2 stages, which fit two programs on
-    an SM, took 693 against 830 us with 4 at T = 8192 (run X). `stages` (gate/up): 6 took 2204 us for
-    the layer at T = 8192 against 2284 with 4 (run AA); 6 x 32 KB of tiles fill the shared memory.
+    expert; `row_gather` copies their activations, and XLA adds each token's weighted pairs.
+    `persistent`: both GEMMs on `persistent_matmul`, SwiGLU in the gate/up GEMM's epilogue; else on
+    `grouped_matmul`, with XLA's SwiGLU between them. Unset tiles and stages: `default_tiles`.
+    On `grouped_matmul`, the down GEMM's K is five steps, and 2 stages, which fit two programs on an SM,
+    took 693 against 830 us with 4 at T = 8192 (run X); gate/up's 6 stages took 2204 us for the layer at
+    T = 8192 against 2284 with 4 (run AA); 6 x 32 KB of tiles fill the shared memory.
     `expert_offset`: the weights are one device's experts from that index on (expert parallelism); other
-    pairs count zero. `matmul`: the kernel (CPU tests pass the reference)."""
+    pairs count zero. `matmul`: the GEMM (CPU tests pass `grouped_matmul_reference`)."""
     tokens = x.shape[0]
+    defaults = default_tiles(tokens, persistent)
+    tile_n, stages = tile_n or defaults["tile_n"], stages or defaults["stages"]
+    down_tile_n, down_stages = down_tile_n or defaults["down_tile_n"], down_stages or defaults["down_stages"]
+    matmul = matmul or (persistent_matmul if persistent else grouped_matmul)
     num_experts, intermediate = gate_up.shape[0], down.shape[2]
     local_ids, local = mg._local_pairs(ids, expert_offset, num_experts)
     pair_row, block_expert, row_pair = pair_blocks(local_ids, num_experts, block_t)
     xs = rg.gather_rows_on_backend(x, row_tokens(row_pair, ids.shape[1], tokens), block_expert, block_t=block_t)
     settings = dict(block_t=block_t, tile_n=tile_n, tile_k=tile_k, stages=stages)
-    gu = matmul(xs, block_expert, gate_up, **settings)
-    act = mg._swiglu(gu[:, :intermediate], gu[:, intermediate:]).astype(x.dtype)
-    down_settings = dict(settings, tile_n=down_tile_n or tile_n, stages=down_stages)
-    out = matmul(act, block_expert, down, **down_settings)
+    if persistent:
+        act = matmul(xs, block_expert, gate_up, swiglu=True, **settings)
+    else:
+        gu = matmul(xs, block_expert, gate_up, **settings)
+        act = mg._swiglu(gu[:, :intermediate], gu[:, intermediate:]).astype(x.dtype)
+    out = matmul(act, block_expert, down, **dict(settings, tile_n=down_tile_n, stages=down_stages))
     pair_out = (out[pair_row].astype(jnp.float32) * weights.reshape(-1, 1)).astype(x.dtype)
     return mg._add_token_pairs(pair_out, local, tokens)

@@ -19,8 +19,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 
-def _gather_kernel(row_token_ref, block_expert_ref, column_ref, x_ref, out_ref, *, block_t: int, tokens: int,
-                   rows_per_program: int, columns_per_program: int):
+def _gather_kernel(row_token_ref, block_expert_ref, *refs, block_t: int, tokens: int, rows_per_program: int,
+                   columns_per_program: int, permuted: bool):
+    column_ref, x_ref, out_ref = refs if permuted else (None, *refs)
     rows = pl.program_id(0) * rows_per_program + jnp.arange(rows_per_program)
     cols = pl.program_id(1) * columns_per_program + jnp.arange(columns_per_program)
     num_rows, num_cols = out_ref.shape
@@ -28,7 +29,8 @@ def _gather_kernel(row_token_ref, block_expert_ref, column_ref, x_ref, out_ref, 
     in_cols = cols < num_cols
     used = plgpu.load(block_expert_ref.at[rows // block_t], mask=in_rows, other=-1) >= 0
     token = plgpu.load(row_token_ref.at[rows], mask=in_rows, other=tokens)
-    source_cols = plgpu.load(column_ref.at[cols], mask=in_cols, other=0)
+    # Without a permutation the columns are a contiguous range, which Triton loads 16 bytes at a time.
+    source_cols = cols if column_ref is None else plgpu.load(column_ref.at[cols], mask=in_cols, other=0)
     real = used & (token < tokens)  # padding rows of used blocks are zeros
     values = plgpu.load(x_ref.at[jnp.minimum(token, tokens - 1)[:, None], source_cols[None, :]],
                         mask=real[:, None] & in_cols[None, :], other=0)
@@ -47,16 +49,18 @@ def gather_rows(x, row_token, block_expert, *, block_t: int, column_order=None, 
         raise ValueError(f"{num_rows} rows for {block_expert.shape[0]} blocks of {block_t}")
     if tokens == 0 or num_rows == 0:
         return jnp.zeros((num_rows, k), x.dtype)
-    column_order = jnp.arange(k, dtype=jnp.int32) if column_order is None else jnp.asarray(column_order, jnp.int32)
     kernel = functools.partial(_gather_kernel, block_t=block_t, tokens=tokens, rows_per_program=rows_per_program,
-                               columns_per_program=columns_per_program)
+                               columns_per_program=columns_per_program, permuted=column_order is not None)
+    operands = [row_token.astype(jnp.int32), block_expert.astype(jnp.int32), x]
+    if column_order is not None:
+        operands.insert(2, jnp.asarray(column_order, jnp.int32))
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_rows, k), x.dtype),
         grid=(pl.cdiv(num_rows, rows_per_program), pl.cdiv(k, columns_per_program)),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-    )(row_token.astype(jnp.int32), block_expert.astype(jnp.int32), column_order, x)
+    )(*operands)
 
 
 def gather_rows_reference(x, row_token, block_expert, *, block_t: int, column_order=None):

@@ -201,9 +201,9 @@ def main():
 
     if args.bf16_prefill:
         weights = bench.make_weights("bf16", jax.random.key(0))
-        # Runs X and AA chose 2-stage down and 6-stage gate/up pipelines at T = 8192; next, blocks of 64
-        # rows where experts get fewer pairs (the layer loses to Triton at T = 2048 with 128).
-        plans = {2048: [{}, dict(block_t=64)], 4096: [{}, dict(block_t=64)]}
+        # Runs X and AA chose the grid kernels' stages; run AC the persistent kernels' tiles (now the
+        # default). Next: the row gather's contiguous path (no column permutation) under both.
+        plans = {8192: [{}, dict(persistent=False), dict(tile_n=160, stages=3)], 4096: [{}, dict(persistent=False)]}
         for t, variants in plans.items():
             record(time_bf16_layers(t, variants, weights))
         return

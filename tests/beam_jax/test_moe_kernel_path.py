@@ -128,7 +128,7 @@ def test_bf16_prefill_kernel_takes_only_fitting_experts():
 
     assert bm.fits(5120, 320)  # Beam's TP8 share
     assert not bm.fits(5120, 32)  # beam-tiny's experts: below one K step of the down GEMM
-    assert not bm.fits(5120 + 64, 320)  # hidden not a multiple of the 128-row tiles
+    assert not bm.fits(5120 + 64, 320)  # hidden not a multiple of the down GEMM's 256-row tiles
 
 
 @pytest.mark.gpu
@@ -141,7 +141,7 @@ def test_gpu_bf16_prefill_takes_the_mosaic_layer():
 
     seed = int(np.random.SeedSequence().entropy % 2**31)
     rng = np.random.default_rng(seed)
-    experts, hidden, intermediate, top_k, tokens = 16, 256, 128, 4, bm.PREFILL_MIN_TOKENS
+    experts, hidden, intermediate, top_k, tokens = 16, 256, 320, 4, bm.PREFILL_MIN_TOKENS  # tiles that fit
     shapes = {"gate_up_proj": (experts, 2 * intermediate, hidden), "down_proj": (experts, hidden, intermediate)}
     arrays = {name: jnp.asarray(rng.standard_normal(shape) / 16, jnp.bfloat16) for name, shape in shapes.items()}
     x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)

@@ -39,19 +39,36 @@ def test_lowers_for_cuda(n, k, blocks, block_t, tile_n, tile_k, stages):
     assert "mosaic_gpu" in jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
 
 
+@pytest.mark.parametrize("n,k,swiglu,tile_n,stages", [(640, 5120, True, 160, 3), (640, 5120, True, 64, 6),
+                                                     (5120, 320, False, 256, 3), (5120, 320, False, 128, 4)])
+def test_persistent_lowers_for_cuda(n, k, swiglu, tile_n, stages):
+    """The persistent GEMM at Beam's gate/up (SwiGLU fused) and down shapes, within the shared memory."""
+    spec = jax.ShapeDtypeStruct
+    op = functools.partial(bm.persistent_matmul, tile_n=tile_n, stages=stages, swiglu=swiglu)
+    specs = (spec((5 * 128, k), jnp.bfloat16), spec((5,), jnp.int32), spec((16, n, k), jnp.bfloat16))
+    assert "mosaic_gpu" in jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def test_bad_shapes_are_rejected():
     with pytest.raises(ValueError, match="shapes"):
         bm.grouped_matmul(jnp.zeros((96, 64), jnp.bfloat16), jnp.zeros((1,), jnp.int32),
                           jnp.zeros((2, 64, 64), jnp.bfloat16), block_t=96)
+    with pytest.raises(ValueError, match="block_t 64"):  # two warpgroups of 64 rows
+        bm.persistent_matmul(jnp.zeros((64, 64), jnp.bfloat16), jnp.zeros((1,), jnp.int32),
+                             jnp.zeros((2, 64, 64), jnp.bfloat16), block_t=64, tile_n=64)
+    with pytest.raises(ValueError, match="tile_n 128"):  # SwiGLU's output has 96 columns
+        bm.persistent_matmul(jnp.zeros((128, 64), jnp.bfloat16), jnp.zeros((1,), jnp.int32),
+                             jnp.zeros((2, 192, 64), jnp.bfloat16), tile_n=128, swiglu=True)
 
 
-@pytest.mark.parametrize("tokens,block_t,down_tile_n", [(1, 64, None), (37, 64, 128), (300, 128, None)])
-def test_layer_glue_matches_reference(tokens, block_t, down_tile_n):
-    """Blocks, gathers, SwiGLU and combine with the GEMM's plain-jnp reference: experts with more pairs
-    than a block, unused experts, one token."""
+@pytest.mark.parametrize("tokens,block_t,down_tile_n,persistent", [
+    (1, 64, None, False), (37, 64, 128, False), (300, 128, None, False), (37, 128, 128, True), (300, 128, 64, True)])
+def test_layer_glue_matches_reference(tokens, block_t, down_tile_n, persistent):
+    """Blocks, gathers, SwiGLU (XLA's, or the fused GEMM's contract) and combine with the GEMM's plain-jnp
+    reference: experts with more pairs than a block, unused experts, one token."""
     problem = random_problem(tokens, tokens, 128, 64, 12, 4, "bf16")
     layer = functools.partial(bm.moe_bf16, block_t=block_t, tile_n=64, down_tile_n=down_tile_n,
-                              matmul=bm.grouped_matmul_reference)
+                              persistent=persistent, matmul=bm.grouped_matmul_reference)
     _assert_close(jax.jit(layer)(*_fused(problem)), jax.jit(mg.moe_gemm_reference)(*problem))
 
 
@@ -86,8 +103,29 @@ def test_kernel_matches_reference_on_gpu(experts, n, k, blocks, block_t, tile_n,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [5, 300, 2048])
-def test_layer_matches_reference_on_gpu(tokens):
+@pytest.mark.parametrize("experts,n,k,blocks,tile_n,stages,swiglu,programs", [
+    (16, 640, 5120, 7, 160, 3, True, None), (16, 640, 5120, 5, 64, 6, True, 2), (16, 5120, 320, 6, 256, 3, False, 3),
+    (8, 192, 448, 3, 32, 2, False, None), (8, 384, 192, 4, 64, 4, True, 1)])
+def test_persistent_matches_reference_on_gpu(experts, n, k, blocks, tile_n, stages, swiglu, programs):
+    """Fresh random operands, a skipped block (expert -1) in the middle, more tiles than programs
+    (`programs`: a few programs walk many tiles each; None: one per SM)."""
+    rng = np.random.default_rng(n + k + blocks)
+    xs = jnp.asarray(rng.standard_normal((blocks * 128, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((experts, n, k)) * 0.05, jnp.bfloat16)
+    block_expert = rng.integers(0, experts, blocks)
+    block_expert[blocks // 2] = -1
+    block_expert = jnp.asarray(block_expert, jnp.int32)
+    settings = dict(block_t=128, tile_n=tile_n, stages=stages, swiglu=swiglu)
+    got = np.asarray(bm.persistent_matmul(xs, block_expert, w, num_programs=programs, **settings), np.float32)
+    want = np.asarray(bm.grouped_matmul_reference(xs, block_expert, w, **settings), np.float32)
+    used = np.repeat(np.asarray(block_expert) >= 0, 128)
+    assert got.shape == want.shape == (blocks * 128, n // 2 if swiglu else n)
+    np.testing.assert_allclose(got[used], want[used], rtol=0, atol=2 * 2.0**-7 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,persistent", [(5, False), (300, False), (2048, False), (300, True), (2048, True)])
+def test_layer_matches_reference_on_gpu(tokens, persistent):
     """Beam's per-GPU TP8 expert shape. `moe_gemm_reference` gathers each pair's weights (too much
     memory past a few hundred tokens); the model's ragged_dot reference, which rounds each addition
     of a token's pairs, stands in there."""
@@ -95,4 +133,4 @@ def test_layer_matches_reference_on_gpu(tokens):
 
     problem = random_problem(tokens, tokens, 5120, 320, 256, 8, "bf16")
     reference = mg.moe_gemm_reference(*problem) if tokens <= 300 else experts_reference(*_fused(problem))
-    _assert_close(jax.jit(bm.moe_bf16)(*_fused(problem)), reference)
+    _assert_close(jax.jit(functools.partial(bm.moe_bf16, persistent=persistent))(*_fused(problem)), reference)
