@@ -29,22 +29,21 @@ from pallas_kernels.nvfp4_moe_mgpu import pair_blocks, row_tokens
 PREFILL_MIN_TOKENS = 4096  # run AC: 1327 against Triton's 1477 us at T = 4096; at 2048 Triton's 983 beat 1061
 
 
-def default_tiles(tokens: int, persistent: bool) -> dict:
+def default_tiles(persistent: bool) -> dict:
     """`moe_bf16`'s tiles and stages. Grid kernels: runs X and AA (see `moe_bf16`). Persistent kernels
-    (H200 run AC, benchmarks/moe/RESULTS.md): down programs of 256 weight rows and 3 stages (581 us at T =
-    8192, against 645 with 128 rows and 4 stages); gate/up tiles of 64 SwiGLU columns and 6 stages at
-    T >= 8192 (821 against 830 us with 160 and 3), 160 and 3 below (601 against 638 us at T = 4096)."""
+    (H200 runs AC and AD, benchmarks/moe/RESULTS.md): down programs of 256 weight rows and 3 stages (581
+    us at T = 8192, against 645 with 128 rows and 4 stages); gate/up tiles of 160 SwiGLU columns and 3
+    stages (601 against 638 us with 64 and 6 at T = 4096; at 8192 each won one run by 1-2 %)."""
     if not persistent:
         return dict(tile_n=128, stages=6, down_tile_n=128, down_stages=2)
-    gate_up = dict(tile_n=64, stages=6) if tokens >= 8192 else dict(tile_n=160, stages=3)
-    return dict(gate_up, down_tile_n=256, down_stages=3)
+    return dict(tile_n=160, stages=3, down_tile_n=256, down_stages=3)
 
 
 def fits(hidden: int, intermediate: int, *, tile_k: int = 64) -> bool:
-    """Whether the persistent `moe_bf16`'s default tiles divide experts of this size at every token count."""
-    return all(not (intermediate % tiles["tile_n"] or hidden % tiles["down_tile_n"]) for tiles in
-               (default_tiles(tokens, True) for tokens in (PREFILL_MIN_TOKENS, 8192))) and not (
-        hidden % tile_k or intermediate % tile_k)
+    """Whether the persistent `moe_bf16`'s default tiles divide experts of this size."""
+    tiles = default_tiles(persistent=True)
+    return not (intermediate % tiles["tile_n"] or hidden % tiles["down_tile_n"] or hidden % tile_k
+                or intermediate % tile_k)
 
 
 def _smem_transforms(cols: int, dtype) -> tuple:
@@ -225,7 +224,7 @@ def moe_bf16(x, weights, ids, gate_up, down, *, persistent: bool = True, block_t
     `expert_offset`: the weights are one device's experts from that index on (expert parallelism); other
     pairs count zero. `matmul`: the GEMM (CPU tests pass `grouped_matmul_reference`)."""
     tokens = x.shape[0]
-    defaults = default_tiles(tokens, persistent)
+    defaults = default_tiles(persistent)
     tile_n, stages = tile_n or defaults["tile_n"], stages or defaults["stages"]
     down_tile_n, down_stages = down_tile_n or defaults["down_tile_n"], down_stages or defaults["down_stages"]
     matmul = matmul or (persistent_matmul if persistent else grouped_matmul)
