@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import sys
@@ -158,26 +159,28 @@ def time_bf16_layers(t, variants, weights, repeats=2):
 
 def time_gathers(t, block_t, configs, *, k_order: bool, repeats=2):
     """`row_gather.gather_rows` alone for T tokens' sorted blocks of `block_t` rows, per program shape
-    (rows, columns, warps): µs per call (with the block building) and the gather kernel's own µs."""
+    (rows, columns, warps) and `zero_padding` (z1: padding rows written as zeros, z0: left alone): µs per
+    call (with the block building) and the gather kernel's own µs."""
     from pallas_kernels import nvfp4_moe_mgpu as nmm
     from pallas_kernels import row_gather as rg
 
     x, _, ids = bench.make_tokens(t, repeats, jax.random.key(t))
     order = nm.kernel_k_order(bench.H) if k_order else None
     row = dict(kind="gather", t=t, block_t=block_t, k_order=k_order)
-    for rows, cols, warps in configs:
-        def gather(x, ids, rows=rows, cols=cols, warps=warps):
+    for (rows, cols, warps), zeros in itertools.product(configs, (False, True)):
+        def gather(x, ids, rows=rows, cols=cols, warps=warps, zeros=zeros):
             _, block_expert, row_pair = nmm.pair_blocks(ids, bench.E, block_t)
             return rg.gather_rows(x, nmm.row_tokens(row_pair, bench.TOP_K, t), block_expert, block_t=block_t,
-                                  column_order=order, rows_per_program=rows, columns_per_program=cols,
-                                  num_warps=warps)
+                                  column_order=order, zero_padding=zeros, rows_per_program=rows,
+                                  columns_per_program=cols, num_warps=warps)
+        name = f"r{rows}c{cols}w{warps}z{int(zeros)}"
         try:
             us, kernels, _ = bench.time_calls(gather, (x, ids))
         except Exception as e:  # noqa: BLE001 - report and go on
-            row[f"r{rows}c{cols}w{warps}"] = dict(error=repr(e)[:1000])
+            row[name] = dict(error=repr(e)[:1000])
             continue
-        gather_us = sum(u for name, u in kernels if "gather" in name)
-        row[f"r{rows}c{cols}w{warps}"] = dict(us=us, gather_us=gather_us, kernels=kernels)
+        gather_us = sum(u for name_, u in kernels if "gather" in name_)
+        row[name] = dict(us=us, gather_us=gather_us, kernels=kernels)
     return row
 
 
@@ -208,8 +211,9 @@ def main():
             record(time_bf16_layers(t, variants, weights))
         return
     if args.gather:
-        configs = [(32, 512, 4), (64, 512, 4), (32, 1024, 4), (64, 1024, 8), (16, 1024, 4), (128, 256, 4)]
-        for t, block_t, k_order in ((8192, 128, False), (8192, 64, True), (512, 64, True)):
+        # Run AA chose the default program shape; run AH (session 11) the padding rows' writes per path.
+        configs = [(32, 512, 4)]
+        for t, block_t, k_order in ((8192, 128, False), (8192, 64, True), (4096, 64, True)):
             record(time_gathers(t, block_t, configs, k_order=k_order))
         return
     if args.table:

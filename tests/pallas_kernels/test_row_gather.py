@@ -17,9 +17,9 @@ def _case(tokens, k, block_t, seed, top_k=3, num_experts=7):
     return x, row_tokens(row_pair, top_k, tokens), block_expert
 
 
-def _check(x, row_token, block_expert, block_t, order, interpret, **program):
+def _check(x, row_token, block_expert, block_t, order, interpret, zero_padding=None, **program):
     got = np.asarray(rg.gather_rows(x, row_token, block_expert, block_t=block_t, column_order=order,
-                                    interpret=interpret, **program), np.float32)
+                                    zero_padding=zero_padding, interpret=interpret, **program), np.float32)
     want = np.asarray(rg.gather_rows_reference(x, row_token, block_expert, block_t=block_t, column_order=order),
                       np.float32)
     used = np.repeat(np.asarray(block_expert) >= 0, block_t)
@@ -29,6 +29,8 @@ def _check(x, row_token, block_expert, block_t, order, interpret, **program):
     assert real.any() and not used.all() and (used & ~real).any()
     np.testing.assert_array_equal(got[real], want[real])
     assert set(token[real]) == set(range(x.shape[0]))  # every token's row lands somewhere
+    if order is not None if zero_padding is None else zero_padding:
+        assert not got[used & ~real].any()
 
 
 # Odd token counts, K not a multiple of the program's 512 columns, blocks of 8 to 128 rows.
@@ -43,6 +45,14 @@ PROGRAM_SHAPES = [{}, dict(rows_per_program=16, columns_per_program=256),
 def test_gather_matches_reference_interpret(tokens, k, block_t, k_order):
     x, row_token, block_expert = _case(tokens, k, block_t, seed=tokens + k)
     _check(x, row_token, block_expert, block_t, nm.kernel_k_order(k) if k_order else None, interpret=True)
+
+
+@pytest.mark.parametrize("k_order", [False, True])
+@pytest.mark.parametrize("zero_padding", [False, True])
+def test_padding_rows_are_zeros_when_asked_interpret(k_order, zero_padding):
+    x, row_token, block_expert = _case(37, 160, 64, seed=11)
+    _check(x, row_token, block_expert, 64, nm.kernel_k_order(160) if k_order else None, interpret=True,
+           zero_padding=zero_padding)
 
 
 @pytest.mark.parametrize("program", PROGRAM_SHAPES[1:])
