@@ -1,15 +1,18 @@
-"""Beam's bf16 MoE layer for prefill on a Pallas Mosaic GPU grouped GEMM (Hopper: TMA + wgmma).
+"""Beam's bf16 MoE layer for prefill on Pallas Mosaic GPU grouped GEMMs (Hopper: TMA + wgmma).
 
 The Triton kernels of `moe_gemm` reach 37 % of the H200's measured bf16 rate at T = 8192
-(benchmarks/moe/RESULTS.md, run F): no TMA, no wgmma pipelining. Here a program computes a
-`[block_t, tile_n]` tile of one block (rows of one expert, `nvfp4_moe_mgpu.pair_blocks`): its rows
-are the wgmma's M, the weight rows its N, both operands stream through shared memory by TMA in a
-`stages`-deep pipeline. The output is `[rows, N]` bf16, rounded as `moe_gemm_reference` rounds.
+(benchmarks/moe/RESULTS.md, run F): no TMA, no wgmma pipelining. Here the pairs are sorted into blocks
+of `block_t` rows of one expert (`nvfp4_moe_mgpu.pair_blocks`) and a GEMM tile is `[block_t, tile_n]`
+of one block: its rows are the wgmma's M, the weight rows its N, both operands stream through shared
+memory by TMA. Two kernels share that contract: `grouped_matmul`, a program per tile, and
+`persistent_matmul`, a program per SM with a memory warpgroup feeding two compute warpgroups, which
+also fuses SwiGLU into the gate/up GEMM. Outputs are `[rows, N]` bf16, rounded as `moe_gemm_reference`
+rounds.
 
-H200 (benchmarks/moe/RESULTS.md, runs X, AA and AB): 2190 us at T = 8192 against the Triton layer's
-2538 and 1437 against 1497 at T = 4096 (run AB), but 1141 against 978 at T = 2048 (run X; blocks of
-128 rows pad the few pairs each expert gets). The model calls it from PREFILL_MIN_TOKENS tokens on,
-where the tiles fit (`fits`).
+H200 (benchmarks/moe/RESULTS.md, runs AF and AG): the persistent layer took 1826 and 1868 us at T =
+8192 (52 and 51 % of 676 TFLOP/s) against Triton's 2529 and 2538, and 1222 against 1474 at T = 4096;
+at T = 2048 Triton wins (983 against 1061, run AC). The model calls it from PREFILL_MIN_TOKENS tokens
+on, where the tiles fit (`fits`).
 """
 
 from __future__ import annotations
@@ -118,7 +121,8 @@ def persistent_matmul(xs, block_expert, w, *, block_t: int = 128, tile_n: int = 
     `[block, tile]` tiles (block-major, so an expert's consecutive blocks share its weights in L2); a
     memory warpgroup streams both operands by TMA while two compute warpgroups (half the block's rows
     each) run wgmma, so the next tile's loads overlap this tile's epilogue (the down GEMM's K is five
-    steps: per-tile ramp-up and stores were most of its time). `swiglu`: `w` is gate/up `[E, 2I, K]`;
+    steps, so each tile's pipeline fill weighs: 692 us at T = 8192 on `grouped_matmul`, 547-582 here,
+    runs AC-AF). `swiglu`: `w` is gate/up `[E, 2I, K]`;
     a tile multiplies `tile_n` gate rows and the matching up rows and writes `SwiGLU(gate, up)`
     `[rows, I]`, rounded as `moe_bf16` rounds (gate and up to bf16 first)."""
     rows, k = xs.shape
@@ -168,14 +172,13 @@ def persistent_matmul(xs, block_expert, w, *, block_t: int = 128, tile_n: int = 
                     def acc_scope(*accs):
                         run(accs)
                         values = [acc[...] for acc in accs]
-                        if swiglu:
-                            gate, up = (v.astype(xs.dtype).astype(jnp.float32) for v in values)
-                            values = [gate / (1.0 + jnp.exp(-gate)) * up]
+                        if swiglu:  # of gate and up rounded to bf16, as the reference rounds them
+                            values = [mg._swiglu(*(v.astype(xs.dtype) for v in values))]
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store read out_smem
                         out_smem[wg] = values[0].astype(xs.dtype)
                         plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[pl.ds(b * block_t + wg * wg_rows, wg_rows),
-                                                                           pl.ds(ni * tile_n, tile_n)])
+                        out_rows = pl.ds(b * block_t + wg * wg_rows, wg_rows)
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[out_rows, pl.ds(ni * tile_n, tile_n)])
                     pl.run_scoped(acc_scope, *[plgpu.ACC((wg_rows, tile_n))] * weight_specs)
 
                 weights = [w_gmem.at[expert, pl.ds(ni * tile_n, tile_n)],
