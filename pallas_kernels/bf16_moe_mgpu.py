@@ -55,8 +55,13 @@ def _smem_transforms(cols: int, dtype) -> tuple:
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
+def _interpret_params(interpret: bool):
+    """Mosaic GPU's interpret mode (a simulated GPU on the CPU: shared memory, TMA, barriers) or none."""
+    return plgpu.InterpretGPUParams() if interpret else None
+
+
 def grouped_matmul(xs, block_expert, w, *, block_t: int = 128, tile_n: int = 128, tile_k: int = 64,
-                   stages: int = 4):
+                   stages: int = 4, interpret: bool = False):
     """`xs [B*block_t, K]` bf16, `block_expert [B]` int32 (-1: skip the block; its rows are left
     unwritten), `w [E, N, K]` bf16 (HF [out, in] layout) -> `[B*block_t, N]` bf16: each block's rows
     times its expert's weights, accumulated in fp32."""
@@ -105,6 +110,7 @@ def grouped_matmul(xs, block_expert, w, *, block_t: int = 128, tile_n: int = 128
         grid_names=("b", "n"),
         scratch_types=dict(out_smem=plgpu.SMEM((block_t, tile_n), xs.dtype,
                                                transforms=_smem_transforms(tile_n, xs.dtype))),
+        interpret=_interpret_params(interpret),
     )
     return call(block_expert, xs, w)
 
@@ -116,7 +122,7 @@ def _num_sms() -> int:
 
 
 def persistent_matmul(xs, block_expert, w, *, block_t: int = 128, tile_n: int = 128, tile_k: int = 64,
-                      stages: int = 4, swiglu: bool = False, num_programs: int | None = None):
+                      stages: int = 4, swiglu: bool = False, num_programs: int | None = None, interpret: bool = False):
     """`grouped_matmul`'s contract on a persistent, warp-specialized kernel: one program per SM walks the
     `[block, tile]` tiles (block-major, so an expert's consecutive blocks share its weights in L2); a
     memory warpgroup streams both operands by TMA while two compute warpgroups (half the block's rows
@@ -196,6 +202,7 @@ def persistent_matmul(xs, block_expert, w, *, block_t: int = 128, tile_n: int = 
         out_type=jax.ShapeDtypeStruct((rows, n_out), xs.dtype),
         grid=(num_programs or _num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=_interpret_params(interpret),
     )
     return call(block_expert, xs, w)
 

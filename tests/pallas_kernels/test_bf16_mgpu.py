@@ -49,6 +49,56 @@ def test_persistent_lowers_for_cuda(n, k, swiglu, tile_n, stages):
     assert "mosaic_gpu" in jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def _random_blocks(experts, n, k, blocks, block_t, seed):
+    """Fresh operands; block `blocks // 2` is skipped (expert -1). Returns them and the used rows."""
+    rng = np.random.default_rng(seed)
+    xs = jnp.asarray(rng.standard_normal((blocks * block_t, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((experts, n, k)) * 0.05, jnp.bfloat16)
+    block_expert = rng.integers(0, experts, blocks)
+    block_expert[blocks // 2] = -1
+    return xs, jnp.asarray(block_expert, jnp.int32), w, np.repeat(block_expert >= 0, block_t)
+
+
+def _assert_rows_close(got, want, used):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got[used], want[used], rtol=0, atol=2 * 2.0**-7 * np.abs(want).max())
+    assert np.abs(want[used]).max() > 0
+
+
+# (experts, n, k, blocks, tile_n, stages, swiglu, programs): K of 1-5 steps (stages above the step count
+# are clipped), several N tiles, fewer programs than tiles (each walks several) and more (some idle).
+PERSISTENT_CASES = [(4, 128, 128, 3, 32, 2, False, 2), (4, 192, 320, 5, 32, 3, True, 3),
+                    (3, 64, 64, 2, 64, 4, False, 5), (5, 256, 192, 4, 64, 2, True, 1)]
+
+
+@pytest.mark.parametrize("experts,n,k,blocks,tile_n,stages,swiglu,programs", PERSISTENT_CASES)
+def test_persistent_matches_reference_interpret(experts, n, k, blocks, tile_n, stages, swiglu, programs):
+    """The persistent kernel in Mosaic GPU's interpret mode (a simulated GPU: TMA, barriers, warpgroups)."""
+    xs, block_expert, w, used = _random_blocks(experts, n, k, blocks, 128, seed=n + k + blocks)
+    settings = dict(block_t=128, tile_n=tile_n, stages=stages, swiglu=swiglu)
+    got = bm.persistent_matmul(xs, block_expert, w, num_programs=programs, interpret=True, **settings)
+    _assert_rows_close(got, bm.grouped_matmul_reference(xs, block_expert, w, **settings), used)
+
+
+@pytest.mark.parametrize("block_t,tile_n,stages", [(64, 32, 2), (128, 64, 3)])
+def test_grid_kernel_matches_reference_interpret(block_t, tile_n, stages):
+    xs, block_expert, w, used = _random_blocks(4, 128, 192, 3, block_t, seed=block_t + tile_n)
+    settings = dict(block_t=block_t, tile_n=tile_n, stages=stages)
+    got = bm.grouped_matmul(xs, block_expert, w, interpret=True, **settings)
+    _assert_rows_close(got, bm.grouped_matmul_reference(xs, block_expert, w, **settings), used)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_layer_on_interpreted_kernels_matches_reference(persistent):
+    """The whole layer, blocks to combine, with the kernels interpreted: 70 tokens over 12 experts."""
+    problem = random_problem(70, 70, 128, 64, 12, 4, "bf16")
+    kernel = bm.persistent_matmul if persistent else bm.grouped_matmul
+    layer = functools.partial(bm.moe_bf16, persistent=persistent, tile_n=32, stages=2, down_tile_n=64,
+                              down_stages=2, matmul=functools.partial(kernel, interpret=True))
+    _assert_close(layer(*_fused(problem)), mg.moe_gemm_reference(*problem))
+
+
 def test_bad_shapes_are_rejected():
     with pytest.raises(ValueError, match="shapes"):
         bm.grouped_matmul(jnp.zeros((96, 64), jnp.bfloat16), jnp.zeros((1,), jnp.int32),
@@ -109,18 +159,11 @@ def test_kernel_matches_reference_on_gpu(experts, n, k, blocks, block_t, tile_n,
 def test_persistent_matches_reference_on_gpu(experts, n, k, blocks, tile_n, stages, swiglu, programs):
     """Fresh random operands, a skipped block (expert -1) in the middle, more tiles than programs
     (`programs`: a few programs walk many tiles each; None: one per SM)."""
-    rng = np.random.default_rng(n + k + blocks)
-    xs = jnp.asarray(rng.standard_normal((blocks * 128, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((experts, n, k)) * 0.05, jnp.bfloat16)
-    block_expert = rng.integers(0, experts, blocks)
-    block_expert[blocks // 2] = -1
-    block_expert = jnp.asarray(block_expert, jnp.int32)
+    xs, block_expert, w, used = _random_blocks(experts, n, k, blocks, 128, seed=n + k + blocks)
     settings = dict(block_t=128, tile_n=tile_n, stages=stages, swiglu=swiglu)
-    got = np.asarray(bm.persistent_matmul(xs, block_expert, w, num_programs=programs, **settings), np.float32)
-    want = np.asarray(bm.grouped_matmul_reference(xs, block_expert, w, **settings), np.float32)
-    used = np.repeat(np.asarray(block_expert) >= 0, 128)
-    assert got.shape == want.shape == (blocks * 128, n // 2 if swiglu else n)
-    np.testing.assert_allclose(got[used], want[used], rtol=0, atol=2 * 2.0**-7 * np.abs(want).max())
+    got = bm.persistent_matmul(xs, block_expert, w, num_programs=programs, **settings)
+    assert got.shape == (blocks * 128, n // 2 if swiglu else n)
+    _assert_rows_close(got, bm.grouped_matmul_reference(xs, block_expert, w, **settings), used)
 
 
 @pytest.mark.gpu
