@@ -696,6 +696,9 @@ class DecodeBlocks:
     num_warps: int = 4  # split kernel
     num_stages: int = 2  # split kernel (Triton's software pipelining depth)
     combine_block_d: int | None = None  # head_dim lanes per combine program; None: by the token count
+    # Experimental, untimed: the split kernel in Mosaic GPU (`decode_attention_mgpu`, Hopper, bf16, no
+    # query prologue), `num_stages` pages ahead by TMA; `pages_per_step` and `num_warps` do not apply.
+    mosaic_split: bool = False
 
 
 # The H200 has 132 SMs.
@@ -933,10 +936,8 @@ def paged_decode_attention_kernel(
     combine gates its output, which then has the gate's dtype. Both round where the references do
     (`head_prologue_reference`, `output_gate_reference`)."""
     tokens, heads, head_dim = queries.shape
-    num_pages, page_size, kv_heads, _ = k_pages.shape
+    _, page_size, kv_heads, _ = k_pages.shape
     batch, max_pages = page_table.shape
-    group = heads // kv_heads
-    rows = max(_DECODE_MIN_ROWS, 1 << (group - 1).bit_length())
     scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
     if metadata is None:
         metadata = decode_metadata(query_start, tokens)
@@ -944,6 +945,30 @@ def paged_decode_attention_kernel(
         blocks = decode_blocks(batch, kv_heads, max_pages, page_size, window)
     splits = blocks.num_splits
 
+    if blocks.mosaic_split:
+        if query_prologue is not None:
+            raise ValueError("the Mosaic split kernel takes no query prologue")
+        from pallas_kernels import decode_attention_mgpu
+
+        o, m, l = decode_attention_mgpu.split_decode(
+            queries, k_pages, v_pages, metadata.row_token, seq_lens, page_table, window=window, softmax_scale=scale,
+            num_splits=splits, stages=blocks.num_stages, interpret=interpret)
+    else:
+        o, m, l = _split_partials(queries, k_pages, v_pages, seq_lens, page_table, metadata, blocks, window, scale,
+                                  query_prologue, interpret)
+    out = _combine_partials(o, m, l, metadata, blocks, heads, v_pages.dtype, output_gate, interpret)
+    return out, metadata.token_row
+
+
+def _split_partials(queries, k_pages, v_pages, seq_lens, page_table, metadata, blocks, window, scale, query_prologue,
+                    interpret):
+    """The Triton split kernel: partials `[batch, kv_heads, splits, group, ...]`."""
+    tokens, heads, head_dim = queries.shape
+    num_pages, page_size, kv_heads, _ = k_pages.shape
+    batch, max_pages = page_table.shape
+    group = heads // kv_heads
+    rows = max(_DECODE_MIN_ROWS, 1 << (group - 1).bit_length())
+    splits = blocks.num_splits
     prologue, prologue_specs, prologue_spec = _prologue_arrays(query_prologue, head_dim)
     split_kernel = functools.partial(
         _decode_split_kernel, window=window, softmax_scale=scale,
@@ -974,7 +999,16 @@ def paged_decode_attention_kernel(
         interpret=interpret,
         name=f"paged_decode_split_{splits=}_pages_per_step={blocks.pages_per_step}",
     )(metadata.row_token, seq_lens, page_table, queries, k_pages, v_pages, *prologue)
+    return o, m, l
 
+
+def _combine_partials(o, m, l, metadata, blocks, heads, attention_dtype, output_gate, interpret):
+    """The combine kernel over split partials `o [batch, kv_heads, splits, rows >= group, d]`, m and l:
+    the attention output `[tokens, heads, d]` (gated with `output_gate`)."""
+    tokens = metadata.token_row.shape[0]
+    kv_heads, splits, head_dim = o.shape[1], o.shape[2], o.shape[4]
+    group = heads // kv_heads
+    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     # Few (token, head) pairs: split head_dim too, so that many SMs read the partials.
     block_d = blocks.combine_block_d
     if block_d is None:
@@ -982,21 +1016,21 @@ def paged_decode_attention_kernel(
     splits_per_step = min(splits, _pow2_floor(_COMBINE_CHUNK_ELEMENTS // block_d))
     combine = functools.partial(
         _decode_combine_kernel, splits_per_step=splits_per_step, group=group, block_d=block_d,
-        attention_dtype=v_pages.dtype, gated=output_gate is not None,
+        attention_dtype=attention_dtype, gated=output_gate is not None,
     )
     gate, gate_specs = [], []
     if output_gate is not None:
         gate = [output_gate.gate, output_gate.bias]
         gate_specs = [whole((tokens, heads, head_dim)), whole((heads,))]
-    out_dtype = v_pages.dtype if output_gate is None else output_gate.gate.dtype
+    out_dtype = attention_dtype if output_gate is None else output_gate.gate.dtype
     out = pl.pallas_call(
         combine,
         grid=(tokens, heads, head_dim // block_d),
         in_specs=[
             whole((tokens,)),  # token_row
-            whole((*partial_shape, head_dim)),
-            whole(partial_shape),
-            whole(partial_shape),
+            whole(o.shape),
+            whole(m.shape),
+            whole(l.shape),
             *gate_specs,
         ],
         # The whole output: a program writes its head's lanes.
@@ -1006,7 +1040,7 @@ def paged_decode_attention_kernel(
         interpret=interpret,
         name=f"paged_decode_combine_{splits=}" + ("_gated" if output_gate is not None else ""),
     )(metadata.token_row, o, m, l, *gate)
-    return out, metadata.token_row
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

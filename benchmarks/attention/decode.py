@@ -16,8 +16,9 @@ Variants:
            --decode-configs entry (and per --sweep-configs entry at the --sweep-points). A config is
            "auto" (decode_blocks' tuned choice, what the model runs) or letters with numbers that
            override it: p pages per step, s splits, t programs per SM the split aims for, m minimum
-           steps per split, w warps, n stages (split kernel), d the combine's head_dim block; e.g.
-           "p2t2m1w4n1". The step's DecodeMetadata is built once, outside the timed loop, as the
+           steps per split, w warps, n stages (split kernel), d the combine's head_dim block, g1 the
+           Mosaic GPU split kernel (`decode_attention_mgpu`; n is then its TMA pipeline depth); e.g.
+           "p2t2m1w4n1" or "s32n3g1". The step's DecodeMetadata is built once, outside the timed loop, as the
            engine builds it once per step for all layers. (Run 6's letters f and c chose a one-launch
            path and its merge fan-in; it was slower at every shape and is removed.)
   old    : with --baseline-module FILE (e.g. `git show <commit>:pallas_kernels/paged_attention.py`),
@@ -370,7 +371,7 @@ def time_loop(loop, q, page_table, rest, *, target_ms, repeats, max_iters):
 
 
 CONFIG_LETTERS = {"p": "pages_per_step", "s": "num_splits", "t": "programs_per_sm", "m": "min_steps_per_split",
-                  "w": "num_warps", "n": "num_stages", "d": "combine_block_d"}
+                  "w": "num_warps", "n": "num_stages", "d": "combine_block_d", "g": "mosaic_split"}
 
 
 def parse_decode_config(spec: str) -> dict:
@@ -386,8 +387,9 @@ def parse_decode_config(spec: str) -> dict:
 def make_decode_blocks(spec: str, batch, kv_heads, max_pages, page_size, window):
     kwargs = parse_decode_config(spec)
     combine_block_d = kwargs.pop("combine_block_d", None)
+    mosaic_split = bool(kwargs.pop("mosaic_split", 0))
     blocks = pa.decode_blocks(batch, kv_heads, max_pages, page_size, window, **kwargs)
-    return dataclasses.replace(blocks, combine_block_d=combine_block_d)
+    return dataclasses.replace(blocks, combine_block_d=combine_block_d, mosaic_split=mosaic_split)
 
 
 def decode_config_name(spec):

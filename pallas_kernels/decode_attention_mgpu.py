@@ -1,0 +1,158 @@
+"""The split decode kernel of `paged_attention` in Pallas Mosaic GPU (Hopper: TMA pipeline + wgmma).
+
+Experimental, and not yet timed on a GPU: built in session 11 and checked in Mosaic GPU's interpret
+mode only. The Triton split kernel (`paged_attention._decode_split_kernel`) has no asynchronous copies:
+each loop step waits for its K and V loads, which leaves small batches latency-bound (8K x 8 at 50 %
+of the HBM floor, H200 runs 4-6 of benchmarks/attention/RESULTS.md). Here a program's pages stream
+through shared memory by TMA, `stages` pages ahead of the math.
+
+A program is one (sequence, kv head, split), as in the Triton kernel, and writes the same partials
+(unnormalized output, running max and sum per query row) for `paged_attention`'s combine, which reads
+them as they are (`q_rows` rows, of which the first `group` are used). Its query rows are the kv
+head's `group` query heads, the first rows of wgmma's 64-row M: the queries are padded to `q_rows`
+(the group rounded up to 8) rows per kv head, and one 64-row TMA box from the group's first row loads
+them; rows past the group hold zeros, other heads (or TMA's zeros past the end), are computed and
+never stored. One page of keys is one step: scores `[64, page_size]` by wgmma, the online softmax in
+registers, then the probabilities (through shared memory) times the page's values by wgmma. Rounding
+follows the Triton kernel (and so the reference): fp32 scores rounded to the query dtype, scaled,
+rounded again.
+
+Next (on a GPU): `benchmarks/attention/decode.py --decode-configs auto,s32n2g1,...` against the Triton
+kernel at the issue's small-batch points, then the stage count and split count.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_M_INIT = -1e30  # as the Triton kernel's: exp(-inf - _M_INIT) = 0, never inf - inf
+_WGMMA_ROWS = 64
+
+
+def _operand_transforms(cols: int, dtype) -> tuple:
+    """TMA/wgmma tiling and swizzle of a shared-memory tile whose rows hold `cols` values."""
+    swizzle = plgpu.find_swizzle(cols * jnp.dtype(dtype).itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def _matmul(a, b, shape):
+    """`a @ b` into a fresh fp32 accumulator by wgmma (`a` in registers or shared memory, `b` in shared
+    memory), returned in registers once done."""
+    def scope(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+    return pl.run_scoped(scope, plgpu.ACC(shape))
+
+
+def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, window: int | None,
+                 softmax_scale: float, num_splits: int, stages: int = 2, interpret: bool = False):
+    """Partials of every decode sequence's attention: (o `[batch, kv_heads, splits, q_rows, d]`, m and l
+    `[batch, kv_heads, splits, q_rows]`, fp32), rows past `group` unspecified. `queries [tokens, heads,
+    d]`, `k_pages`/`v_pages [pages, page_size, kv_heads, d]`, `row_token [batch]` (a sequence's decode
+    token, -1: none), `seq_lens [batch]`, `page_table [batch, max_pages]` (-1: released page)."""
+    tokens, heads, head_dim = queries.shape
+    num_pages, page_size, kv_heads, _ = k_pages.shape
+    batch, max_pages = page_table.shape
+    group = heads // kv_heads
+    q_rows = -(-group // 8) * 8
+    if (heads % kv_heads or q_rows > _WGMMA_ROWS or page_size % 64 or head_dim % 64
+            or queries.dtype != k_pages.dtype or k_pages.dtype != v_pages.dtype):
+        raise ValueError(f"queries {queries.shape} {queries.dtype}, pages {k_pages.shape} {k_pages.dtype}: "
+                         "needs at most 64 query heads per kv head, page_size and head_dim multiples of 64, one dtype")
+    dtype = queries.dtype
+    operand = _operand_transforms(head_dim, dtype)
+    # Free reshapes: a query row is (token, head); a key row is (page, key) with the kv heads side by side.
+    # Each kv head's query rows padded to q_rows, so that a box starts at a multiple of 8 rows (Mosaic's
+    # tiled copies need that); one small XLA op, which a query prologue's fusion could write directly.
+    padded = jnp.pad(queries.reshape(tokens, kv_heads, group, head_dim), ((0, 0), (0, 0), (0, q_rows - group), (0, 0)))
+    q_flat = padded.reshape(tokens * kv_heads * q_rows, head_dim)
+    if q_flat.shape[0] < _WGMMA_ROWS:  # a 64-row box must fit the array's shape
+        q_flat = jnp.pad(q_flat, ((0, _WGMMA_ROWS - q_flat.shape[0]), (0, 0)))
+    k_flat = k_pages.reshape(num_pages * page_size, kv_heads * head_dim)
+    v_flat = v_pages.reshape(num_pages * page_size, kv_heads * head_dim)
+
+    def kernel(row_token_gmem, seq_lens_gmem, page_table_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem,
+               q_smem, p_smem, q_barrier):
+        sequence, kv_head, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+        token = row_token_gmem[sequence]
+        seq_len = jnp.where(token >= 0, seq_lens_gmem[sequence], 0)  # no decode: nothing to visit
+        q_pos = seq_len - 1
+        first_page = 0 if window is None else jnp.maximum(q_pos - window + 1, 0) // page_size
+        end_page = jnp.maximum((seq_len + page_size - 1) // page_size, first_page)
+        per_split = (end_page - first_page + num_splits - 1) // num_splits
+        lo = jnp.minimum(first_page + split * per_split, end_page)
+        hi = jnp.minimum(lo + per_split, end_page)
+
+        # 64 rows from the group's first: the rest are other heads' (or, past the end, TMA's zeros).
+        first_row = (jnp.maximum(token, 0) * kv_heads + kv_head) * q_rows
+        plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(first_row, _WGMMA_ROWS)], q_smem, q_barrier)
+        plgpu.barrier_wait(q_barrier)
+
+        def page_block(i):
+            page = page_table_gmem[sequence, jnp.minimum(lo + i, max_pages - 1)]
+            return jnp.maximum(page, 0), kv_head  # a released page (-1) is read as page 0, its keys masked
+
+        def step(indices, k_smem, v_smem, carry):
+            acc, m_prev, l_prev = carry
+            (i,) = indices
+            scores = _matmul(q_smem, k_smem.transpose((1, 0)), (_WGMMA_ROWS, page_size))
+            scores = (scores.astype(dtype).astype(jnp.float32) * softmax_scale).astype(dtype).astype(jnp.float32)
+            k_pos = (lo + i) * page_size + plgpu.broadcasted_iota(
+                jnp.int32, (_WGMMA_ROWS, page_size), 1, layout=plgpu.Layout.WGMMA)
+            live = page_table_gmem[sequence, jnp.minimum(lo + i, max_pages - 1)] >= 0
+            visible = (k_pos <= q_pos) & live
+            if window is not None:
+                visible &= q_pos - k_pos < window
+            scores = jnp.where(visible, scores, -jnp.inf)
+            m_next = jnp.maximum(m_prev, scores.max(axis=1))
+            correction = jnp.exp(m_prev - m_next)
+            probs = jnp.exp(scores - lax.broadcast_in_dim(m_next, scores.shape, [0]))
+            # Through shared memory, not wgmma's register operand: Mosaic GPU's interpreter (the CPU
+            # tests) takes shared-memory operands only; 8 KB a page against the page's 32 KB of K and V.
+            p_smem[...] = probs.astype(dtype)
+            plgpu.commit_smem()
+            pv = _matmul(p_smem, v_smem, (_WGMMA_ROWS, head_dim))
+            acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + pv
+            return acc, m_next, correction * l_prev + probs.sum(axis=1)
+
+        spec = plgpu.BlockSpec((page_size, head_dim), page_block, transforms=operand)
+        init = (plgpu.layout_cast(jnp.zeros((_WGMMA_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+                plgpu.layout_cast(jnp.full((_WGMMA_ROWS,), _M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+                plgpu.layout_cast(jnp.zeros((_WGMMA_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+        acc, m, l = plgpu.emit_pipeline(step, grid=(hi - lo,), in_specs=[spec, spec], max_concurrent_steps=stages,
+                                        init_carry=init)(k_gmem, v_gmem)
+
+        # The pipeline's buffers are free again: the partials go out through shared memory.
+        def store(o_smem, m_smem, l_smem):
+            o_smem[...] = acc
+            m_smem[...] = m
+            l_smem[...] = l
+            plgpu.commit_smem()
+            rows = pl.ds(0, q_rows)
+            plgpu.copy_smem_to_gmem(o_smem.at[rows], o_gmem.at[sequence, kv_head, split])
+            plgpu.copy_smem_to_gmem(m_smem.at[rows], m_gmem.at[sequence, kv_head, split])
+            plgpu.copy_smem_to_gmem(l_smem.at[rows], l_gmem.at[sequence, kv_head, split])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(store, plgpu.SMEM((_WGMMA_ROWS, head_dim), jnp.float32),
+                      plgpu.SMEM((_WGMMA_ROWS,), jnp.float32), plgpu.SMEM((_WGMMA_ROWS,), jnp.float32))
+
+    partial = (batch, kv_heads, num_splits, q_rows)
+    call = plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((*partial, head_dim), jnp.float32), jax.ShapeDtypeStruct(partial, jnp.float32),
+                  jax.ShapeDtypeStruct(partial, jnp.float32)),
+        grid=(batch, kv_heads, num_splits), grid_names=("b", "h", "s"),
+        scratch_types=dict(q_smem=plgpu.SMEM((_WGMMA_ROWS, head_dim), dtype, transforms=operand),
+                           p_smem=plgpu.SMEM((_WGMMA_ROWS, page_size), dtype,
+                                             transforms=_operand_transforms(page_size, dtype)),
+                           q_barrier=plgpu.Barrier()),
+        # The query box may pass the array's end, where TMA reads zeros; the interpreter fills garbage.
+        interpret=plgpu.InterpretGPUParams(out_of_bounds_reads="uninitialized_value") if interpret else None,
+    )
+    return call(row_token.astype(jnp.int32), seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), q_flat,
+                k_flat, v_flat)

@@ -1,0 +1,81 @@
+"""The Mosaic GPU split decode kernel (`pallas_kernels/decode_attention_mgpu.py`) through
+`paged_decode_attention_kernel`: Mosaic GPU's interpret mode on the CPU, the compiled kernel on a GPU,
+both against the plain-jnp reference."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import paged_attention as pa
+
+# (seq_len, q_len): decodes at page boundaries and past them, a prefill chunk (not a decode: zeros),
+# an empty sequence.
+SPECS = [(1, 1), (64, 1), (65, 1), (200, 1), (37, 5), (0, 0), (130, 1)]
+
+
+def _batch(seed, *, kv_heads, group, page_size=64, head_dim=128, release_hole=False):
+    """Pages in a random physical order with garbage in unused pages; `release_hole`: one mapped page
+    of the longest sequence becomes -1 (its keys must not count)."""
+    rng = np.random.default_rng(seed)
+    heads = kv_heads * group
+    pages_of = [-(-s // page_size) for s, _ in SPECS]
+    num_pages = sum(pages_of) + 2
+    k_pages = rng.standard_normal((num_pages, page_size, kv_heads, head_dim)) * 4
+    v_pages = rng.standard_normal((num_pages, page_size, kv_heads, head_dim))
+    order = iter(rng.permutation(num_pages))
+    table = np.full((len(SPECS), max(pages_of) + 1), -1, np.int32)
+    for b, count in enumerate(pages_of):
+        for page in range(count):
+            table[b, page] = next(order)
+    if release_hole:
+        table[3, 1] = -1
+    q_lens = [q for _, q in SPECS]
+    query_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    queries = rng.standard_normal((int(query_start[-1]) + 2, heads, head_dim))  # two padding tokens
+    bf16 = functools.partial(jnp.asarray, dtype=jnp.bfloat16)
+    return (bf16(queries), bf16(k_pages), bf16(v_pages), jnp.asarray(query_start),
+            jnp.asarray([s for s, _ in SPECS], jnp.int32), jnp.asarray(table))
+
+
+def _check(args, out, window):
+    want = np.asarray(pa.ragged_paged_attention_reference(*args, window=window), np.float32)
+    decodes = np.asarray(pa.decode_metadata(args[3], args[0].shape[0]).token_row) >= 0
+    got = np.asarray(out, np.float32)
+    assert not got[~decodes].any()  # other tokens get zeros
+    # bf16 outputs; the kernel adds in another order: a few bf16 ulps at the largest value.
+    np.testing.assert_allclose(got[decodes], want[decodes], rtol=0, atol=4 * 2.0**-8 * np.abs(want).max())
+    assert np.abs(want[decodes]).max() > 0
+
+
+CASES = [  # kv_heads, group, window, splits, stages, release_hole
+    (1, 6, None, 1, 2, False), (2, 6, None, 4, 3, True), (2, 8, 70, 2, 2, False), (3, 1, None, 8, 4, False),
+    (1, 6, 100, 16, 2, True)]
+
+
+@pytest.mark.parametrize("kv_heads,group,window,splits,stages,release_hole", CASES)
+def test_mosaic_split_matches_reference_interpret(kv_heads, group, window, splits, stages, release_hole):
+    args = _batch(kv_heads * 10 + group, kv_heads=kv_heads, group=group, release_hole=release_hole)
+    blocks = pa.DecodeBlocks(pages_per_step=1, num_splits=splits, num_stages=stages, mosaic_split=True)
+    out, _ = pa.paged_decode_attention_kernel(*args, window=window, blocks=blocks, interpret=True)
+    _check(args, out, window)
+
+
+def test_mosaic_split_rejects_what_it_cannot_do():
+    args = _batch(1, kv_heads=1, group=6, head_dim=96)
+    blocks = pa.DecodeBlocks(pages_per_step=1, num_splits=2, mosaic_split=True)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        pa.paged_decode_attention_kernel(*args, blocks=blocks, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_heads,group,window,splits,stages,release_hole", CASES)
+def test_mosaic_split_matches_reference_on_gpu(kv_heads, group, window, splits, stages, release_hole):
+    args = _batch(kv_heads * 10 + group, kv_heads=kv_heads, group=group, release_hole=release_hole)
+    blocks = pa.DecodeBlocks(pages_per_step=1, num_splits=splits, num_stages=stages, mosaic_split=True)
+    run = jax.jit(functools.partial(pa.paged_decode_attention_kernel, window=window, blocks=blocks))
+    _check(args, run(*args)[0], window)
