@@ -79,3 +79,19 @@ def test_mosaic_split_matches_reference_on_gpu(kv_heads, group, window, splits, 
     blocks = pa.DecodeBlocks(pages_per_step=1, num_splits=splits, num_stages=stages, mosaic_split=True)
     run = jax.jit(functools.partial(pa.paged_decode_attention_kernel, window=window, blocks=blocks))
     _check(args, run(*args)[0], window)
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads,context,splits,stages,window", [
+    (8, 6, 1, 8192, 32, 2, None), (32, 48, 8, 8192, 2, 3, None), (1, 6, 1, 131072, 256, 4, None),
+    (32, 6, 1, 32768, 4, 2, 512)])
+def test_mosaic_split_lowers_for_cuda(batch, heads, kv_heads, context, splits, stages, window):
+    """Beam's decode shapes (TP8 and all heads; a sliding layer) lower for sm_90 on the CPU, within the
+    shared memory at up to 4 stages (the PTX is built on the GPU)."""
+    from pallas_kernels import decode_attention_mgpu as dm
+
+    spec = jax.ShapeDtypeStruct
+    pages, max_pages = batch * context // 64 + 1, context // 64
+    op = functools.partial(dm.split_decode, window=window, softmax_scale=128**-0.5, num_splits=splits, stages=stages)
+    specs = (spec((batch, heads, 128), jnp.bfloat16), *[spec((pages, 64, kv_heads, 128), jnp.bfloat16)] * 2,
+             spec((batch,), jnp.int32), spec((batch,), jnp.int32), spec((batch, max_pages), jnp.int32))
+    assert "mosaic_gpu" in jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
