@@ -26,6 +26,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import moe_gemm as mg
 from pallas_kernels import row_gather as rg
+from pallas_kernels.mgpu_tiles import smem_transforms
 from pallas_kernels.nvfp4_moe_mgpu import pair_blocks, row_tokens
 
 
@@ -49,12 +50,6 @@ def fits(hidden: int, intermediate: int, *, tile_k: int = 64) -> bool:
                 or intermediate % tile_k)
 
 
-def _smem_transforms(cols: int, dtype) -> tuple:
-    """TMA/wgmma tiling and swizzle of a shared-memory tile whose rows hold `cols` values."""
-    swizzle = plgpu.find_swizzle(cols * jnp.dtype(dtype).itemsize * 8)
-    return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
-
-
 def _interpret_params(interpret: bool):
     """Mosaic GPU's interpret mode (a simulated GPU on the CPU: shared memory, TMA, barriers) or none."""
     return plgpu.InterpretGPUParams() if interpret else None
@@ -72,7 +67,7 @@ def grouped_matmul(xs, block_expert, w, *, block_t: int = 128, tile_n: int = 128
             or xs.dtype != w.dtype):
         raise ValueError(f"shapes: xs {xs.shape} {xs.dtype}, w {w.shape} {w.dtype}, blocks {blocks}, "
                          f"block_t {block_t} (a multiple of 64), tile_n {tile_n}, tile_k {tile_k}")
-    operand = _smem_transforms(tile_k, xs.dtype)
+    operand = smem_transforms(tile_k, xs.dtype)
 
     def kernel(block_expert_gmem, xs_gmem, w_gmem, out_gmem, out_smem):
         b, ni = jax.lax.axis_index("b"), jax.lax.axis_index("n")
@@ -109,7 +104,7 @@ def grouped_matmul(xs, block_expert, w, *, block_t: int = 128, tile_n: int = 128
         grid=(blocks, n // tile_n),
         grid_names=("b", "n"),
         scratch_types=dict(out_smem=plgpu.SMEM((block_t, tile_n), xs.dtype,
-                                               transforms=_smem_transforms(tile_n, xs.dtype))),
+                                               transforms=smem_transforms(tile_n, xs.dtype))),
         interpret=_interpret_params(interpret),
     )
     return call(block_expert, xs, w)
@@ -140,7 +135,7 @@ def persistent_matmul(xs, block_expert, w, *, block_t: int = 128, tile_n: int = 
         raise ValueError(f"shapes: xs {xs.shape} {xs.dtype}, w {w.shape} {w.dtype}, blocks {blocks}, "
                          f"block_t {block_t} (a multiple of 128), tile_n {tile_n}, tile_k {tile_k}")
     wg_rows, n_tiles = block_t // 2, n_out // tile_n
-    operand = _smem_transforms(tile_k, xs.dtype)
+    operand = smem_transforms(tile_k, xs.dtype)
     weight_specs = 2 if swiglu else 1
 
     def pipeline(body, context):
@@ -158,7 +153,7 @@ def persistent_matmul(xs, block_expert, w, *, block_t: int = 128, tile_n: int = 
 
         @functools.partial(pl.run_scoped, allocations=pipeline(ignore, ignore).get_allocations(*shapes),
                            out_smem=plgpu.SMEM((2, wg_rows, tile_n), xs.dtype,
-                                               transforms=_smem_transforms(tile_n, xs.dtype)),
+                                               transforms=smem_transforms(tile_n, xs.dtype)),
                            collective_axes="wg")
         def scope(allocations, out_smem):
             @plgpu.nd_loop((blocks * n_tiles,), collective_axes="sm")

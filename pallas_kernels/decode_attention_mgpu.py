@@ -29,14 +29,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.mgpu_tiles import smem_transforms
+
 _M_INIT = -1e30  # as the Triton kernel's: exp(-inf - _M_INIT) = 0, never inf - inf
 _WGMMA_ROWS = 64
-
-
-def _operand_transforms(cols: int, dtype) -> tuple:
-    """TMA/wgmma tiling and swizzle of a shared-memory tile whose rows hold `cols` values."""
-    swizzle = plgpu.find_swizzle(cols * jnp.dtype(dtype).itemsize * 8)
-    return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
 def _matmul(a, b, shape):
@@ -64,7 +60,7 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
         raise ValueError(f"queries {queries.shape} {queries.dtype}, pages {k_pages.shape} {k_pages.dtype}: "
                          "needs at most 64 query heads per kv head, page_size and head_dim multiples of 64, one dtype")
     dtype = queries.dtype
-    operand = _operand_transforms(head_dim, dtype)
+    operand = smem_transforms(head_dim, dtype)
     # Free reshapes: a query row is (token, head); a key row is (page, key) with the kv heads side by side.
     # Each kv head's query rows padded to q_rows, so that a box starts at a multiple of 8 rows (Mosaic's
     # tiled copies need that); one small XLA op, which a query prologue's fusion could write directly.
@@ -149,7 +145,7 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
         grid=(batch, kv_heads, num_splits), grid_names=("b", "h", "s"),
         scratch_types=dict(q_smem=plgpu.SMEM((_WGMMA_ROWS, head_dim), dtype, transforms=operand),
                            p_smem=plgpu.SMEM((_WGMMA_ROWS, page_size), dtype,
-                                             transforms=_operand_transforms(page_size, dtype)),
+                                             transforms=smem_transforms(page_size, dtype)),
                            q_barrier=plgpu.Barrier()),
         # The query box may pass the array's end, where TMA reads zeros; the interpreter fills garbage.
         interpret=plgpu.InterpretGPUParams(out_of_bounds_reads="uninitialized_value") if interpret else None,

@@ -47,6 +47,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels import decode_attention_mgpu
+
 
 def _precision(dtype) -> lax.Precision:
     # fp32 runs are parity runs: true fp32 products (no TF32 on GPU), as in beam_jax's matmul_precision.
@@ -948,8 +950,6 @@ def paged_decode_attention_kernel(
     if blocks.mosaic_split:
         if query_prologue is not None:
             raise ValueError("the Mosaic split kernel takes no query prologue")
-        from pallas_kernels import decode_attention_mgpu
-
         o, m, l = decode_attention_mgpu.split_decode(
             queries, k_pages, v_pages, metadata.row_token, seq_lens, page_table, window=window, softmax_scale=scale,
             num_splits=splits, stages=blocks.num_stages, interpret=interpret)
@@ -958,6 +958,11 @@ def paged_decode_attention_kernel(
                                   query_prologue, interpret)
     out = _combine_partials(o, m, l, metadata, blocks, heads, v_pages.dtype, output_gate, interpret)
     return out, metadata.token_row
+
+
+def _whole_block(shape) -> pl.BlockSpec:
+    """A block that is the whole array, the same for every program."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
 def _split_partials(queries, k_pages, v_pages, seq_lens, page_table, metadata, blocks, window, scale, query_prologue,
@@ -975,7 +980,6 @@ def _split_partials(queries, k_pages, v_pages, seq_lens, page_table, metadata, b
         pages_per_step=blocks.pages_per_step, num_splits=splits, group=group, rows=rows, prologue_spec=prologue_spec,
     )
     partial_shape = (batch, kv_heads, splits, group)
-    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     o, m, l = pl.pallas_call(
         split_kernel,
         grid=(batch, kv_heads, splits),
@@ -989,7 +993,7 @@ def _split_partials(queries, k_pages, v_pages, seq_lens, page_table, metadata, b
             *prologue_specs,
         ],
         # Whole arrays: a program stores its `group` rows (masked) at (sequence, kv head, split).
-        out_specs=[whole((*partial_shape, head_dim)), whole(partial_shape), whole(partial_shape)],
+        out_specs=[_whole_block((*partial_shape, head_dim)), *[_whole_block(partial_shape)] * 2],
         out_shape=[
             jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
             jax.ShapeDtypeStruct(partial_shape, jnp.float32),
@@ -1008,7 +1012,6 @@ def _combine_partials(o, m, l, metadata, blocks, heads, attention_dtype, output_
     tokens = metadata.token_row.shape[0]
     kv_heads, splits, head_dim = o.shape[1], o.shape[2], o.shape[4]
     group = heads // kv_heads
-    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     # Few (token, head) pairs: split head_dim too, so that many SMs read the partials.
     block_d = blocks.combine_block_d
     if block_d is None:
@@ -1021,20 +1024,20 @@ def _combine_partials(o, m, l, metadata, blocks, heads, attention_dtype, output_
     gate, gate_specs = [], []
     if output_gate is not None:
         gate = [output_gate.gate, output_gate.bias]
-        gate_specs = [whole((tokens, heads, head_dim)), whole((heads,))]
+        gate_specs = [_whole_block((tokens, heads, head_dim)), _whole_block((heads,))]
     out_dtype = attention_dtype if output_gate is None else output_gate.gate.dtype
     out = pl.pallas_call(
         combine,
         grid=(tokens, heads, head_dim // block_d),
         in_specs=[
-            whole((tokens,)),  # token_row
-            whole(o.shape),
-            whole(m.shape),
-            whole(l.shape),
+            _whole_block((tokens,)),  # token_row
+            _whole_block(o.shape),
+            _whole_block(m.shape),
+            _whole_block(l.shape),
             *gate_specs,
         ],
         # The whole output: a program writes its head's lanes.
-        out_specs=whole((tokens, heads, head_dim)),
+        out_specs=_whole_block((tokens, heads, head_dim)),
         out_shape=jax.ShapeDtypeStruct((tokens, heads, head_dim), out_dtype),
         compiler_params=_triton_params(4, 1),
         interpret=interpret,
