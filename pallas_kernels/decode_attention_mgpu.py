@@ -44,6 +44,17 @@ def _matmul(a, b, shape):
     return pl.run_scoped(scope, plgpu.ACC(shape))
 
 
+def _lhs(x, interpreter_smem, index):
+    """wgmma's left operand `x` (registers, WGMMA layout): as it is on a GPU; through shared memory for
+    Mosaic GPU's interpreter, whose wgmma takes shared-memory operands only."""
+    if not interpreter_smem:
+        return x
+    ref = interpreter_smem[index]
+    ref[...] = x
+    plgpu.commit_smem()
+    return ref
+
+
 def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, window: int | None,
                  softmax_scale: float, num_splits: int, stages: int = 2, interpret: bool = False):
     """Partials of every decode sequence's attention: (o `[batch, kv_heads, splits, q_rows, d]`, m and l
@@ -62,17 +73,12 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
     dtype = queries.dtype
     operand = smem_transforms(head_dim, dtype)
     # Free reshapes: a query row is (token, head); a key row is (page, key) with the kv heads side by side.
-    # Each kv head's query rows padded to q_rows, so that a box starts at a multiple of 8 rows (Mosaic's
-    # tiled copies need that); one small XLA op, which a query prologue's fusion could write directly.
-    padded = jnp.pad(queries.reshape(tokens, kv_heads, group, head_dim), ((0, 0), (0, 0), (0, q_rows - group), (0, 0)))
-    q_flat = padded.reshape(tokens * kv_heads * q_rows, head_dim)
-    if q_flat.shape[0] < _WGMMA_ROWS:  # a 64-row box must fit the array's shape
-        q_flat = jnp.pad(q_flat, ((0, _WGMMA_ROWS - q_flat.shape[0]), (0, 0)))
+    q_flat = queries.reshape(tokens * heads, head_dim)
     k_flat = k_pages.reshape(num_pages * page_size, kv_heads * head_dim)
     v_flat = v_pages.reshape(num_pages * page_size, kv_heads * head_dim)
 
     def kernel(row_token_gmem, seq_lens_gmem, page_table_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem,
-               q_smem, p_smem, q_barrier):
+               q_smem, q_barrier, lhs_smem):
         sequence, kv_head, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
         token = row_token_gmem[sequence]
         seq_len = jnp.where(token >= 0, seq_lens_gmem[sequence], 0)  # no decode: nothing to visit
@@ -83,10 +89,11 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
         lo = jnp.minimum(first_page + split * per_split, end_page)
         hi = jnp.minimum(lo + per_split, end_page)
 
-        # 64 rows from the group's first: the rest are other heads' (or, past the end, TMA's zeros).
-        first_row = (jnp.maximum(token, 0) * kv_heads + kv_head) * q_rows
-        plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(first_row, _WGMMA_ROWS)], q_smem, q_barrier)
-        plgpu.barrier_wait(q_barrier)
+        # The group's query rows into the first rows of an untiled buffer (any row offset), waited for in
+        # the first step: the load overlaps the pipeline's first page loads. Rows past the group hold
+        # whatever shared memory held; they are computed and never stored.
+        first_row = jnp.maximum(token, 0) * heads + kv_head * group
+        plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(first_row, group)], q_smem.at[pl.ds(0, group)], q_barrier)
 
         def page_block(i):
             page = page_table_gmem[sequence, jnp.minimum(lo + i, max_pages - 1)]
@@ -95,7 +102,13 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
         def step(indices, k_smem, v_smem, carry):
             acc, m_prev, l_prev = carry
             (i,) = indices
-            scores = _matmul(q_smem, k_smem.transpose((1, 0)), (_WGMMA_ROWS, page_size))
+
+            @pl.when(i == 0)
+            def _():
+                plgpu.barrier_wait(q_barrier)
+
+            q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA, optimized=False)
+            scores = _matmul(_lhs(q, lhs_smem, 0), k_smem.transpose((1, 0)), (_WGMMA_ROWS, page_size))
             scores = (scores.astype(dtype).astype(jnp.float32) * softmax_scale).astype(dtype).astype(jnp.float32)
             k_pos = (lo + i) * page_size + plgpu.broadcasted_iota(
                 jnp.int32, (_WGMMA_ROWS, page_size), 1, layout=plgpu.Layout.WGMMA)
@@ -107,11 +120,7 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
             m_next = jnp.maximum(m_prev, scores.max(axis=1))
             correction = jnp.exp(m_prev - m_next)
             probs = jnp.exp(scores - lax.broadcast_in_dim(m_next, scores.shape, [0]))
-            # Through shared memory, not wgmma's register operand: Mosaic GPU's interpreter (the CPU
-            # tests) takes shared-memory operands only; 8 KB a page against the page's 32 KB of K and V.
-            p_smem[...] = probs.astype(dtype)
-            plgpu.commit_smem()
-            pv = _matmul(p_smem, v_smem, (_WGMMA_ROWS, head_dim))
+            pv = _matmul(_lhs(probs.astype(dtype), lhs_smem, 1), v_smem, (_WGMMA_ROWS, head_dim))
             acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + pv
             return acc, m_next, correction * l_prev + probs.sum(axis=1)
 
@@ -121,6 +130,10 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
                 plgpu.layout_cast(jnp.zeros((_WGMMA_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
         acc, m, l = plgpu.emit_pipeline(step, grid=(hi - lo,), in_specs=[spec, spec], max_concurrent_steps=stages,
                                         init_carry=init)(k_gmem, v_gmem)
+
+        @pl.when(hi == lo)  # no step waited for the query load: wait before the kernel ends
+        def _():
+            plgpu.barrier_wait(q_barrier)
 
         # The pipeline's buffers are free again: the partials go out through shared memory.
         def store(o_smem, m_smem, l_smem):
@@ -143,10 +156,11 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
         out_type=(jax.ShapeDtypeStruct((*partial, head_dim), jnp.float32), jax.ShapeDtypeStruct(partial, jnp.float32),
                   jax.ShapeDtypeStruct(partial, jnp.float32)),
         grid=(batch, kv_heads, num_splits), grid_names=("b", "h", "s"),
-        scratch_types=dict(q_smem=plgpu.SMEM((_WGMMA_ROWS, head_dim), dtype, transforms=operand),
-                           p_smem=plgpu.SMEM((_WGMMA_ROWS, page_size), dtype,
-                                             transforms=smem_transforms(page_size, dtype)),
-                           q_barrier=plgpu.Barrier()),
+        scratch_types=dict(q_smem=plgpu.SMEM((_WGMMA_ROWS, head_dim), dtype), q_barrier=plgpu.Barrier(),
+                           # The interpreter's wgmma takes its left operand from shared memory only.
+                           lhs_smem=(plgpu.SMEM((_WGMMA_ROWS, head_dim), dtype, transforms=operand),
+                                     plgpu.SMEM((_WGMMA_ROWS, page_size), dtype,
+                                                transforms=smem_transforms(page_size, dtype))) if interpret else ()),
         # The query box may pass the array's end, where TMA reads zeros; the interpreter fills garbage.
         interpret=plgpu.InterpretGPUParams(out_of_bounds_reads="uninitialized_value") if interpret else None,
     )

@@ -65,6 +65,46 @@ def test_mosaic_split_matches_reference_interpret(kv_heads, group, window, split
     _check(args, out, window)
 
 
+def _prologue_and_gate(seed, args, kind):
+    """The model's fused path: raw queries with a sliding (RoPE) or full (SSMax) layer's prologue, and the
+    output gate; and the expected output (the references around the reference attention)."""
+    rng = np.random.default_rng(seed)
+    queries, _, _, query_start, seq_lens, _ = args
+    tokens, heads, head_dim = queries.shape
+    positions = np.zeros(tokens, np.float32)
+    for b, seq_len in enumerate(np.asarray(seq_lens)):
+        start, end = np.asarray(query_start)[b : b + 2]
+        positions[start:end] = np.arange(seq_len - (end - start), seq_len)
+    weight = jnp.asarray(1 + 0.3 * rng.standard_normal(head_dim), jnp.float32)
+    if kind == "sliding":
+        angles = positions[:, None] / 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)[None, :]
+        angles = np.concatenate([angles, angles], axis=-1).astype(np.float32)
+        query = pa.HeadPrologue(weight, 1e-6, rope_cos=jnp.asarray(np.cos(angles)), rope_sin=jnp.asarray(np.sin(angles)))
+    else:
+        query = pa.HeadPrologue(weight, 1e-6, ssmax_scale=jnp.asarray((1 + (positions + 1) / 2048) ** 0.1, jnp.float32))
+    raw = jnp.asarray(3 * rng.standard_normal(queries.shape), queries.dtype)
+    gate = pa.OutputGate(jnp.asarray(2 * rng.standard_normal(queries.shape), queries.dtype),
+                         jnp.asarray(rng.standard_normal(heads), queries.dtype))
+    want = pa.output_gate_reference(
+        pa.ragged_paged_attention_reference(pa.head_prologue_reference(raw, query), *args[1:]), gate)
+    return raw, query, gate, want
+
+
+@pytest.mark.parametrize("kind,on_gpu", [("sliding", False), ("full", False),
+                                         pytest.param("sliding", True, marks=pytest.mark.gpu)])
+def test_mosaic_split_with_prologue_and_gate(kind, on_gpu):
+    """The model's call: raw queries, the query prologue (XLA before the kernel), the gated combine;
+    interpreted on the CPU, compiled on a GPU."""
+    args = _batch(41, kv_heads=2, group=6)
+    raw, query, gate, want = _prologue_and_gate(3, args, kind)
+    blocks = pa.DecodeBlocks(pages_per_step=1, num_splits=4, num_stages=2, mosaic_split=True)
+    run = functools.partial(pa.paged_decode_attention_kernel, blocks=blocks, interpret=not on_gpu)
+    got, token_row = jax.jit(run)(raw, *args[1:], query_prologue=query, output_gate=gate)
+    decodes = np.asarray(token_row) >= 0
+    want = np.asarray(want, np.float32)[decodes]
+    np.testing.assert_allclose(np.asarray(got, np.float32)[decodes], want, rtol=0, atol=4 * 2.0**-8 * np.abs(want).max())
+
+
 def test_mosaic_split_rejects_what_it_cannot_do():
     args = _batch(1, kv_heads=1, group=6, head_dim=96)
     blocks = pa.DecodeBlocks(pages_per_step=1, num_splits=2, mosaic_split=True)
