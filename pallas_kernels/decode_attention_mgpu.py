@@ -1,24 +1,25 @@
 """The split decode kernel of `paged_attention` in Pallas Mosaic GPU (Hopper: TMA pipeline + wgmma).
 
-Experimental, and not yet timed on a GPU: built in session 11 and checked in Mosaic GPU's interpret
-mode only. The Triton split kernel (`paged_attention._decode_split_kernel`) has no asynchronous copies:
-each loop step waits for its K and V loads, which leaves small batches latency-bound (8K x 8 at 50 %
-of the HBM floor, H200 runs 4-6 of benchmarks/attention/RESULTS.md). Here a program's pages stream
-through shared memory by TMA, `stages` pages ahead of the math.
+The Triton split kernel (`paged_attention._decode_split_kernel`) has no asynchronous copies: each loop
+step waits for its K and V loads. Here a program's pages stream through shared memory by TMA, `stages`
+pages ahead of the math. On the H200 (run 7 of benchmarks/attention/RESULTS.md, session 11's version)
+it took 17-22 % less time than the Triton kernel wherever a step has more than one program per SM's
+worth of pages (78 % of the HBM floor at 8K x 32 and 32K x 8, against 65-66 %). The version here
+changed after that run and has been checked on the CPU only (interpret mode, lowering): the next GPU
+run must compile and time it before the model uses it.
 
 A program is one (sequence, kv head, split), as in the Triton kernel, and writes the same partials
 (unnormalized output, running max and sum per query row) for `paged_attention`'s combine, which reads
-them as they are (`q_rows` rows, of which the first `group` are used). Its query rows are the kv
-head's `group` query heads, the first rows of wgmma's 64-row M: the queries are padded to `q_rows`
-(the group rounded up to 8) rows per kv head, and one 64-row TMA box from the group's first row loads
-them; rows past the group hold zeros, other heads (or TMA's zeros past the end), are computed and
-never stored. One page of keys is one step: scores `[64, page_size]` by wgmma, the online softmax in
-registers, then the probabilities (through shared memory) times the page's values by wgmma. Rounding
-follows the Triton kernel (and so the reference): fp32 scores rounded to the query dtype, scaled,
-rounded again.
-
-Next (on a GPU): `benchmarks/attention/decode.py --decode-configs auto,s32n2g1,...` against the Triton
-kernel at the issue's small-batch points, then the stage count and split count.
+them as they are (`q_rows` rows, the group rounded up to 8, of which the first `group` are used).
+- Its query rows are the kv head's `group` query heads: one TMA copy from the token's row of `queries`
+  into the first rows of a 64-row buffer (wgmma's M), waited for in the first step so that it overlaps
+  the first page loads. Rows past the group hold whatever the buffer held: computed, never stored.
+- The split's page ids come into shared memory by TMA once, before the pipeline: its fetches and the
+  masks then read shared memory instead of a global load per page.
+- One page of keys is one step: scores `[64, page_size]` by wgmma, the online softmax in registers,
+  then the probabilities (wgmma's register operand) times the page's values.
+- Rounding follows the Triton kernel (and so the reference): fp32 scores rounded to the query dtype,
+  scaled, rounded again.
 """
 
 from __future__ import annotations
@@ -33,6 +34,17 @@ from pallas_kernels.mgpu_tiles import smem_transforms
 
 _M_INIT = -1e30  # as the Triton kernel's: exp(-inf - _M_INIT) = 0, never inf - inf
 _WGMMA_ROWS = 64
+# A program's page ids come into shared memory by TMA, boxes of at most 256 elements, at most this many
+# ids (4 KB): `num_splits` must be large enough for that.
+_TMA_BOX = 256
+MAX_PAGES_PER_SPLIT = 1024
+
+
+def pages_per_split(max_pages: int, page_size: int, window: int | None, num_splits: int) -> int:
+    """The most pages a split visits (static): a sequence's visible pages (all of `max_pages`, or
+    with a window at most cdiv(window - 1, page_size) + 1) over `num_splits`."""
+    visible = max_pages if window is None else min(max_pages, -(-(window - 1) // page_size) + 1)
+    return -(-visible // num_splits)
 
 
 def _matmul(a, b, shape):
@@ -70,15 +82,23 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
             or queries.dtype != k_pages.dtype or k_pages.dtype != v_pages.dtype):
         raise ValueError(f"queries {queries.shape} {queries.dtype}, pages {k_pages.shape} {k_pages.dtype}: "
                          "needs at most 64 query heads per kv head, page_size and head_dim multiples of 64, one dtype")
+    split_pages = pages_per_split(max_pages, page_size, window, num_splits)
+    if split_pages > MAX_PAGES_PER_SPLIT:
+        raise ValueError(f"{num_splits} splits of {max_pages} pages (window {window}): {split_pages} pages a split, "
+                         f"more than {MAX_PAGES_PER_SPLIT}; take more splits")
+    split_pages = -(-split_pages // 4) * 4  # TMA copies whole 16 bytes
+    id_boxes = [(start, min(_TMA_BOX, split_pages - start)) for start in range(0, split_pages, _TMA_BOX)]
     dtype = queries.dtype
     operand = smem_transforms(head_dim, dtype)
-    # Free reshapes: a query row is (token, head); a key row is (page, key) with the kv heads side by side.
+    # Free reshapes: a query row is (token, head); a key row is (page, key) with the kv heads side by side;
+    # the page table is one row of ids, so that a copy may start at any id (TMA needs 16-byte strides).
     q_flat = queries.reshape(tokens * heads, head_dim)
+    ids_flat = page_table.reshape(batch * max_pages)
     k_flat = k_pages.reshape(num_pages * page_size, kv_heads * head_dim)
     v_flat = v_pages.reshape(num_pages * page_size, kv_heads * head_dim)
 
     def kernel(row_token_gmem, seq_lens_gmem, page_table_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem,
-               q_smem, q_barrier, lhs_smem):
+               q_smem, q_barrier, ids_smem, ids_barrier, lhs_smem):
         sequence, kv_head, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
         token = row_token_gmem[sequence]
         seq_len = jnp.where(token >= 0, seq_lens_gmem[sequence], 0)  # no decode: nothing to visit
@@ -94,10 +114,17 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
         # whatever shared memory held; they are computed and never stored.
         first_row = jnp.maximum(token, 0) * heads + kv_head * group
         plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(first_row, group)], q_smem.at[pl.ds(0, group)], q_barrier)
+        # The split's page ids, once: the pipeline's fetches and the masks then read shared memory, not a
+        # global load per page on the way to each fetch. Past the table's end TMA reads zeros; ids past
+        # the split's pages are never used.
+        first_id = sequence * max_pages + lo
+        for start, size in id_boxes:
+            plgpu.copy_gmem_to_smem(page_table_gmem.at[pl.ds(first_id + start, size)], ids_smem.at[pl.ds(start, size)],
+                                    ids_barrier)
+        plgpu.barrier_wait(ids_barrier)
 
         def page_block(i):
-            page = page_table_gmem[sequence, jnp.minimum(lo + i, max_pages - 1)]
-            return jnp.maximum(page, 0), kv_head  # a released page (-1) is read as page 0, its keys masked
+            return jnp.maximum(ids_smem[i], 0), kv_head  # a released page (-1) is read as page 0, its keys masked
 
         def step(indices, k_smem, v_smem, carry):
             acc, m_prev, l_prev = carry
@@ -112,7 +139,7 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
             scores = (scores.astype(dtype).astype(jnp.float32) * softmax_scale).astype(dtype).astype(jnp.float32)
             k_pos = (lo + i) * page_size + plgpu.broadcasted_iota(
                 jnp.int32, (_WGMMA_ROWS, page_size), 1, layout=plgpu.Layout.WGMMA)
-            live = page_table_gmem[sequence, jnp.minimum(lo + i, max_pages - 1)] >= 0
+            live = ids_smem[i] >= 0
             visible = (k_pos <= q_pos) & live
             if window is not None:
                 visible &= q_pos - k_pos < window
@@ -157,6 +184,8 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
                   jax.ShapeDtypeStruct(partial, jnp.float32)),
         grid=(batch, kv_heads, num_splits), grid_names=("b", "h", "s"),
         scratch_types=dict(q_smem=plgpu.SMEM((_WGMMA_ROWS, head_dim), dtype), q_barrier=plgpu.Barrier(),
+                           ids_smem=plgpu.SMEM((split_pages,), jnp.int32),
+                           ids_barrier=plgpu.Barrier(num_arrivals=len(id_boxes)),
                            # The interpreter's wgmma takes its left operand from shared memory only.
                            lhs_smem=(plgpu.SMEM((_WGMMA_ROWS, head_dim), dtype, transforms=operand),
                                      plgpu.SMEM((_WGMMA_ROWS, page_size), dtype,
@@ -164,5 +193,5 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
         # The query box may pass the array's end, where TMA reads zeros; the interpreter fills garbage.
         interpret=plgpu.InterpretGPUParams(out_of_bounds_reads="uninitialized_value") if interpret else None,
     )
-    return call(row_token.astype(jnp.int32), seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), q_flat,
+    return call(row_token.astype(jnp.int32), seq_lens.astype(jnp.int32), ids_flat.astype(jnp.int32), q_flat,
                 k_flat, v_flat)

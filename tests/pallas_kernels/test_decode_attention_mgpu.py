@@ -18,28 +18,28 @@ from pallas_kernels import paged_attention as pa
 SPECS = [(1, 1), (64, 1), (65, 1), (200, 1), (37, 5), (0, 0), (130, 1)]
 
 
-def _batch(seed, *, kv_heads, group, page_size=64, head_dim=128, release_hole=False):
+def _batch(seed, *, kv_heads, group, page_size=64, head_dim=128, release_hole=False, specs=SPECS):
     """Pages in a random physical order with garbage in unused pages; `release_hole`: one mapped page
     of the longest sequence becomes -1 (its keys must not count)."""
     rng = np.random.default_rng(seed)
     heads = kv_heads * group
-    pages_of = [-(-s // page_size) for s, _ in SPECS]
+    pages_of = [-(-s // page_size) for s, _ in specs]
     num_pages = sum(pages_of) + 2
     k_pages = rng.standard_normal((num_pages, page_size, kv_heads, head_dim)) * 4
     v_pages = rng.standard_normal((num_pages, page_size, kv_heads, head_dim))
     order = iter(rng.permutation(num_pages))
-    table = np.full((len(SPECS), max(pages_of) + 1), -1, np.int32)
+    table = np.full((len(specs), max(pages_of) + 1), -1, np.int32)
     for b, count in enumerate(pages_of):
         for page in range(count):
             table[b, page] = next(order)
     if release_hole:
         table[3, 1] = -1
-    q_lens = [q for _, q in SPECS]
+    q_lens = [q for _, q in specs]
     query_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     queries = rng.standard_normal((int(query_start[-1]) + 2, heads, head_dim))  # two padding tokens
     bf16 = functools.partial(jnp.asarray, dtype=jnp.bfloat16)
     return (bf16(queries), bf16(k_pages), bf16(v_pages), jnp.asarray(query_start),
-            jnp.asarray([s for s, _ in SPECS], jnp.int32), jnp.asarray(table))
+            jnp.asarray([s for s, _ in specs], jnp.int32), jnp.asarray(table))
 
 
 def _check(args, out, window):
@@ -105,11 +105,30 @@ def test_mosaic_split_with_prologue_and_gate(kind, on_gpu):
     np.testing.assert_allclose(np.asarray(got, np.float32)[decodes], want, rtol=0, atol=4 * 2.0**-8 * np.abs(want).max())
 
 
+def test_mosaic_split_page_ids_in_several_boxes(monkeypatch):
+    """A split's page ids come in TMA boxes of at most 256: here of 4. With 10 pages in the longest
+    sequence, one split takes three boxes, two splits two, four one; the last sequence's boxes reach
+    past the table's end."""
+    from pallas_kernels import decode_attention_mgpu as dm
+
+    monkeypatch.setattr(dm, "_TMA_BOX", 4)
+    args = _batch(7, kv_heads=1, group=6, release_hole=True, specs=[*SPECS[:-1], (600, 1), (130, 1)])
+    for splits in (1, 2, 4):
+        blocks = pa.DecodeBlocks(pages_per_step=1, num_splits=splits, num_stages=2, mosaic_split=True)
+        out, _ = pa.paged_decode_attention_kernel(*args, blocks=blocks, interpret=True)
+        _check(args, out, None)
+
+
 def test_mosaic_split_rejects_what_it_cannot_do():
     args = _batch(1, kv_heads=1, group=6, head_dim=96)
     blocks = pa.DecodeBlocks(pages_per_step=1, num_splits=2, mosaic_split=True)
     with pytest.raises(ValueError, match="multiples of 64"):
         pa.paged_decode_attention_kernel(*args, blocks=blocks, interpret=True)
+    queries, k_pages, v_pages, query_start, seq_lens, _ = _batch(1, kv_heads=1, group=6)
+    table = jnp.zeros((len(SPECS), 2050), jnp.int32)  # 2050 pages in 2 splits: 1025 ids a split
+    with pytest.raises(ValueError, match="take more splits"):
+        pa.paged_decode_attention_kernel(queries, k_pages, v_pages, query_start, seq_lens, table, blocks=blocks,
+                                         interpret=True)
 
 
 @pytest.mark.gpu
@@ -123,10 +142,10 @@ def test_mosaic_split_matches_reference_on_gpu(kv_heads, group, window, splits, 
 
 @pytest.mark.parametrize("batch,heads,kv_heads,context,splits,stages,window", [
     (8, 6, 1, 8192, 32, 2, None), (32, 48, 8, 8192, 2, 3, None), (1, 6, 1, 131072, 256, 4, None),
-    (32, 6, 1, 32768, 4, 2, 512)])
+    (32, 6, 1, 32768, 4, 2, 512), (8, 48, 8, 131072, 4, 2, None)])
 def test_mosaic_split_lowers_for_cuda(batch, heads, kv_heads, context, splits, stages, window):
-    """Beam's decode shapes (TP8 and all heads; a sliding layer) lower for sm_90 on the CPU, within the
-    shared memory at up to 4 stages (the PTX is built on the GPU)."""
+    """Beam's decode shapes (TP8 and all heads; a sliding layer; 512 page ids a split, in two boxes) lower
+    for sm_90 on the CPU, within the shared memory at up to 4 stages (the PTX is built on the GPU)."""
     from pallas_kernels import decode_attention_mgpu as dm
 
     spec = jax.ShapeDtypeStruct
