@@ -67,12 +67,45 @@ def _lhs(x, interpreter_smem, index):
     return ref
 
 
+def _query_prologue(q_smem, vectors_smem, ssmax_scale, *, eps: float, rope: bool, dtype):
+    """`paged_attention.head_prologue_reference` on the query rows in `q_smem`, in place: RMSNorm, then
+    RoPE (rotate-half, `vectors_smem` rows 1 and 2 the token's cos and sin) or the SSMax scale
+    (`ssmax_scale`, or None), rounded to `dtype` where the reference rounds. Halves of head_dim, so that
+    rotate-half needs no lane shuffle; the norm's sum adds the halves' sums (the reference's order may
+    differ in the last fp32 bit)."""
+    head_dim = q_smem.shape[1]
+    halves = [pl.ds(0, head_dim // 2), pl.ds(head_dim // 2, head_dim // 2)]
+    rows = [plgpu.load(q_smem.at[:, h], layout=plgpu.Layout.WGMMA, optimized=False).astype(jnp.float32) for h in halves]
+
+    def vector(row, h):  # a [head_dim / 2] slice of a vector, broadcast over the query rows
+        v = plgpu.load(vectors_smem.at[row, h], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+        return lax.broadcast_in_dim(v, rows[0].shape, [1])
+
+    def rounded(x):
+        return x.astype(dtype).astype(jnp.float32)
+
+    inv_rms = lax.rsqrt(((rows[0] * rows[0]).sum(axis=1) + (rows[1] * rows[1]).sum(axis=1)) / head_dim + eps)
+    inv_rms = lax.broadcast_in_dim(inv_rms, rows[0].shape, [0])
+    rows = [rounded(vector(0, h) * (x * inv_rms)) for x, h in zip(rows, halves)]
+    if rope:
+        low, high = rows
+        rows = [rounded(low * vector(1, halves[0]) + (-high) * vector(2, halves[0])),
+                rounded(high * vector(1, halves[1]) + low * vector(2, halves[1]))]
+    if ssmax_scale is not None:
+        rows = [rounded(x * ssmax_scale) for x in rows]
+    for x, h in zip(rows, halves):
+        q_smem.at[:, h][...] = x.astype(dtype)
+
+
 def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, window: int | None,
-                 softmax_scale: float, num_splits: int, stages: int = 2, interpret: bool = False):
+                 softmax_scale: float, num_splits: int, stages: int = 2, query_prologue=None,
+                 interpret: bool = False):
     """Partials of every decode sequence's attention: (o `[batch, kv_heads, splits, q_rows, d]`, m and l
     `[batch, kv_heads, splits, q_rows]`, fp32), rows past `group` unspecified. `queries [tokens, heads,
     d]`, `k_pages`/`v_pages [pages, page_size, kv_heads, d]`, `row_token [batch]` (a sequence's decode
-    token, -1: none), `seq_lens [batch]`, `page_table [batch, max_pages]` (-1: released page)."""
+    token, -1: none), `seq_lens [batch]`, `page_table [batch, max_pages]` (-1: released page).
+    `query_prologue` (a `paged_attention.HeadPrologue`): `queries` are raw projections, normalized and
+    rotated / scaled in the kernel (`_query_prologue`)."""
     tokens, heads, head_dim = queries.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     batch, max_pages = page_table.shape
@@ -96,9 +129,19 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
     ids_flat = page_table.reshape(batch * max_pages)
     k_flat = k_pages.reshape(num_pages * page_size, kv_heads * head_dim)
     v_flat = v_pages.reshape(num_pages * page_size, kv_heads * head_dim)
+    # The prologue's vectors (fp32): the norm weight, and the per-token RoPE tables; the SSMax scale.
+    vectors, ssmax = [], []
+    if query_prologue is not None:
+        vectors = [query_prologue.norm_weight.astype(jnp.float32).reshape(head_dim)]
+        if query_prologue.rope_cos is not None:
+            vectors += [query_prologue.rope_cos.astype(jnp.float32), query_prologue.rope_sin.astype(jnp.float32)]
+        if query_prologue.ssmax_scale is not None:
+            ssmax = [query_prologue.ssmax_scale.astype(jnp.float32)]
 
-    def kernel(row_token_gmem, seq_lens_gmem, page_table_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem,
-               q_smem, q_barrier, ids_smem, ids_barrier, lhs_smem):
+    def kernel(*refs, q_smem, q_barrier, ids_smem, ids_barrier, vectors_smem, lhs_smem):
+        row_token_gmem, seq_lens_gmem, page_table_gmem, q_gmem, k_gmem, v_gmem, *rest = refs
+        *vector_gmem, o_gmem, m_gmem, l_gmem = rest
+        ssmax_gmem = vector_gmem.pop() if ssmax else None
         sequence, kv_head, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
         token = row_token_gmem[sequence]
         seq_len = jnp.where(token >= 0, seq_lens_gmem[sequence], 0)  # no decode: nothing to visit
@@ -114,6 +157,10 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
         # whatever shared memory held; they are computed and never stored.
         first_row = jnp.maximum(token, 0) * heads + kv_head * group
         plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(first_row, group)], q_smem.at[pl.ds(0, group)], q_barrier)
+        for row, vector in enumerate(vector_gmem):  # the norm weight, then the token's cos and sin rows
+            plgpu.copy_gmem_to_smem(vector if row == 0 else vector.at[jnp.maximum(token, 0)], vectors_smem.at[row],
+                                    q_barrier)
+        ssmax_scale = None if ssmax_gmem is None else ssmax_gmem[jnp.maximum(token, 0)]
         # The split's page ids, once: the pipeline's fetches and the masks then read shared memory, not a
         # global load per page on the way to each fetch. Past the table's end TMA reads zeros; ids past
         # the split's pages are never used.
@@ -133,6 +180,9 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
             @pl.when(i == 0)
             def _():
                 plgpu.barrier_wait(q_barrier)
+                if vector_gmem:
+                    _query_prologue(q_smem, vectors_smem, ssmax_scale, eps=query_prologue.eps,
+                                    rope=len(vector_gmem) == 3, dtype=dtype)
 
             q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA, optimized=False)
             scores = _matmul(_lhs(q, lhs_smem, 0), k_smem.transpose((1, 0)), (_WGMMA_ROWS, page_size))
@@ -183,7 +233,9 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
         out_type=(jax.ShapeDtypeStruct((*partial, head_dim), jnp.float32), jax.ShapeDtypeStruct(partial, jnp.float32),
                   jax.ShapeDtypeStruct(partial, jnp.float32)),
         grid=(batch, kv_heads, num_splits), grid_names=("b", "h", "s"),
-        scratch_types=dict(q_smem=plgpu.SMEM((_WGMMA_ROWS, head_dim), dtype), q_barrier=plgpu.Barrier(),
+        scratch_types=dict(q_smem=plgpu.SMEM((_WGMMA_ROWS, head_dim), dtype),
+                           q_barrier=plgpu.Barrier(num_arrivals=1 + len(vectors)),
+                           vectors_smem=plgpu.SMEM((max(len(vectors), 1), head_dim), jnp.float32),
                            ids_smem=plgpu.SMEM((split_pages,), jnp.int32),
                            ids_barrier=plgpu.Barrier(num_arrivals=len(id_boxes)),
                            # The interpreter's wgmma takes its left operand from shared memory only.
@@ -194,4 +246,4 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
         interpret=plgpu.InterpretGPUParams(out_of_bounds_reads="uninitialized_value") if interpret else None,
     )
     return call(row_token.astype(jnp.int32), seq_lens.astype(jnp.int32), ids_flat.astype(jnp.int32), q_flat,
-                k_flat, v_flat)
+                k_flat, v_flat, *vectors, *ssmax)

@@ -698,8 +698,8 @@ class DecodeBlocks:
     num_warps: int = 4  # split kernel
     num_stages: int = 2  # split kernel (Triton's software pipelining depth)
     combine_block_d: int | None = None  # head_dim lanes per combine program; None: by the token count
-    # The split kernel in Mosaic GPU (`decode_attention_mgpu`, Hopper, bf16; a query prologue runs in XLA
-    # before it), `num_stages` pages ahead by TMA; `pages_per_step` and `num_warps` do not apply.
+    # The split kernel in Mosaic GPU (`decode_attention_mgpu`, Hopper, bf16, query prologue included),
+    # `num_stages` pages ahead by TMA; `pages_per_step` and `num_warps` do not apply.
     mosaic_split: bool = False
 
 
@@ -948,11 +948,9 @@ def paged_decode_attention_kernel(
     splits = blocks.num_splits
 
     if blocks.mosaic_split:
-        if query_prologue is not None:  # one XLA fusion before the kernel, exact by construction
-            queries = head_prologue_reference(queries, query_prologue)
         o, m, l = decode_attention_mgpu.split_decode(
             queries, k_pages, v_pages, metadata.row_token, seq_lens, page_table, window=window, softmax_scale=scale,
-            num_splits=splits, stages=blocks.num_stages, interpret=interpret)
+            num_splits=splits, stages=blocks.num_stages, query_prologue=query_prologue, interpret=interpret)
     else:
         o, m, l = _split_partials(queries, k_pages, v_pages, seq_lens, page_table, metadata, blocks, window, scale,
                                   query_prologue, interpret)

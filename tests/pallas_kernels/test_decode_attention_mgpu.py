@@ -79,7 +79,8 @@ def _prologue_and_gate(seed, args, kind):
     if kind == "sliding":
         angles = positions[:, None] / 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)[None, :]
         angles = np.concatenate([angles, angles], axis=-1).astype(np.float32)
-        query = pa.HeadPrologue(weight, 1e-6, rope_cos=jnp.asarray(np.cos(angles)), rope_sin=jnp.asarray(np.sin(angles)))
+        cos, sin = jnp.asarray(np.cos(angles)), jnp.asarray(np.sin(angles))
+        query = pa.HeadPrologue(weight, 1e-6, rope_cos=cos, rope_sin=sin)
     else:
         query = pa.HeadPrologue(weight, 1e-6, ssmax_scale=jnp.asarray((1 + (positions + 1) / 2048) ** 0.1, jnp.float32))
     raw = jnp.asarray(3 * rng.standard_normal(queries.shape), queries.dtype)
@@ -91,10 +92,11 @@ def _prologue_and_gate(seed, args, kind):
 
 
 @pytest.mark.parametrize("kind,on_gpu", [("sliding", False), ("full", False),
-                                         pytest.param("sliding", True, marks=pytest.mark.gpu)])
+                                         pytest.param("sliding", True, marks=pytest.mark.gpu),
+                                         pytest.param("full", True, marks=pytest.mark.gpu)])
 def test_mosaic_split_with_prologue_and_gate(kind, on_gpu):
-    """The model's call: raw queries, the query prologue (XLA before the kernel), the gated combine;
-    interpreted on the CPU, compiled on a GPU."""
+    """The model's call: raw queries, the query prologue (in the kernel), the gated combine; interpreted
+    on the CPU, compiled on a GPU."""
     args = _batch(41, kv_heads=2, group=6)
     raw, query, gate, want = _prologue_and_gate(3, args, kind)
     blocks = pa.DecodeBlocks(pages_per_step=1, num_splits=4, num_stages=2, mosaic_split=True)
@@ -102,7 +104,8 @@ def test_mosaic_split_with_prologue_and_gate(kind, on_gpu):
     got, token_row = jax.jit(run)(raw, *args[1:], query_prologue=query, output_gate=gate)
     decodes = np.asarray(token_row) >= 0
     want = np.asarray(want, np.float32)[decodes]
-    np.testing.assert_allclose(np.asarray(got, np.float32)[decodes], want, rtol=0, atol=4 * 2.0**-8 * np.abs(want).max())
+    got = np.asarray(got, np.float32)[decodes]
+    np.testing.assert_allclose(got, want, rtol=0, atol=4 * 2.0**-8 * np.abs(want).max())
 
 
 def test_mosaic_split_page_ids_in_several_boxes(monkeypatch):
@@ -140,17 +143,22 @@ def test_mosaic_split_matches_reference_on_gpu(kv_heads, group, window, splits, 
     _check(args, run(*args)[0], window)
 
 
-@pytest.mark.parametrize("batch,heads,kv_heads,context,splits,stages,window", [
-    (8, 6, 1, 8192, 32, 2, None), (32, 48, 8, 8192, 2, 3, None), (1, 6, 1, 131072, 256, 4, None),
-    (32, 6, 1, 32768, 4, 2, 512), (8, 48, 8, 131072, 4, 2, None)])
-def test_mosaic_split_lowers_for_cuda(batch, heads, kv_heads, context, splits, stages, window):
-    """Beam's decode shapes (TP8 and all heads; a sliding layer; 512 page ids a split, in two boxes) lower
-    for sm_90 on the CPU, within the shared memory at up to 4 stages (the PTX is built on the GPU)."""
+@pytest.mark.parametrize("batch,heads,kv_heads,context,splits,stages,window,prologue", [
+    (8, 6, 1, 8192, 32, 2, None, "ssmax"), (32, 48, 8, 8192, 2, 3, None, None), (1, 6, 1, 131072, 256, 4, None, None),
+    (32, 6, 1, 32768, 4, 2, 512, "rope"), (8, 48, 8, 131072, 4, 2, None, None)])
+def test_mosaic_split_lowers_for_cuda(batch, heads, kv_heads, context, splits, stages, window, prologue):
+    """Beam's decode shapes (TP8 and all heads; a sliding layer; 512 page ids a split, in two boxes; the
+    full and sliding layers' query prologues) lower for sm_90 on the CPU, within the shared memory at up
+    to 4 stages (the PTX is built on the GPU)."""
     from pallas_kernels import decode_attention_mgpu as dm
 
     spec = jax.ShapeDtypeStruct
     pages, max_pages = batch * context // 64 + 1, context // 64
+    weight, per_token = spec((128,), jnp.bfloat16), spec((batch, 128), jnp.float32)
+    query_prologue = {None: None, "ssmax": pa.HeadPrologue(weight, 1e-6, ssmax_scale=spec((batch,), jnp.float32)),
+                      "rope": pa.HeadPrologue(weight, 1e-6, rope_cos=per_token, rope_sin=per_token)}[prologue]
     op = functools.partial(dm.split_decode, window=window, softmax_scale=128**-0.5, num_splits=splits, stages=stages)
     specs = (spec((batch, heads, 128), jnp.bfloat16), *[spec((pages, 64, kv_heads, 128), jnp.bfloat16)] * 2,
              spec((batch,), jnp.int32), spec((batch,), jnp.int32), spec((batch, max_pages), jnp.int32))
-    assert "mosaic_gpu" in jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(op).trace(*specs, query_prologue=query_prologue).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
