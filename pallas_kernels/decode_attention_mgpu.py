@@ -40,6 +40,14 @@ _TMA_BOX = 256
 MAX_PAGES_PER_SPLIT = 1024
 
 
+def fits(heads: int, kv_heads: int, page_size: int, head_dim: int, dtype) -> bool:
+    """Whether the kernel takes these shapes: whole kv head groups of at most 64 query heads (wgmma's M),
+    pages and heads of multiples of 64, 16-bit values."""
+    group = heads // kv_heads
+    return (heads % kv_heads == 0 and group <= _WGMMA_ROWS and page_size % 64 == 0 and head_dim % 64 == 0
+            and jnp.dtype(dtype).itemsize == 2)
+
+
 def pages_per_split(max_pages: int, page_size: int, window: int | None, num_splits: int) -> int:
     """The most pages a split visits (static): a sequence's visible pages (all of `max_pages`, or
     with a window at most cdiv(window - 1, page_size) + 1) over `num_splits`."""
@@ -111,10 +119,11 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
     batch, max_pages = page_table.shape
     group = heads // kv_heads
     q_rows = -(-group // 8) * 8
-    if (heads % kv_heads or q_rows > _WGMMA_ROWS or page_size % 64 or head_dim % 64
-            or queries.dtype != k_pages.dtype or k_pages.dtype != v_pages.dtype):
+    one_dtype = queries.dtype == k_pages.dtype == v_pages.dtype
+    if not (one_dtype and fits(heads, kv_heads, page_size, head_dim, queries.dtype)):
         raise ValueError(f"queries {queries.shape} {queries.dtype}, pages {k_pages.shape} {k_pages.dtype}: "
-                         "needs at most 64 query heads per kv head, page_size and head_dim multiples of 64, one dtype")
+                         "needs at most 64 query heads per kv head, page_size and head_dim multiples of 64, "
+                         "one 16-bit dtype")
     split_pages = pages_per_split(max_pages, page_size, window, num_splits)
     if split_pages > MAX_PAGES_PER_SPLIT:
         raise ValueError(f"{num_splits} splits of {max_pages} pages (window {window}): {split_pages} pages a split, "

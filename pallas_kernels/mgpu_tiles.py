@@ -1,9 +1,16 @@
-"""Shared-memory tile layouts of the Mosaic GPU kernels (`bf16_moe_mgpu`, `decode_attention_mgpu`)."""
+"""What the Mosaic GPU kernels (`bf16_moe_mgpu`, `decode_attention_mgpu`, the NVFP4 kernels) share: the
+GPUs they are written for, and shared-memory tile layouts."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+HOPPER = "9.0"  # jax's compute_capability of the GPUs the kernels are written for (wgmma is sm_90 only)
+
+
+def is_hopper(device) -> bool:
+    return device.platform == "gpu" and getattr(device, "compute_capability", None) == HOPPER
 
 
 def smem_transforms(cols: int, dtype) -> tuple:

@@ -48,6 +48,7 @@ from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels import decode_attention_mgpu
+from pallas_kernels.mgpu_tiles import is_hopper
 
 
 def _precision(dtype) -> lax.Precision:
@@ -724,6 +725,12 @@ DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 1
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_MIN_STEPS_PER_SPLIT = 1
+# The Mosaic GPU split kernel (`decode_attention_mgpu`): its session-11 version took 17-22 % less time than
+# the Triton kernel at 8K x 32, 32K x 8 and 128K x 1 with two stages (run 7; three and four stages fit
+# one program per SM and lost). Off until its current version has passed its GPU tests and been timed
+# against the Triton kernel (benchmarks/attention/RESULTS.md, "Next GPU call"); then on, on Hopper.
+DECODE_MOSAIC_SPLIT = False
+DECODE_MOSAIC_STAGES = 2
 
 
 def _pow2_floor(n: int) -> int:
@@ -734,14 +741,16 @@ def decode_blocks(
     batch: int, kv_heads: int, max_pages: int, page_size: int, window: int | None, *,
     pages_per_step: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, programs_per_sm: int | None = None, min_steps_per_split: int | None = None,
-    num_sms: int = DECODE_NUM_SMS,
+    num_sms: int = DECODE_NUM_SMS, mosaic_split: bool = False,
 ) -> DecodeBlocks:
     """The decode kernels' block sizes for a step's static shape; any argument given overrides the
     tuned value. The context is split until batch * kv_heads * num_splits programs reach
     `programs_per_sm` per SM, but a split never gets fewer than `min_steps_per_split` steps of a
     sequence's visible pages (all of `max_pages`, or with a window at most
     cdiv(window - 1, page_size) + 1 whatever the context, so a sliding layer's blocks are flat).
-    A latency-bound step (fewer loop steps in all than SMs) gets one page per split instead."""
+    A latency-bound step (fewer loop steps in all than SMs) gets one page per split instead.
+    `mosaic_split`: blocks of the Mosaic GPU split kernel (`DECODE_MOSAIC_STAGES` stages by default, and
+    splits of at most `decode_attention_mgpu.MAX_PAGES_PER_SPLIT` pages)."""
     visible_pages = max_pages if window is None else min(max_pages, -(-(window - 1) // page_size) + 1)
     if pages_per_step is None and num_splits is None and page_size >= 64:
         steps = batch * kv_heads * -(-visible_pages // DECODE_PAGES_PER_STEP)
@@ -756,13 +765,16 @@ def decode_blocks(
         steps = -(-visible_pages // pages_per_step)
         wanted = -(-(programs_per_sm * num_sms) // (batch * kv_heads))
         num_splits = max(1, min(_pow2_floor(wanted), _pow2_floor(steps // max(min_steps_per_split, 1))))
+        if mosaic_split:  # the kernel holds a split's page ids in shared memory
+            fewest = -(-visible_pages // decode_attention_mgpu.MAX_PAGES_PER_SPLIT)
+            num_splits = max(num_splits, 1 << (fewest - 1).bit_length())
     for name, value in (("num_splits", num_splits), ("pages_per_step", pages_per_step)):
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name} {value} must be a power of two")
-    return DecodeBlocks(
-        pages_per_step, num_splits, DECODE_NUM_WARPS if num_warps is None else num_warps,
-        DECODE_NUM_STAGES if num_stages is None else num_stages,
-    )
+    if num_stages is None:
+        num_stages = DECODE_MOSAIC_STAGES if mosaic_split else DECODE_NUM_STAGES
+    return DecodeBlocks(pages_per_step, num_splits, DECODE_NUM_WARPS if num_warps is None else num_warps, num_stages,
+                        mosaic_split=mosaic_split)
 
 
 def _decode_split_kernel(
@@ -944,7 +956,8 @@ def paged_decode_attention_kernel(
     if metadata is None:
         metadata = decode_metadata(query_start, tokens)
     if blocks is None:
-        blocks = decode_blocks(batch, kv_heads, max_pages, page_size, window)
+        blocks = decode_blocks(batch, kv_heads, max_pages, page_size, window,
+                               mosaic_split=not interpret and use_mosaic_split(queries, k_pages, v_pages))
     splits = blocks.num_splits
 
     if blocks.mosaic_split:
@@ -956,6 +969,15 @@ def paged_decode_attention_kernel(
                                   query_prologue, interpret)
     out = _combine_partials(o, m, l, metadata, blocks, heads, v_pages.dtype, output_gate, interpret)
     return out, metadata.token_row
+
+
+def use_mosaic_split(queries, k_pages, v_pages) -> bool:
+    """Whether `decode_blocks` should choose the Mosaic GPU split kernel: `DECODE_MOSAIC_SPLIT`, on a
+    Hopper GPU, for shapes the kernel takes."""
+    _, heads, head_dim = queries.shape
+    _, page_size, kv_heads, _ = k_pages.shape
+    return (DECODE_MOSAIC_SPLIT and is_hopper(jax.devices()[0]) and queries.dtype == k_pages.dtype == v_pages.dtype
+            and decode_attention_mgpu.fits(heads, kv_heads, page_size, head_dim, queries.dtype))
 
 
 def _whole_block(shape) -> pl.BlockSpec:

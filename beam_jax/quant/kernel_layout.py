@@ -36,12 +36,12 @@ from jax.sharding import NamedSharding
 from beam_jax.config import EXPERT_KERNELS, BeamConfig
 from beam_jax.sharding import EP, TP, expert_spec, mesh_layout
 from pallas_kernels import moe_gemm as mg
+from pallas_kernels.mgpu_tiles import is_hopper
 from pallas_kernels.nvfp4_moe_mgpu import KernelNvfp4, kernel_experts
 
 GATE_UP_TILE_K = 256  # gate/up: K = hidden_size
 DOWN_TILE_K = 64  # down: K = moe_intermediate_size (per device under TP)
 ROW_QUANTUM = 64  # the kernel's rows (N) come in tiles of 64
-HOPPER = "9.0"  # jax's compute_capability of the GPUs the Mosaic kernel is written for
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 CHECKPOINT_ARRAYS = ("weight", "weight_scale", "weight_scale_2")  # what the conversion reads
 CHECKPOINT_NAMES = tuple(f"{p}.{a}" for p in PROJECTIONS for a in CHECKPOINT_ARRAYS)
@@ -97,7 +97,7 @@ def _mesh_sizes(mesh) -> tuple[int, int]:
 def on_hopper(mesh=None) -> bool:
     """Whether every device that would run the experts is a Hopper GPU (compute capability 9.0)."""
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
-    return all(d.platform == "gpu" and getattr(d, "compute_capability", None) == HOPPER for d in devices)
+    return all(is_hopper(d) for d in devices)
 
 
 def use_mosaic(config: BeamConfig, expert_kernel: str = "auto", mesh=None) -> bool:

@@ -17,9 +17,11 @@ Variants:
            "auto" (decode_blocks' tuned choice, what the model runs) or letters with numbers that
            override it: p pages per step, s splits, t programs per SM the split aims for, m minimum
            steps per split, w warps, n stages (split kernel), d the combine's head_dim block, g1 the
-           Mosaic GPU split kernel (`decode_attention_mgpu`; n is then its TMA pipeline depth); e.g.
-           "p2t2m1w4n1" or "s32n3g1". The step's DecodeMetadata is built once, outside the timed loop, as the
-           engine builds it once per step for all layers. (Run 6's letters f and c chose a one-launch
+           Mosaic GPU split kernel (`decode_attention_mgpu`; n is then its TMA pipeline depth, by
+           default `DECODE_MOSAIC_STAGES`), g0 the Triton one; e.g. "p2t2m1w4n1" or "s32n3g1".
+           "auto" is what the model runs: the Triton kernel while `DECODE_MOSAIC_SPLIT` is off. The
+           step's DecodeMetadata is built once, outside the timed loop, as the engine builds it once per
+           step for all layers. (Run 6's letters f and c chose a one-launch
            path and its merge fan-in; it was slower at every shape and is removed.)
   old    : with --baseline-module FILE (e.g. `git show <commit>:pallas_kernels/paged_attention.py`),
            that file's decode kernels with their own default blocks: the previous kernel, same run.
@@ -387,9 +389,9 @@ def parse_decode_config(spec: str) -> dict:
 def make_decode_blocks(spec: str, batch, kv_heads, max_pages, page_size, window):
     kwargs = parse_decode_config(spec)
     combine_block_d = kwargs.pop("combine_block_d", None)
-    mosaic_split = bool(kwargs.pop("mosaic_split", 0))
+    kwargs["mosaic_split"] = bool(kwargs.get("mosaic_split", 0))
     blocks = pa.decode_blocks(batch, kv_heads, max_pages, page_size, window, **kwargs)
-    return dataclasses.replace(blocks, combine_block_d=combine_block_d, mosaic_split=mosaic_split)
+    return dataclasses.replace(blocks, combine_block_d=combine_block_d)
 
 
 def decode_config_name(spec):

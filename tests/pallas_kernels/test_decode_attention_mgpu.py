@@ -162,3 +162,26 @@ def test_mosaic_split_lowers_for_cuda(batch, heads, kv_heads, context, splits, s
              spec((batch,), jnp.int32), spec((batch,), jnp.int32), spec((batch, max_pages), jnp.int32))
     text = jax.jit(op).trace(*specs, query_prologue=query_prologue).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_mosaic_decode_blocks_and_when_the_model_takes_them(monkeypatch):
+    """`decode_blocks(mosaic_split=True)`: two stages, and enough splits that a split's page ids fit the
+    kernel's buffer; the model's default takes the Mosaic kernel only when `DECODE_MOSAIC_SPLIT` is on, on
+    Hopper, for shapes it takes."""
+    from pallas_kernels import decode_attention_mgpu as dm
+
+    blocks = pa.decode_blocks(64, 8, 16384, 64, None, mosaic_split=True)  # 1M tokens: Triton takes 1 split
+    assert blocks.mosaic_split and blocks.num_stages == pa.DECODE_MOSAIC_STAGES and blocks.num_splits == 16
+    assert dm.pages_per_split(16384, 64, None, blocks.num_splits) <= dm.MAX_PAGES_PER_SPLIT
+    assert pa.decode_blocks(64, 8, 16384, 64, None).num_splits == 1
+    assert pa.decode_blocks(8, 1, 128, 64, None, mosaic_split=True).num_splits == 32  # as the Triton kernel's
+
+    bf16, f32 = jnp.zeros((2, 6, 128), jnp.bfloat16), jnp.zeros((2, 6, 128), jnp.float32)
+    pages = jnp.zeros((4, 64, 1, 128), jnp.bfloat16)
+    assert not pa.use_mosaic_split(bf16, pages, pages)  # off, and no Hopper here
+    monkeypatch.setattr(pa, "DECODE_MOSAIC_SPLIT", True)
+    assert not pa.use_mosaic_split(bf16, pages, pages)  # no Hopper here
+    monkeypatch.setattr(pa, "is_hopper", lambda device: True)
+    assert pa.use_mosaic_split(bf16, pages, pages)
+    assert not pa.use_mosaic_split(f32, pages.astype(jnp.float32), pages.astype(jnp.float32))
+    assert not pa.use_mosaic_split(bf16, pages[:, :16], pages[:, :16])  # pages of 16
