@@ -36,13 +36,17 @@ q / k / v / gate projections of the step's decode tokens in, gated attention out
 token's K/V written to its page (the position of the decode) each iteration.
   layer_unfused : what the model ran before the fusion: q and k RMSNorm + RoPE (sliding) or
            + SSMax (full, q only) in plain jnp (XLA), XLA's scatter of K/V into the pages, the split
-           decode kernels on the normalized q, the output gate in plain jnp
-  layer_fused   : the model's GPU path now (PagedKVCache.fuses_attention): write_kv_kernel (k norm +
+           decode kernels (the first --decode-configs entry) on the normalized q, the output gate in
+           plain jnp
+  layer_fused   : the model's GPU path (PagedKVCache.fuses_attention): write_kv_kernel (k norm +
            RoPE + both page rows, one Pallas call), the split decode kernel with the q norm + RoPE /
-           SSMax in its prologue, the combine with the output gate in its epilogue
+           SSMax in its prologue, the combine with the output gate in its epilogue; on the first
+           config, and as layer_fused-<config> on each further one (e.g. "auto,g1": Triton, Mosaic)
   The cos/sin tables and SSMax scale are built once per step outside the loop (the model builds them
   once per step for all layers). Also reported: the compiled step's top-level XLA ops (fusions,
-  scatters, custom calls: about one launch each).
+  scatters, custom calls: about one launch each). Timed with the loop and, with the CUPTI timer, as
+  device time too (the column "us"): there each call donates the pages to the next, as the model's
+  step does, so the K/V write stays in place.
 
 Timing (--timer): "cupti" (the default) is device time: the durations of the kernels one call
 launches, summed, as CUPTI records them (jax.experimental.mosaic.gpu.profiler's collector), median
@@ -256,44 +260,72 @@ def make_layer_loop(step):
     return loop
 
 
-def run_layer_config(ctx, batch, kind, args, interpret):
+def layer_variants(args) -> list[tuple[str, bool, str]]:
+    """(name, fused, decode config): the unfused layer on the first config, the fused one on each."""
+    first = args.decode_configs[0]
+    return [("layer_unfused", False, first)] + [
+        ("layer_fused" if spec == first else f"layer_fused-{spec}", True, spec) for spec in args.decode_configs]
+
+
+def time_layer_on_device(timer, step, q, table, k_pages, v_pages, rest, repeats):
+    """CUPTI device time of one layer call: the pages are donated and passed on from call to call, as the
+    model's step does (the K/V write is in place; without donation XLA would copy the pages first)."""
+    jitted = jax.jit(step, donate_argnums=(2, 3))
+    pages = [jnp.copy(k_pages), jnp.copy(v_pages)]
+
+    def call():
+        out, pages[0], pages[1] = jitted(q, table, *pages, *rest)
+        return out
+
+    return timer.time(call, repeats)
+
+
+def run_layer_config(ctx, batch, kind, args, interpret, timer=None):
     page_size, dtype = args.page_size, jnp.bfloat16
     window = None if kind == "full" else WINDOW
     (q, k_pages, v_pages, query_start, seq_lens, table, _, new_k, new_v, slots, query, key,
      gate) = make_layer_inputs(ctx, batch, kind, page_size, dtype)
     metadata = pa.decode_metadata(query_start, q.shape[0])
-    blocks = make_decode_blocks(args.decode_configs[0], batch, 1, table.shape[1], page_size, window)
     page_bytes = page_size * 128 * jnp.dtype(dtype).itemsize * 2
     floor_us = batch * kernel_pages_visited(ctx, kind, page_size) * page_bytes / HBM_BPS * 1e6
     row = {"mode": "layer", "context": ctx, "batch": batch, "shape": "tp8", "kind": kind, "page_size": page_size,
-           "floor_us": floor_us, "decode_blocks": vars(blocks)}
+           "floor_us": floor_us, "decode_blocks": {}}
     rest = (new_k, new_v, slots, query_start, seq_lens, metadata, query, key, gate)
     outs = {}
-    for name, fused in [("layer_unfused", False), ("layer_fused", True)]:
-        step = layer_step(fused, window, blocks, interpret)
+    for name, fused, spec in layer_variants(args):
         try:
+            blocks = make_decode_blocks(spec, batch, 1, table.shape[1], page_size, window)
+            row["decode_blocks"][name] = vars(blocks)
+            step = layer_step(fused, window, blocks, interpret)
             row[f"{name}_ops"] = top_level_ops(step, q, table, k_pages, v_pages, *rest)
             loop = make_layer_loop(step)
             outs[name] = jax.block_until_ready(loop(1, q, table, k_pages, v_pages, *rest)[0])
-            row[f"{name}_us"], row[f"{name}_iters"] = time_loop(
+            row[f"{name}_loop_us"], row[f"{name}_iters"] = time_loop(
                 loop, q, table, (k_pages, v_pages, *rest), target_ms=args.target_ms, repeats=args.repeats,
                 max_iters=args.max_iters,
             )
+            if timer is not None:
+                row[f"{name}_us"], row[f"{name}_kernels"] = time_layer_on_device(
+                    timer, step, q, table, k_pages, v_pages, rest, args.repeats)
+            else:
+                row[f"{name}_us"] = row[f"{name}_loop_us"]
         except Exception as e:  # noqa: BLE001
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
             traceback.print_exc()
-    if len(outs) == 2:
-        diff = jnp.abs(outs["layer_fused"].astype(jnp.float32) - outs["layer_unfused"].astype(jnp.float32))
-        row["fused_max_abs_diff"] = float(jnp.max(diff))
-        row["fused_mismatch_fraction"] = float(jnp.mean(diff > 0))
-    if "layer_fused_us" in row and "layer_unfused_us" in row:
-        row["fused_speedup"] = row["layer_unfused_us"] / row["layer_fused_us"]
+    for name in outs:
+        if name != "layer_unfused" and "layer_unfused" in outs:
+            diff = jnp.abs(outs[name].astype(jnp.float32) - outs["layer_unfused"].astype(jnp.float32))
+            row[f"{name}_max_abs_diff"] = float(jnp.max(diff))
+            row[f"{name}_mismatch_fraction"] = float(jnp.mean(diff > 0))
+            if f"{name}_us" in row and "layer_unfused_us" in row:
+                row[f"{name}_speedup"] = row["layer_unfused_us"] / row[f"{name}_us"]
     return row
 
 
-def layer_main(args, contexts, batches, kinds, interpret):
+def layer_main(args, contexts, batches, kinds, interpret, timer):
     print(f"jax {jax.__version__} devices {jax.devices()} interpret={interpret}; layer mode, tp8 shape, "
-          f"window {WINDOW}, page_size {args.page_size}, decode config {args.decode_configs[0]}", flush=True)
+          f"window {WINDOW}, page_size {args.page_size}, decode configs {args.decode_configs}, "
+          f"timer {'cupti' if timer else 'loop'}", flush=True)
     start, rows = time.perf_counter(), []
     for batch in batches:
         for ctx in contexts:
@@ -303,7 +335,7 @@ def layer_main(args, contexts, batches, kinds, interpret):
                     print(f"skip {label}: time budget {args.time_budget_s}s spent", flush=True)
                     continue
                 t0 = time.perf_counter()
-                row = run_layer_config(ctx, batch, kind, args, interpret)
+                row = run_layer_config(ctx, batch, kind, args, interpret, timer)
                 row["config_wall_s"] = time.perf_counter() - t0
                 rows.append(row)
                 print(f"done {label} in {row['config_wall_s']:.1f}s: {row}", flush=True)
@@ -311,17 +343,18 @@ def layer_main(args, contexts, batches, kinds, interpret):
                     with open(args.out, "w") as f:
                         json.dump(rows, f, indent=1)
     print(f"\ntotal {time.perf_counter() - start:.1f}s\n")
-    print("us = microseconds per layer call (median); ops = top-level XLA ops of one compiled call")
-    print(f"{'context':>7} {'batch':>5} {'kind':>8} {'floor_us':>8} {'unfused_us':>10} {'ops':>4} {'fused_us':>9} "
+    print("us = microseconds per layer call (median; device time with the CUPTI timer, else the loop's); ops = "
+          "top-level XLA ops of one compiled call; speedup, maxdiff and mismatch are against the unfused layer")
+    print(f"{'context':>7} {'batch':>5} {'kind':>8} {'floor_us':>8} {'variant':>24} {'us':>8} {'loop_us':>8} "
           f"{'ops':>4} {'speedup':>7} {'maxdiff':>9} {'mismatch':>8}")
     for r in rows:
-        def g(k, f="{:.1f}", r=r):
-            return f.format(r[k]) if k in r else "-"
+        for name, _, _ in layer_variants(args):
+            def g(k, f="{:.1f}", r=r, name=name):
+                return f.format(r[f"{name}_{k}"]) if f"{name}_{k}" in r else "-"
 
-        print(f"{r['context']:>7} {r['batch']:>5} {r['kind']:>8} {r['floor_us']:>8.1f} {g('layer_unfused_us'):>10} "
-              f"{g('layer_unfused_ops', '{}'):>4} {g('layer_fused_us'):>9} {g('layer_fused_ops', '{}'):>4} "
-              f"{g('fused_speedup', '{:.2f}'):>7} {g('fused_max_abs_diff', '{:.2e}'):>9} "
-              f"{g('fused_mismatch_fraction', '{:.1e}'):>8}")
+            print(f"{r['context']:>7} {r['batch']:>5} {r['kind']:>8} {r['floor_us']:>8.1f} {name:>24} {g('us'):>8} "
+                  f"{g('loop_us'):>8} {g('ops', '{}'):>4} {g('speedup', '{:.2f}'):>7} {g('max_abs_diff', '{:.2e}'):>9} "
+                  f"{g('mismatch_fraction', '{:.1e}'):>8}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
@@ -673,6 +706,14 @@ def main():
     if args.batches:
         batches = [int(x) for x in args.batches.split(",")]
     kinds = args.kinds.split(",")
+    timer = None
+    if args.timer != "loop":
+        try:
+            timer = CuptiTimer()
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            print("CUPTI timer unavailable: timing with the loop instead", flush=True)
+            args.timer = "loop"
     if args.layer:
         if not args.contexts:
             contexts = [100, 700] if args.smoke else [8192, 32768]
@@ -680,7 +721,7 @@ def main():
             batches = [1, 3] if args.smoke else [1, 8]
         if args.smoke:
             WINDOW = 40
-        return layer_main(args, contexts, batches, kinds, interpret)
+        return layer_main(args, contexts, batches, kinds, interpret, timer)
     if args.no_full_shape:
         full_points = []
     if args.full_points is not None:
@@ -691,14 +732,6 @@ def main():
         SHAPES["tp8"] = dict(heads=6, kv_heads=1, head_dim=32)
         SHAPES["full"] = dict(heads=8, kv_heads=2, head_dim=32)
 
-    timer = None
-    if args.timer != "loop":
-        try:
-            timer = CuptiTimer()
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
-            print("CUPTI timer unavailable: timing with the loop instead", flush=True)
-            args.timer = "loop"
     if args.points:
         # In the order given; the sweep points (if listed) first.
         tp8_points = points(args.points)
