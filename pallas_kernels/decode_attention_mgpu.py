@@ -191,7 +191,7 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
                 plgpu.barrier_wait(q_barrier)
                 if vector_gmem:
                     _query_prologue(q_smem, vectors_smem, ssmax_scale, eps=query_prologue.eps,
-                                    rope=len(vector_gmem) == 3, dtype=dtype)
+                                    rope=query_prologue.rope_cos is not None, dtype=dtype)
 
             q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA, optimized=False)
             scores = _matmul(_lhs(q, lhs_smem, 0), k_smem.transpose((1, 0)), (_WGMMA_ROWS, page_size))
@@ -251,7 +251,7 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
                            lhs_smem=(plgpu.SMEM((_WGMMA_ROWS, head_dim), dtype, transforms=operand),
                                      plgpu.SMEM((_WGMMA_ROWS, page_size), dtype,
                                                 transforms=smem_transforms(page_size, dtype))) if interpret else ()),
-        # The query box may pass the array's end, where TMA reads zeros; the interpreter fills garbage.
+        # A page id box may pass the table's end, where TMA reads zeros; the interpreter fills garbage.
         interpret=plgpu.InterpretGPUParams(out_of_bounds_reads="uninitialized_value") if interpret else None,
     )
     return call(row_token.astype(jnp.int32), seq_lens.astype(jnp.int32), ids_flat.astype(jnp.int32), q_flat,

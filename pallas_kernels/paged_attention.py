@@ -943,7 +943,9 @@ def paged_decode_attention_kernel(
     (from `decode_metadata`, once per step) to keep its few small ops out of every layer.
 
     Two Pallas calls: the split kernel, grid (sequence, kv head, split), then the combine, grid
-    (token, query head, head_dim block). Triton needs power-of-two page_size and head_dim.
+    (token, query head, head_dim block). Triton needs power-of-two page_size and head_dim. The split
+    kernel is Triton's, or with `blocks.mosaic_split` Mosaic GPU's (`decode_attention_mgpu`, Hopper);
+    without `blocks`, `decode_blocks` picks (`use_mosaic_split`).
 
     Fused (the model's GPU path): with `query_prologue`, `queries` are the raw projections and the
     split kernel applies the norm and RoPE / SSMax to its query rows first; with `output_gate`, the
