@@ -46,8 +46,9 @@ DECIMAL_GB = 10**9
 BF16_BYTES = 2
 FP32_BYTES = 4
 
-QuantFormat = Literal["bf16", "fp8", "nvfp4"]
-QUANT_FORMATS: tuple[str, ...] = ("bf16", "fp8", "nvfp4")
+# "nvfp4-mosaic": NVFP4 experts as the model holds them on Hopper GPUs, repacked for the Mosaic kernel.
+QuantFormat = Literal["bf16", "fp8", "nvfp4", "nvfp4-mosaic"]
+QUANT_FORMATS: tuple[str, ...] = ("bf16", "fp8", "nvfp4", "nvfp4-mosaic")
 
 PAGE_TOKENS = 64
 NVFP4_BLOCK = 16
@@ -114,7 +115,17 @@ def nvfp4_matrix_bytes(out_features: int, in_features: int) -> int:
     return packed + block_scales + 2 * FP32_BYTES
 
 
-MATRIX_BYTES = {"bf16": bf16_matrix_bytes, "fp8": fp8_matrix_bytes, "nvfp4": nvfp4_matrix_bytes}
+def nvfp4_mosaic_matrix_bytes(out_features: int, in_features: int) -> int:
+    """NVFP4 in the Mosaic kernel's layout (`pallas_kernels.nvfp4_moe_mgpu.KernelNvfp4`, made at load
+    time on Hopper): the packed values, the block scales as bf16 (the kernel converts none), and the
+    global scale as fp32 per output row. 11 % more than the checkpoint's layout."""
+    packed = out_features * ceil_div(in_features, 2)
+    block_scales = out_features * ceil_div(in_features, NVFP4_BLOCK) * BF16_BYTES
+    return packed + block_scales + out_features * FP32_BYTES
+
+
+MATRIX_BYTES = {"bf16": bf16_matrix_bytes, "fp8": fp8_matrix_bytes, "nvfp4": nvfp4_matrix_bytes,
+                "nvfp4-mosaic": nvfp4_mosaic_matrix_bytes}
 
 
 def expert_matrices(name: str, shape: tuple[int, ...]) -> ExpertMatrices:

@@ -20,6 +20,7 @@ from beam_jax.memory_plan import (
     fp8_matrix_bytes,
     kv_bytes_per_token_per_layer,
     nvfp4_matrix_bytes,
+    nvfp4_mosaic_matrix_bytes,
     parameter_shapes,
     plan_cache_groups,
     plan_memory,
@@ -245,3 +246,20 @@ def test_format_plan_lists_the_figures(plans):
     for fragment in ("TP8", "nvfp4", "experts", "7.0 KiB", "21.5 KiB", "3.07x", "stated (blog)",
                      "full history", "window 512", "L51 D0", f"{plan.pool_tokens:,} tokens", "sessions  17"):
         assert fragment in text, fragment
+
+
+def test_mosaic_layout_bytes_are_what_the_kernel_layout_holds():
+    """`nvfp4-mosaic` counts what `kernel_experts` makes of NVFP4 experts (the arrays' bytes), 11 %
+    more than the checkpoint's layout at Beam's TP8 shapes."""
+    from pallas_kernels import nvfp4_moe_mgpu as nmm
+    from tests.pallas_kernels.test_moe_gemm import random_problem
+
+    experts, hidden, intermediate = 3, 256, 128
+    *_, gate, up, down = random_problem(5, 4, hidden, intermediate, experts, 2, "nvfp4")
+    held = sum(a.nbytes for w in nmm.kernel_experts(gate, up, down, gate_up_tile_k=128)
+               for a in (w.packed, w.scales, w.global_scale))
+    planned = experts * (2 * nvfp4_mosaic_matrix_bytes(intermediate, hidden)
+                         + nvfp4_mosaic_matrix_bytes(hidden, intermediate))
+    assert held == planned
+    ratio = nvfp4_mosaic_matrix_bytes(640, 5120) / nvfp4_matrix_bytes(640, 5120)
+    assert 1.10 < ratio < 1.12
