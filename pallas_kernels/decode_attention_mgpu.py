@@ -12,10 +12,12 @@ A program is one (sequence, kv head, split), as in the Triton kernel, and writes
 (unnormalized output, running max and sum per query row) for `paged_attention`'s combine, which reads
 them as they are (`q_rows` rows, the group rounded up to 8, of which the first `group` are used).
 - Its query rows are the kv head's `group` query heads: one TMA copy from the token's row of `queries`
-  into the first rows of a 64-row buffer (wgmma's M), waited for in the first step so that it overlaps
-  the first page loads. Rows past the group hold whatever the buffer held: computed, never stored.
-- The split's page ids come into shared memory by TMA once, before the pipeline: its fetches and the
-  masks then read shared memory instead of a global load per page.
+  into the first rows of a 64-row buffer (wgmma's M). Rows past the group hold whatever the buffer
+  held: computed, never stored.
+- The split's page ids come into shared memory by TMA once: the fetches and the masks then read shared
+  memory instead of a global load per page.
+- A ring of `stages` page buffers: the first `stages` fetches go out, then the queries (their prologue
+  applied) are loaded into registers once, while those pages load.
 - One page of keys is one step: scores `[64, page_size]` by wgmma, the online softmax in registers,
   then the probabilities (wgmma's register operand) times the page's values.
 - Rounding follows the Triton kernel (and so the reference): fp32 scores rounded to the query dtype,
@@ -161,67 +163,73 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
         lo = jnp.minimum(first_page + split * per_split, end_page)
         hi = jnp.minimum(lo + per_split, end_page)
 
-        # The group's query rows into the first rows of an untiled buffer (any row offset), waited for in
-        # the first step: the load overlaps the pipeline's first page loads. Rows past the group hold
-        # whatever shared memory held; they are computed and never stored.
+        # The group's query rows into the first rows of an untiled buffer (any row offset); rows past the
+        # group hold whatever shared memory held: computed, never stored.
         first_row = jnp.maximum(token, 0) * heads + kv_head * group
         plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(first_row, group)], q_smem.at[pl.ds(0, group)], q_barrier)
         for row, vector in enumerate(vector_gmem):  # the norm weight, then the token's cos and sin rows
             plgpu.copy_gmem_to_smem(vector if row == 0 else vector.at[jnp.maximum(token, 0)], vectors_smem.at[row],
                                     q_barrier)
         ssmax_scale = None if ssmax_gmem is None else ssmax_gmem[jnp.maximum(token, 0)]
-        # The split's page ids, once: the pipeline's fetches and the masks then read shared memory, not a
-        # global load per page on the way to each fetch. Past the table's end TMA reads zeros; ids past
-        # the split's pages are never used.
+        # The split's page ids, once: the fetches and the masks then read shared memory, not a global load
+        # per page on the way to each fetch. Past the table's end TMA reads zeros; ids past the split's
+        # pages are never used.
         first_id = sequence * max_pages + lo
         for start, size in id_boxes:
             plgpu.copy_gmem_to_smem(page_table_gmem.at[pl.ds(first_id + start, size)], ids_smem.at[pl.ds(start, size)],
                                     ids_barrier)
         plgpu.barrier_wait(ids_barrier)
+        num_steps = hi - lo
 
-        def page_block(i):
-            return jnp.maximum(ids_smem[i], 0), kv_head  # a released page (-1) is read as page 0, its keys masked
+        def attend(k_ring, v_ring, ring_barriers):
+            """A ring of `stages` page buffers: page i lands in slot i % stages, fetched `stages` pages
+            ahead of the math; a slot is fetched again once its page's wgmmas are done."""
+            def fetch(i):
+                slot = i % stages
+                rows = pl.ds(jnp.maximum(ids_smem[i], 0) * page_size, page_size)  # a released page (-1): page 0, masked
+                columns = pl.ds(kv_head * head_dim, head_dim)
+                plgpu.copy_gmem_to_smem(k_gmem.at[rows, columns], k_ring.at[slot], ring_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(v_gmem.at[rows, columns], v_ring.at[slot], ring_barriers.at[slot])
 
-        def step(indices, k_smem, v_smem, carry):
-            acc, m_prev, l_prev = carry
-            (i,) = indices
-
-            @pl.when(i == 0)
-            def _():
-                plgpu.barrier_wait(q_barrier)
-                if vector_gmem:
-                    _query_prologue(q_smem, vectors_smem, ssmax_scale, eps=query_prologue.eps,
-                                    rope=query_prologue.rope_cos is not None, dtype=dtype)
-
-            q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA, optimized=False)
-            scores = _matmul(_lhs(q, lhs_smem, 0), k_smem.transpose((1, 0)), (_WGMMA_ROWS, page_size))
-            scores = (scores.astype(dtype).astype(jnp.float32) * softmax_scale).astype(dtype).astype(jnp.float32)
-            k_pos = (lo + i) * page_size + plgpu.broadcasted_iota(
-                jnp.int32, (_WGMMA_ROWS, page_size), 1, layout=plgpu.Layout.WGMMA)
-            live = ids_smem[i] >= 0
-            visible = (k_pos <= q_pos) & live
-            if window is not None:
-                visible &= q_pos - k_pos < window
-            scores = jnp.where(visible, scores, -jnp.inf)
-            m_next = jnp.maximum(m_prev, scores.max(axis=1))
-            correction = jnp.exp(m_prev - m_next)
-            probs = jnp.exp(scores - lax.broadcast_in_dim(m_next, scores.shape, [0]))
-            pv = _matmul(_lhs(probs.astype(dtype), lhs_smem, 1), v_smem, (_WGMMA_ROWS, head_dim))
-            acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + pv
-            return acc, m_next, correction * l_prev + probs.sum(axis=1)
-
-        spec = plgpu.BlockSpec((page_size, head_dim), page_block, transforms=operand)
-        init = (plgpu.layout_cast(jnp.zeros((_WGMMA_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
-                plgpu.layout_cast(jnp.full((_WGMMA_ROWS,), _M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-                plgpu.layout_cast(jnp.zeros((_WGMMA_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
-        acc, m, l = plgpu.emit_pipeline(step, grid=(hi - lo,), in_specs=[spec, spec], max_concurrent_steps=stages,
-                                        init_carry=init)(k_gmem, v_gmem)
-
-        @pl.when(hi == lo)  # no step waited for the query load: wait before the kernel ends
-        def _():
+            for i in range(stages):
+                pl.when(i < num_steps)(lambda i=i: fetch(i))
+            # The queries once, into registers (wgmma's left operand), while the first pages load.
             plgpu.barrier_wait(q_barrier)
+            if vector_gmem:
+                _query_prologue(q_smem, vectors_smem, ssmax_scale, eps=query_prologue.eps,
+                                rope=query_prologue.rope_cos is not None, dtype=dtype)
+            q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA, optimized=False)
 
-        # The pipeline's buffers are free again: the partials go out through shared memory.
+            def step(i, carry):
+                acc, m_prev, l_prev = carry
+                slot = i % stages
+                plgpu.barrier_wait(ring_barriers.at[slot])
+                k_smem, v_smem = k_ring.at[slot], v_ring.at[slot]
+                scores = _matmul(_lhs(q, lhs_smem, 0), k_smem.transpose((1, 0)), (_WGMMA_ROWS, page_size))
+                scores = (scores.astype(dtype).astype(jnp.float32) * softmax_scale).astype(dtype).astype(jnp.float32)
+                k_pos = (lo + i) * page_size + plgpu.broadcasted_iota(
+                    jnp.int32, (_WGMMA_ROWS, page_size), 1, layout=plgpu.Layout.WGMMA)
+                visible = (k_pos <= q_pos) & (ids_smem[i] >= 0)
+                if window is not None:
+                    visible &= q_pos - k_pos < window
+                scores = jnp.where(visible, scores, -jnp.inf)
+                m_next = jnp.maximum(m_prev, scores.max(axis=1))
+                correction = jnp.exp(m_prev - m_next)
+                probs = jnp.exp(scores - lax.broadcast_in_dim(m_next, scores.shape, [0]))
+                pv = _matmul(_lhs(probs.astype(dtype), lhs_smem, 1), v_smem, (_WGMMA_ROWS, head_dim))
+                pl.when(i + stages < num_steps)(lambda: fetch(i + stages))  # both wgmmas are done with the slot
+                acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + pv
+                return acc, m_next, correction * l_prev + probs.sum(axis=1)
+
+            init = (plgpu.layout_cast(jnp.zeros((_WGMMA_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+                    plgpu.layout_cast(jnp.full((_WGMMA_ROWS,), _M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+                    plgpu.layout_cast(jnp.zeros((_WGMMA_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+            return lax.fori_loop(0, num_steps, step, init)
+
+        ring = plgpu.SMEM((stages, page_size, head_dim), dtype, transforms=operand)
+        acc, m, l = pl.run_scoped(attend, ring, ring, plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+
+        # The ring's buffers are free again: the partials go out through shared memory.
         def store(o_smem, m_smem, l_smem):
             o_smem[...] = acc
             m_smem[...] = m
