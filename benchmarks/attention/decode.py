@@ -63,7 +63,8 @@ warm L2 (KV that fits in 50 MB stays there). --time-budget-s stops
 starting new configurations once spent (most important first: batch 1 and the largest batch).
 
 Usage (GPU):  python benchmarks/attention/decode.py --time-budget-s 200 --out decode.json
-Smoke (CPU):  python benchmarks/attention/decode.py --smoke   (tiny shapes, interpret=True)
+Smoke (CPU):  python benchmarks/attention/decode.py --smoke   (tiny shapes, interpret=True; with a g1 config,
+              pages of 64 and head_dim 128, the Mosaic kernel's smallest)
 """
 
 from __future__ import annotations
@@ -689,9 +690,11 @@ def main():
     baseline = load_baseline_module(args.baseline_module) if args.baseline_module else None
 
     interpret = args.smoke
+    # The Mosaic GPU kernel takes pages and heads of multiples of 64 only: smoke runs keep Beam's there.
+    mosaic = any(parse_decode_config(spec).get("mosaic_split") for spec in args.decode_configs + args.sweep_configs)
     if args.smoke:
         contexts, batches = [100, 700], [1, 3]
-        args.page_size = 16
+        args.page_size = 64 if mosaic else 16
         args.target_ms, args.repeats, args.max_iters = 1.0, 1, 2
         args.timer = "loop"
         full_points = [(700, 2)]
@@ -729,8 +732,9 @@ def main():
     if args.smoke:
         full_points = [(700, 2), (100, 3)]
         WINDOW = 40  # small window so sliding actually releases pages at smoke sizes
-        SHAPES["tp8"] = dict(heads=6, kv_heads=1, head_dim=32)
-        SHAPES["full"] = dict(heads=8, kv_heads=2, head_dim=32)
+        if not mosaic:
+            SHAPES["tp8"] = dict(heads=6, kv_heads=1, head_dim=32)
+            SHAPES["full"] = dict(heads=8, kv_heads=2, head_dim=32)
 
     if args.points:
         # In the order given; the sweep points (if listed) first.
