@@ -14,10 +14,12 @@ them as they are (`q_rows` rows, the group rounded up to 8, of which the first `
 - Its query rows are the kv head's `group` query heads: one TMA copy from the token's row of `queries`
   into the first rows of a 64-row buffer (wgmma's M). Rows past the group hold whatever the buffer
   held: computed, never stored.
-- The split's page ids come into shared memory by TMA once: the fetches and the masks then read shared
-  memory instead of a global load per page.
-- A ring of `stages` page buffers: the first `stages` fetches go out, then the queries (their prologue
-  applied) are loaded into registers once, while those pages load.
+- A ring of `stages` page buffers: the first `stages` fetches go out, then the queries are loaded into
+  registers once, while those pages load.
+- A query prologue (the model's fused path) runs in XLA before the kernel (`paged_attention`). On the
+  H200 an in-kernel prologue computed wrong queries, and a TMA copy of a split's page ids into shared
+  memory (1-D, 16-byte boxes) stopped the GPU with CUDA_ERROR_ILLEGAL_INSTRUCTION (session 12); both
+  were taken out, not understood.
 - One page of keys is one step: scores `[64, page_size]` by wgmma, the online softmax in registers,
   then the probabilities (wgmma's register operand) times the page's values.
 - Rounding follows the Triton kernel (and so the reference): fp32 scores rounded to the query dtype,
@@ -36,10 +38,6 @@ from pallas_kernels.mgpu_tiles import smem_transforms
 
 _M_INIT = -1e30  # as the Triton kernel's: exp(-inf - _M_INIT) = 0, never inf - inf
 _WGMMA_ROWS = 64
-# A program's page ids come into shared memory by TMA, boxes of at most 256 elements, at most this many
-# ids (4 KB): `num_splits` must be large enough for that.
-_TMA_BOX = 256
-MAX_PAGES_PER_SPLIT = 1024
 
 
 def fits(heads: int, kv_heads: int, page_size: int, head_dim: int, dtype) -> bool:
@@ -48,13 +46,6 @@ def fits(heads: int, kv_heads: int, page_size: int, head_dim: int, dtype) -> boo
     group = heads // kv_heads
     return (heads % kv_heads == 0 and group <= _WGMMA_ROWS and page_size % 64 == 0 and head_dim % 64 == 0
             and jnp.dtype(dtype).itemsize == 2)
-
-
-def pages_per_split(max_pages: int, page_size: int, window: int | None, num_splits: int) -> int:
-    """The most pages a split visits (static): a sequence's visible pages (all of `max_pages`, or
-    with a window at most cdiv(window - 1, page_size) + 1) over `num_splits`."""
-    visible = max_pages if window is None else min(max_pages, -(-(window - 1) // page_size) + 1)
-    return -(-visible // num_splits)
 
 
 def _matmul(a, b, shape):
@@ -77,45 +68,12 @@ def _lhs(x, interpreter_smem, index):
     return ref
 
 
-def _query_prologue(q_smem, vectors_smem, ssmax_scale, *, eps: float, rope: bool, dtype):
-    """`paged_attention.head_prologue_reference` on the query rows in `q_smem`, in place: RMSNorm, then
-    RoPE (rotate-half, `vectors_smem` rows 1 and 2 the token's cos and sin) or the SSMax scale
-    (`ssmax_scale`, or None), rounded to `dtype` where the reference rounds. Halves of head_dim, so that
-    rotate-half needs no lane shuffle; the norm's sum adds the halves' sums (the reference's order may
-    differ in the last fp32 bit)."""
-    head_dim = q_smem.shape[1]
-    halves = [pl.ds(0, head_dim // 2), pl.ds(head_dim // 2, head_dim // 2)]
-    rows = [plgpu.load(q_smem.at[:, h], layout=plgpu.Layout.WGMMA, optimized=False).astype(jnp.float32) for h in halves]
-
-    def vector(row, h):  # a [head_dim / 2] slice of a vector, broadcast over the query rows
-        v = plgpu.load(vectors_smem.at[row, h], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-        return lax.broadcast_in_dim(v, rows[0].shape, [1])
-
-    def rounded(x):
-        return x.astype(dtype).astype(jnp.float32)
-
-    inv_rms = lax.rsqrt(((rows[0] * rows[0]).sum(axis=1) + (rows[1] * rows[1]).sum(axis=1)) / head_dim + eps)
-    inv_rms = lax.broadcast_in_dim(inv_rms, rows[0].shape, [0])
-    rows = [rounded(vector(0, h) * (x * inv_rms)) for x, h in zip(rows, halves)]
-    if rope:
-        low, high = rows
-        rows = [rounded(low * vector(1, halves[0]) + (-high) * vector(2, halves[0])),
-                rounded(high * vector(1, halves[1]) + low * vector(2, halves[1]))]
-    if ssmax_scale is not None:
-        rows = [rounded(x * ssmax_scale) for x in rows]
-    for x, h in zip(rows, halves):
-        q_smem.at[:, h][...] = x.astype(dtype)
-
-
 def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, window: int | None,
-                 softmax_scale: float, num_splits: int, stages: int = 2, query_prologue=None,
-                 interpret: bool = False):
+                 softmax_scale: float, num_splits: int, stages: int = 2, interpret: bool = False):
     """Partials of every decode sequence's attention: (o `[batch, kv_heads, splits, q_rows, d]`, m and l
     `[batch, kv_heads, splits, q_rows]`, fp32), rows past `group` unspecified. `queries [tokens, heads,
     d]`, `k_pages`/`v_pages [pages, page_size, kv_heads, d]`, `row_token [batch]` (a sequence's decode
-    token, -1: none), `seq_lens [batch]`, `page_table [batch, max_pages]` (-1: released page).
-    `query_prologue` (a `paged_attention.HeadPrologue`): `queries` are raw projections, normalized and
-    rotated / scaled in the kernel (`_query_prologue`)."""
+    token, -1: none), `seq_lens [batch]`, `page_table [batch, max_pages]` (-1: released page)."""
     tokens, heads, head_dim = queries.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     batch, max_pages = page_table.shape
@@ -126,33 +84,14 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
         raise ValueError(f"queries {queries.shape} {queries.dtype}, pages {k_pages.shape} {k_pages.dtype}: "
                          "needs at most 64 query heads per kv head, page_size and head_dim multiples of 64, "
                          "one 16-bit dtype")
-    split_pages = pages_per_split(max_pages, page_size, window, num_splits)
-    if split_pages > MAX_PAGES_PER_SPLIT:
-        raise ValueError(f"{num_splits} splits of {max_pages} pages (window {window}): {split_pages} pages a split, "
-                         f"more than {MAX_PAGES_PER_SPLIT}; take more splits")
-    split_pages = -(-split_pages // 4) * 4  # TMA copies whole 16 bytes
-    id_boxes = [(start, min(_TMA_BOX, split_pages - start)) for start in range(0, split_pages, _TMA_BOX)]
     dtype = queries.dtype
     operand = smem_transforms(head_dim, dtype)
-    # Free reshapes: a query row is (token, head); a key row is (page, key) with the kv heads side by side;
-    # the page table is one row of ids, so that a copy may start at any id (TMA needs 16-byte strides).
+    # Free reshapes: a query row is (token, head); a key row is (page, key) with the kv heads side by side.
     q_flat = queries.reshape(tokens * heads, head_dim)
-    ids_flat = page_table.reshape(batch * max_pages)
     k_flat = k_pages.reshape(num_pages * page_size, kv_heads * head_dim)
     v_flat = v_pages.reshape(num_pages * page_size, kv_heads * head_dim)
-    # The prologue's vectors (fp32): the norm weight, and the per-token RoPE tables; the SSMax scale.
-    vectors, ssmax = [], []
-    if query_prologue is not None:
-        vectors = [query_prologue.norm_weight.astype(jnp.float32).reshape(head_dim)]
-        if query_prologue.rope_cos is not None:
-            vectors += [query_prologue.rope_cos.astype(jnp.float32), query_prologue.rope_sin.astype(jnp.float32)]
-        if query_prologue.ssmax_scale is not None:
-            ssmax = [query_prologue.ssmax_scale.astype(jnp.float32)]
-
-    def kernel(*refs, q_smem, q_barrier, ids_smem, ids_barrier, vectors_smem, lhs_smem):
-        row_token_gmem, seq_lens_gmem, page_table_gmem, q_gmem, k_gmem, v_gmem, *rest = refs
-        *vector_gmem, o_gmem, m_gmem, l_gmem = rest
-        ssmax_gmem = vector_gmem.pop() if ssmax else None
+    def kernel(row_token_gmem, seq_lens_gmem, page_table_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, *,
+               q_smem, q_barrier, lhs_smem):
         sequence, kv_head, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
         token = row_token_gmem[sequence]
         seq_len = jnp.where(token >= 0, seq_lens_gmem[sequence], 0)  # no decode: nothing to visit
@@ -167,26 +106,17 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
         # group hold whatever shared memory held: computed, never stored.
         first_row = jnp.maximum(token, 0) * heads + kv_head * group
         plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(first_row, group)], q_smem.at[pl.ds(0, group)], q_barrier)
-        for row, vector in enumerate(vector_gmem):  # the norm weight, then the token's cos and sin rows
-            plgpu.copy_gmem_to_smem(vector if row == 0 else vector.at[jnp.maximum(token, 0)], vectors_smem.at[row],
-                                    q_barrier)
-        ssmax_scale = None if ssmax_gmem is None else ssmax_gmem[jnp.maximum(token, 0)]
-        # The split's page ids, once: the fetches and the masks then read shared memory, not a global load
-        # per page on the way to each fetch. Past the table's end TMA reads zeros; ids past the split's
-        # pages are never used.
-        first_id = sequence * max_pages + lo
-        for start, size in id_boxes:
-            plgpu.copy_gmem_to_smem(page_table_gmem.at[pl.ds(first_id + start, size)], ids_smem.at[pl.ds(start, size)],
-                                    ids_barrier)
-        plgpu.barrier_wait(ids_barrier)
         num_steps = hi - lo
+
+        def page_id(i):  # the split's i-th page (-1: released)
+            return page_table_gmem[sequence, lo + i]
 
         def attend(k_ring, v_ring, ring_barriers):
             """A ring of `stages` page buffers: page i lands in slot i % stages, fetched `stages` pages
             ahead of the math; a slot is fetched again once its page's wgmmas are done."""
             def fetch(i):
                 slot = i % stages
-                rows = pl.ds(jnp.maximum(ids_smem[i], 0) * page_size, page_size)  # a released page (-1): page 0, masked
+                rows = pl.ds(jnp.maximum(page_id(i), 0) * page_size, page_size)  # a released page (-1): page 0, masked
                 columns = pl.ds(kv_head * head_dim, head_dim)
                 plgpu.copy_gmem_to_smem(k_gmem.at[rows, columns], k_ring.at[slot], ring_barriers.at[slot])
                 plgpu.copy_gmem_to_smem(v_gmem.at[rows, columns], v_ring.at[slot], ring_barriers.at[slot])
@@ -195,9 +125,6 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
                 pl.when(i < num_steps)(lambda i=i: fetch(i))
             # The queries once, into registers (wgmma's left operand), while the first pages load.
             plgpu.barrier_wait(q_barrier)
-            if vector_gmem:
-                _query_prologue(q_smem, vectors_smem, ssmax_scale, eps=query_prologue.eps,
-                                rope=query_prologue.rope_cos is not None, dtype=dtype)
             q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA, optimized=False)
 
             def step(i, carry):
@@ -209,7 +136,7 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
                 scores = (scores.astype(dtype).astype(jnp.float32) * softmax_scale).astype(dtype).astype(jnp.float32)
                 k_pos = (lo + i) * page_size + plgpu.broadcasted_iota(
                     jnp.int32, (_WGMMA_ROWS, page_size), 1, layout=plgpu.Layout.WGMMA)
-                visible = (k_pos <= q_pos) & (ids_smem[i] >= 0)
+                visible = (k_pos <= q_pos) & (page_id(i) >= 0)
                 if window is not None:
                     visible &= q_pos - k_pos < window
                 scores = jnp.where(visible, scores, -jnp.inf)
@@ -251,16 +178,12 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
                   jax.ShapeDtypeStruct(partial, jnp.float32)),
         grid=(batch, kv_heads, num_splits), grid_names=("b", "h", "s"),
         scratch_types=dict(q_smem=plgpu.SMEM((_WGMMA_ROWS, head_dim), dtype),
-                           q_barrier=plgpu.Barrier(num_arrivals=1 + len(vectors)),
-                           vectors_smem=plgpu.SMEM((max(len(vectors), 1), head_dim), jnp.float32),
-                           ids_smem=plgpu.SMEM((split_pages,), jnp.int32),
-                           ids_barrier=plgpu.Barrier(num_arrivals=len(id_boxes)),
+                           q_barrier=plgpu.Barrier(),
                            # The interpreter's wgmma takes its left operand from shared memory only.
                            lhs_smem=(plgpu.SMEM((_WGMMA_ROWS, head_dim), dtype, transforms=operand),
                                      plgpu.SMEM((_WGMMA_ROWS, page_size), dtype,
                                                 transforms=smem_transforms(page_size, dtype))) if interpret else ()),
-        # A page id box may pass the table's end, where TMA reads zeros; the interpreter fills garbage.
-        interpret=plgpu.InterpretGPUParams(out_of_bounds_reads="uninitialized_value") if interpret else None,
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    return call(row_token.astype(jnp.int32), seq_lens.astype(jnp.int32), ids_flat.astype(jnp.int32), q_flat,
-                k_flat, v_flat, *vectors, *ssmax)
+    return call(row_token.astype(jnp.int32), seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), q_flat,
+                k_flat, v_flat)

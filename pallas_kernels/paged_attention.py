@@ -699,8 +699,8 @@ class DecodeBlocks:
     num_warps: int = 4  # split kernel
     num_stages: int = 2  # split kernel (Triton's software pipelining depth)
     combine_block_d: int | None = None  # head_dim lanes per combine program; None: by the token count
-    # The split kernel in Mosaic GPU (`decode_attention_mgpu`, Hopper, bf16, query prologue included),
-    # `num_stages` pages ahead by TMA; `pages_per_step` and `num_warps` do not apply.
+    # The split kernel in Mosaic GPU (`decode_attention_mgpu`, Hopper, bf16; a query prologue runs in XLA
+    # before it), `num_stages` pages ahead by TMA; `pages_per_step` and `num_warps` do not apply.
     mosaic_split: bool = False
 
 
@@ -749,8 +749,7 @@ def decode_blocks(
     sequence's visible pages (all of `max_pages`, or with a window at most
     cdiv(window - 1, page_size) + 1 whatever the context, so a sliding layer's blocks are flat).
     A latency-bound step (fewer loop steps in all than SMs) gets one page per split instead.
-    `mosaic_split`: blocks of the Mosaic GPU split kernel (`DECODE_MOSAIC_STAGES` stages by default, and
-    splits of at most `decode_attention_mgpu.MAX_PAGES_PER_SPLIT` pages)."""
+    `mosaic_split`: blocks of the Mosaic GPU split kernel (`DECODE_MOSAIC_STAGES` stages by default)."""
     visible_pages = max_pages if window is None else min(max_pages, -(-(window - 1) // page_size) + 1)
     if pages_per_step is None and num_splits is None and page_size >= 64:
         steps = batch * kv_heads * -(-visible_pages // DECODE_PAGES_PER_STEP)
@@ -765,9 +764,6 @@ def decode_blocks(
         steps = -(-visible_pages // pages_per_step)
         wanted = -(-(programs_per_sm * num_sms) // (batch * kv_heads))
         num_splits = max(1, min(_pow2_floor(wanted), _pow2_floor(steps // max(min_steps_per_split, 1))))
-        if mosaic_split:  # the kernel holds a split's page ids in shared memory
-            fewest = -(-visible_pages // decode_attention_mgpu.MAX_PAGES_PER_SPLIT)
-            num_splits = max(num_splits, 1 << (fewest - 1).bit_length())
     for name, value in (("num_splits", num_splits), ("pages_per_step", pages_per_step)):
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name} {value} must be a power of two")
@@ -963,9 +959,11 @@ def paged_decode_attention_kernel(
     splits = blocks.num_splits
 
     if blocks.mosaic_split:
+        if query_prologue is not None:  # XLA, before the kernel: exact by construction
+            queries = head_prologue_reference(queries, query_prologue)
         o, m, l = decode_attention_mgpu.split_decode(
             queries, k_pages, v_pages, metadata.row_token, seq_lens, page_table, window=window, softmax_scale=scale,
-            num_splits=splits, stages=blocks.num_stages, query_prologue=query_prologue, interpret=interpret)
+            num_splits=splits, stages=blocks.num_stages, interpret=interpret)
     else:
         o, m, l = _split_partials(queries, k_pages, v_pages, seq_lens, page_table, metadata, blocks, window, scale,
                                   query_prologue, interpret)

@@ -95,8 +95,8 @@ def _prologue_and_gate(seed, args, kind):
                                          pytest.param("sliding", True, marks=pytest.mark.gpu),
                                          pytest.param("full", True, marks=pytest.mark.gpu)])
 def test_mosaic_split_with_prologue_and_gate(kind, on_gpu):
-    """The model's call: raw queries, the query prologue (in the kernel), the gated combine; interpreted
-    on the CPU, compiled on a GPU."""
+    """The model's call: raw queries, the query prologue (XLA, before the kernel), the gated combine;
+    interpreted on the CPU, compiled on a GPU."""
     args = _batch(41, kv_heads=2, group=6)
     raw, query, gate, want = _prologue_and_gate(3, args, kind)
     blocks = pa.DecodeBlocks(pages_per_step=1, num_splits=4, num_stages=2, mosaic_split=True)
@@ -108,30 +108,11 @@ def test_mosaic_split_with_prologue_and_gate(kind, on_gpu):
     np.testing.assert_allclose(got, want, rtol=0, atol=4 * 2.0**-8 * np.abs(want).max())
 
 
-def test_mosaic_split_page_ids_in_several_boxes(monkeypatch):
-    """A split's page ids come in TMA boxes of at most 256: here of 4. With 10 pages in the longest
-    sequence, one split takes three boxes, two splits two, four one; the last sequence's boxes reach
-    past the table's end."""
-    from pallas_kernels import decode_attention_mgpu as dm
-
-    monkeypatch.setattr(dm, "_TMA_BOX", 4)
-    args = _batch(7, kv_heads=1, group=6, release_hole=True, specs=[*SPECS[:-1], (600, 1), (130, 1)])
-    for splits in (1, 2, 4):
-        blocks = pa.DecodeBlocks(pages_per_step=1, num_splits=splits, num_stages=2, mosaic_split=True)
-        out, _ = pa.paged_decode_attention_kernel(*args, blocks=blocks, interpret=True)
-        _check(args, out, None)
-
-
 def test_mosaic_split_rejects_what_it_cannot_do():
     args = _batch(1, kv_heads=1, group=6, head_dim=96)
     blocks = pa.DecodeBlocks(pages_per_step=1, num_splits=2, mosaic_split=True)
     with pytest.raises(ValueError, match="multiples of 64"):
         pa.paged_decode_attention_kernel(*args, blocks=blocks, interpret=True)
-    queries, k_pages, v_pages, query_start, seq_lens, _ = _batch(1, kv_heads=1, group=6)
-    table = jnp.zeros((len(SPECS), 2050), jnp.int32)  # 2050 pages in 2 splits: 1025 ids a split
-    with pytest.raises(ValueError, match="take more splits"):
-        pa.paged_decode_attention_kernel(queries, k_pages, v_pages, query_start, seq_lens, table, blocks=blocks,
-                                         interpret=True)
 
 
 @pytest.mark.gpu
@@ -143,38 +124,28 @@ def test_mosaic_split_matches_reference_on_gpu(kv_heads, group, window, splits, 
     _check(args, run(*args)[0], window)
 
 
-@pytest.mark.parametrize("batch,heads,kv_heads,context,splits,stages,window,prologue", [
-    (8, 6, 1, 8192, 32, 2, None, "ssmax"), (32, 48, 8, 8192, 2, 3, None, None), (1, 6, 1, 131072, 256, 4, None, None),
-    (32, 6, 1, 32768, 4, 2, 512, "rope"), (8, 48, 8, 131072, 4, 2, None, None)])
-def test_mosaic_split_lowers_for_cuda(batch, heads, kv_heads, context, splits, stages, window, prologue):
-    """Beam's decode shapes (TP8 and all heads; a sliding layer; 512 page ids a split, in two boxes; the
-    full and sliding layers' query prologues) lower for sm_90 on the CPU, within the shared memory at up
-    to 4 stages (the PTX is built on the GPU)."""
+@pytest.mark.parametrize("batch,heads,kv_heads,context,splits,stages,window", [
+    (8, 6, 1, 8192, 32, 2, None), (32, 48, 8, 8192, 2, 3, None), (1, 6, 1, 131072, 256, 4, None),
+    (32, 6, 1, 32768, 4, 2, 512), (8, 48, 8, 131072, 4, 2, None)])
+def test_mosaic_split_lowers_for_cuda(batch, heads, kv_heads, context, splits, stages, window):
+    """Beam's decode shapes (TP8 and all heads; a sliding layer) lower for sm_90 on the CPU, within the
+    shared memory at up to 4 stages (the PTX is built on the GPU)."""
     from pallas_kernels import decode_attention_mgpu as dm
 
     spec = jax.ShapeDtypeStruct
     pages, max_pages = batch * context // 64 + 1, context // 64
-    weight, per_token = spec((128,), jnp.bfloat16), spec((batch, 128), jnp.float32)
-    query_prologue = {None: None, "ssmax": pa.HeadPrologue(weight, 1e-6, ssmax_scale=spec((batch,), jnp.float32)),
-                      "rope": pa.HeadPrologue(weight, 1e-6, rope_cos=per_token, rope_sin=per_token)}[prologue]
     op = functools.partial(dm.split_decode, window=window, softmax_scale=128**-0.5, num_splits=splits, stages=stages)
     specs = (spec((batch, heads, 128), jnp.bfloat16), *[spec((pages, 64, kv_heads, 128), jnp.bfloat16)] * 2,
              spec((batch,), jnp.int32), spec((batch,), jnp.int32), spec((batch, max_pages), jnp.int32))
-    text = jax.jit(op).trace(*specs, query_prologue=query_prologue).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    assert "mosaic_gpu" in jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_mosaic_decode_blocks_and_when_the_model_takes_them(monkeypatch):
-    """`decode_blocks(mosaic_split=True)`: two stages, and enough splits that a split's page ids fit the
-    kernel's buffer; the model's default takes the Mosaic kernel only when `DECODE_MOSAIC_SPLIT` is on, on
-    Hopper, for shapes it takes."""
-    from pallas_kernels import decode_attention_mgpu as dm
-
-    blocks = pa.decode_blocks(64, 8, 16384, 64, None, mosaic_split=True)  # 1M tokens: Triton takes 1 split
-    assert blocks.mosaic_split and blocks.num_stages == pa.DECODE_MOSAIC_STAGES and blocks.num_splits == 16
-    assert dm.pages_per_split(16384, 64, None, blocks.num_splits) <= dm.MAX_PAGES_PER_SPLIT
-    assert pa.decode_blocks(64, 8, 16384, 64, None).num_splits == 1
-    assert pa.decode_blocks(8, 1, 128, 64, None, mosaic_split=True).num_splits == 32  # as the Triton kernel's
+    """`decode_blocks(mosaic_split=True)`: the Triton kernel's splits, two stages; the model's default takes
+    the Mosaic kernel only when `DECODE_MOSAIC_SPLIT` is on, on Hopper, for shapes it takes."""
+    blocks = pa.decode_blocks(8, 1, 128, 64, None, mosaic_split=True)
+    assert blocks.mosaic_split and blocks.num_stages == pa.DECODE_MOSAIC_STAGES
+    assert blocks.num_splits == pa.decode_blocks(8, 1, 128, 64, None).num_splits == 32
 
     bf16, f32 = jnp.zeros((2, 6, 128), jnp.bfloat16), jnp.zeros((2, 6, 128), jnp.float32)
     pages = jnp.zeros((4, 64, 1, 128), jnp.bfloat16)
