@@ -725,12 +725,14 @@ DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 1
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_MIN_STEPS_PER_SPLIT = 1
-# The Mosaic GPU split kernel (`decode_attention_mgpu`): its session-11 version took 17-22 % less time than
-# the Triton kernel at 8K x 32, 32K x 8 and 128K x 1 with two stages (run 7; three and four stages fit
-# one program per SM and lost). Off until its current version has passed its GPU tests and been timed
-# against the Triton kernel (benchmarks/attention/RESULTS.md, "Next GPU call"); then on, on Hopper.
-DECODE_MOSAIC_SPLIT = False
+# The Mosaic GPU split kernel (`decode_attention_mgpu`), on Hopper. Against the Triton kernel (H200, run 8
+# of benchmarks/attention/RESULTS.md, two stages, the same splits): 15.1 against 16.0 us at 8K x 8, 23.4
+# against 27.5 at 128K x 1, 38.7 against 48.2 at 8K x 32, 257 against 340 at 8K x 32 with 48/8 heads; it
+# lost at 32K x 1 (11.7 against 10.8), two pages a split. Three stages lost everywhere (one program per
+# SM). So it takes splits of at least DECODE_MOSAIC_MIN_PAGES pages (sliding layers' steps stay Triton's).
+DECODE_MOSAIC_SPLIT = True
 DECODE_MOSAIC_STAGES = 2
+DECODE_MOSAIC_MIN_PAGES = 4
 
 
 def _pow2_floor(n: int) -> int:
@@ -954,8 +956,7 @@ def paged_decode_attention_kernel(
     if metadata is None:
         metadata = decode_metadata(query_start, tokens)
     if blocks is None:
-        blocks = decode_blocks(batch, kv_heads, max_pages, page_size, window,
-                               mosaic_split=not interpret and use_mosaic_split(queries, k_pages, v_pages))
+        blocks = default_decode_blocks(queries, k_pages, v_pages, batch, max_pages, window, interpret=interpret)
     splits = blocks.num_splits
 
     if blocks.mosaic_split:
@@ -971,13 +972,28 @@ def paged_decode_attention_kernel(
     return out, metadata.token_row
 
 
-def use_mosaic_split(queries, k_pages, v_pages) -> bool:
-    """Whether `decode_blocks` should choose the Mosaic GPU split kernel: `DECODE_MOSAIC_SPLIT`, on a
-    Hopper GPU, for shapes the kernel takes."""
+def default_decode_blocks(queries, k_pages, v_pages, batch: int, max_pages: int, window: int | None, *,
+                          interpret: bool = False) -> DecodeBlocks:
+    """The blocks `paged_decode_attention_kernel` takes when given none (what the model runs) for `batch`
+    sequences of page tables `max_pages` wide: the Triton kernel's `decode_blocks`, or the Mosaic GPU
+    kernel's where `use_mosaic_split` says so."""
+    _, page_size, kv_heads, _ = k_pages.shape
+    blocks = decode_blocks(batch, kv_heads, max_pages, page_size, window)
+    if not interpret and use_mosaic_split(queries, k_pages, v_pages, blocks, max_pages, window):
+        blocks = decode_blocks(batch, kv_heads, max_pages, page_size, window, mosaic_split=True)
+    return blocks
+
+
+def use_mosaic_split(queries, k_pages, v_pages, blocks: DecodeBlocks, max_pages: int, window: int | None) -> bool:
+    """Whether the step takes the Mosaic GPU split kernel instead of the Triton one (on `blocks`' splits):
+    `DECODE_MOSAIC_SPLIT`, on a Hopper GPU, for shapes the kernel takes, with splits of at least
+    `DECODE_MOSAIC_MIN_PAGES` visible pages."""
     _, heads, head_dim = queries.shape
     _, page_size, kv_heads, _ = k_pages.shape
+    visible_pages = max_pages if window is None else min(max_pages, -(-(window - 1) // page_size) + 1)
     return (DECODE_MOSAIC_SPLIT and is_hopper(jax.devices()[0]) and queries.dtype == k_pages.dtype == v_pages.dtype
-            and decode_attention_mgpu.fits(heads, kv_heads, page_size, head_dim, queries.dtype))
+            and decode_attention_mgpu.fits(heads, kv_heads, page_size, head_dim, queries.dtype)
+            and visible_pages >= DECODE_MOSAIC_MIN_PAGES * blocks.num_splits)
 
 
 def _whole_block(shape) -> pl.BlockSpec:

@@ -295,7 +295,7 @@ def run_layer_config(ctx, batch, kind, args, interpret, timer=None):
     outs = {}
     for name, fused, spec in layer_variants(args):
         try:
-            blocks = make_decode_blocks(spec, batch, 1, table.shape[1], page_size, window)
+            blocks = make_decode_blocks(spec, batch, 1, table.shape[1], page_size, window, (q, k_pages, v_pages))
             row["decode_blocks"][name] = vars(blocks)
             step = layer_step(fused, window, blocks, interpret)
             row[f"{name}_ops"] = top_level_ops(step, q, table, k_pages, v_pages, *rest)
@@ -420,7 +420,10 @@ def parse_decode_config(spec: str) -> dict:
     return {CONFIG_LETTERS[letter]: int(number) for letter, number in parts}
 
 
-def make_decode_blocks(spec: str, batch, kv_heads, max_pages, page_size, window):
+def make_decode_blocks(spec: str, batch, kv_heads, max_pages, page_size, window, arrays=None):
+    """`arrays` (queries, k_pages, v_pages): "auto" is then what the model runs (`default_decode_blocks`)."""
+    if spec == "auto" and arrays is not None:
+        return pa.default_decode_blocks(*arrays, batch, max_pages, window)
     kwargs = parse_decode_config(spec)
     combine_block_d = kwargs.pop("combine_block_d", None)
     kwargs["mosaic_split"] = bool(kwargs.get("mosaic_split", 0))
@@ -506,7 +509,7 @@ def run_config(ctx, batch, shape_name, kind, args, interpret, timer=None, baseli
         specs += [c for c in args.sweep_configs if c not in specs]
     steps = {}
     for spec in specs:
-        blocks = make_decode_blocks(spec, batch, kvh, max_pages, page_size, window)
+        blocks = make_decode_blocks(spec, batch, kvh, max_pages, page_size, window, (q, k_pages, v_pages))
 
         def decode_step(qq, pt, k_pages, v_pages, query_start, seq_lens, metadata, blocks=blocks):
             return pa.ragged_paged_attention(
