@@ -2,11 +2,10 @@
 
 The Triton split kernel (`paged_attention._decode_split_kernel`) has no asynchronous copies: each loop
 step waits for its K and V loads. Here a program's pages stream through shared memory by TMA, `stages`
-pages ahead of the math. On the H200 (run 7 of benchmarks/attention/RESULTS.md, session 11's version)
-it took 17-22 % less time than the Triton kernel wherever a step has more than one program per SM's
-worth of pages (78 % of the HBM floor at 8K x 32 and 32K x 8, against 65-66 %). The version here
-changed after that run and has been checked on the CPU only (interpret mode, lowering): the next GPU
-run must compile and time it before the model uses it.
+pages ahead of the math. On the H200 (run 8 of benchmarks/attention/RESULTS.md) it took 5-24 % less
+time than the Triton kernel where a split has at least 4 pages (82 % of the HBM floor at 8K x 32 and
+32K x 8, against 66 %), and lost at 2 pages a split; `paged_attention.default_decode_blocks` picks it
+on those terms.
 
 A program is one (sequence, kv head, split), as in the Triton kernel, and writes the same partials
 (unnormalized output, running max and sum per query row) for `paged_attention`'s combine, which reads
