@@ -735,6 +735,11 @@ DECODE_MOSAIC_STAGES = 2
 DECODE_MOSAIC_MIN_PAGES = 4
 
 
+def _visible_pages(max_pages: int, page_size: int, window: int | None) -> int:
+    """The most pages a decode sees: all of `max_pages`, or with a window cdiv(window - 1, page_size) + 1."""
+    return max_pages if window is None else min(max_pages, -(-(window - 1) // page_size) + 1)
+
+
 def _pow2_floor(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
@@ -752,7 +757,7 @@ def decode_blocks(
     cdiv(window - 1, page_size) + 1 whatever the context, so a sliding layer's blocks are flat).
     A latency-bound step (fewer loop steps in all than SMs) gets one page per split instead.
     `mosaic_split`: blocks of the Mosaic GPU split kernel (`DECODE_MOSAIC_STAGES` stages by default)."""
-    visible_pages = max_pages if window is None else min(max_pages, -(-(window - 1) // page_size) + 1)
+    visible_pages = _visible_pages(max_pages, page_size, window)
     if pages_per_step is None and num_splits is None and page_size >= 64:
         steps = batch * kv_heads * -(-visible_pages // DECODE_PAGES_PER_STEP)
         if steps <= num_sms:
@@ -990,7 +995,7 @@ def use_mosaic_split(queries, k_pages, v_pages, blocks: DecodeBlocks, max_pages:
     `DECODE_MOSAIC_MIN_PAGES` visible pages."""
     _, heads, head_dim = queries.shape
     _, page_size, kv_heads, _ = k_pages.shape
-    visible_pages = max_pages if window is None else min(max_pages, -(-(window - 1) // page_size) + 1)
+    visible_pages = _visible_pages(max_pages, page_size, window)
     return (DECODE_MOSAIC_SPLIT and is_hopper(jax.devices()[0]) and queries.dtype == k_pages.dtype == v_pages.dtype
             and decode_attention_mgpu.fits(heads, kv_heads, page_size, head_dim, queries.dtype)
             and visible_pages >= DECODE_MOSAIC_MIN_PAGES * blocks.num_splits)
