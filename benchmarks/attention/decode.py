@@ -19,7 +19,7 @@ Variants:
            steps per split, w warps, n stages (split kernel), d the combine's head_dim block, g1 the
            Mosaic GPU split kernel (`decode_attention_mgpu`; n is then its TMA pipeline depth, by
            default `DECODE_MOSAIC_STAGES`), g0 the Triton one; e.g. "p2t2m1w4n1" or "s32n3g1".
-           "auto" is what the model runs: the Triton kernel while `DECODE_MOSAIC_SPLIT` is off. The
+           "auto" is what the model runs (`default_decode_blocks`: Mosaic on Hopper where it wins). The
            step's DecodeMetadata is built once, outside the timed loop, as the engine builds it once per
            step for all layers. (Run 6's letters f and c chose a one-launch
            path and its merge fan-in; it was slower at every shape and is removed.)
@@ -41,7 +41,7 @@ token's K/V written to its page (the position of the decode) each iteration.
   layer_fused   : the model's GPU path (PagedKVCache.fuses_attention): write_kv_kernel (k norm +
            RoPE + both page rows, one Pallas call), the split decode kernel with the q norm + RoPE /
            SSMax in its prologue, the combine with the output gate in its epilogue; on the first
-           config, and as layer_fused-<config> on each further one (e.g. "auto,g1": Triton, Mosaic)
+           config, and as layer_fused-<config> on each further one (e.g. "g0,g1": Triton, Mosaic)
   The cos/sin tables and SSMax scale are built once per step outside the loop (the model builds them
   once per step for all layers). Also reported: the compiled step's top-level XLA ops (fusions,
   scatters, custom calls: about one launch each). Timed with the loop and, with the CUPTI timer, as
