@@ -107,27 +107,31 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
         plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(first_row, group)], q_smem.at[pl.ds(0, group)], q_barrier)
         num_steps = hi - lo
 
-        def page_id(i):  # the split's i-th page (-1: released)
-            return page_table_gmem[sequence, lo + i]
+        def page_id(i):  # the split's i-th page (-1: released); past the table's end, its last entry (unused)
+            return page_table_gmem[sequence, jnp.minimum(lo + i, max_pages - 1)]
 
         def attend(k_ring, v_ring, ring_barriers):
             """A ring of `stages` page buffers: page i lands in slot i % stages, fetched `stages` pages
-            ahead of the math; a slot is fetched again once its page's wgmmas are done."""
-            def fetch(i):
+            ahead of the math; a slot is fetched again once its page's wgmmas are done. The page ids
+            travel in the loop's carry, each loaded a step before its fetch needs it, so that no global
+            load sits between a page's wgmmas and the next fetch."""
+            def fetch(i, page):
                 slot = i % stages
-                rows = pl.ds(jnp.maximum(page_id(i), 0) * page_size, page_size)  # a released page (-1): page 0, masked
+                rows = pl.ds(jnp.maximum(page, 0) * page_size, page_size)  # a released page (-1): page 0, masked
                 columns = pl.ds(kv_head * head_dim, head_dim)
                 plgpu.copy_gmem_to_smem(k_gmem.at[rows, columns], k_ring.at[slot], ring_barriers.at[slot])
                 plgpu.copy_gmem_to_smem(v_gmem.at[rows, columns], v_ring.at[slot], ring_barriers.at[slot])
 
+            first_ids = tuple(page_id(i) for i in range(stages))
             for i in range(stages):
-                pl.when(i < num_steps)(lambda i=i: fetch(i))
+                pl.when(i < num_steps)(lambda i=i: fetch(i, first_ids[i]))
             # The queries once, into registers (wgmma's left operand), while the first pages load.
             plgpu.barrier_wait(q_barrier)
             q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA, optimized=False)
 
             def step(i, carry):
-                acc, m_prev, l_prev = carry
+                acc, m_prev, l_prev, ids = carry  # ids: pages i .. i + stages - 1
+                next_id = page_id(i + stages)  # its latency hides behind this page's math
                 slot = i % stages
                 plgpu.barrier_wait(ring_barriers.at[slot])
                 k_smem, v_smem = k_ring.at[slot], v_ring.at[slot]
@@ -135,7 +139,7 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
                 scores = (scores.astype(dtype).astype(jnp.float32) * softmax_scale).astype(dtype).astype(jnp.float32)
                 k_pos = (lo + i) * page_size + plgpu.broadcasted_iota(
                     jnp.int32, (_WGMMA_ROWS, page_size), 1, layout=plgpu.Layout.WGMMA)
-                visible = (k_pos <= q_pos) & (page_id(i) >= 0)
+                visible = (k_pos <= q_pos) & (ids[0] >= 0)
                 if window is not None:
                     visible &= q_pos - k_pos < window
                 scores = jnp.where(visible, scores, -jnp.inf)
@@ -143,14 +147,15 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
                 correction = jnp.exp(m_prev - m_next)
                 probs = jnp.exp(scores - lax.broadcast_in_dim(m_next, scores.shape, [0]))
                 pv = _matmul(_lhs(probs.astype(dtype), lhs_smem, 1), v_smem, (_WGMMA_ROWS, head_dim))
-                pl.when(i + stages < num_steps)(lambda: fetch(i + stages))  # both wgmmas are done with the slot
+                pl.when(i + stages < num_steps)(lambda: fetch(i + stages, next_id))  # both wgmmas are done with the slot
                 acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + pv
-                return acc, m_next, correction * l_prev + probs.sum(axis=1)
+                return acc, m_next, correction * l_prev + probs.sum(axis=1), (*ids[1:], next_id)
 
             init = (plgpu.layout_cast(jnp.zeros((_WGMMA_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
                     plgpu.layout_cast(jnp.full((_WGMMA_ROWS,), _M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-                    plgpu.layout_cast(jnp.zeros((_WGMMA_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
-            return lax.fori_loop(0, num_steps, step, init)
+                    plgpu.layout_cast(jnp.zeros((_WGMMA_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+                    first_ids)
+            return lax.fori_loop(0, num_steps, step, init)[:3]
 
         ring = plgpu.SMEM((stages, page_size, head_dim), dtype, transforms=operand)
         acc, m, l = pl.run_scoped(attend, ring, ring, plgpu.Barrier(num_arrivals=2, num_barriers=stages))

@@ -890,23 +890,29 @@ def _decode_combine_kernel(
     *gate_refs, out_ref = refs
     token, head, block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_head, row_in_group = head // group, head % group
-    num_splits = m_ref.shape[2]
-    row = token_row_ref[token]
-    source = jnp.maximum(row, 0)
-    # Empty splits have m = _M_INIT, l = 0, o = 0.
-    m = m_ref[source, kv_head, :, row_in_group]  # [splits]
-    l = l_ref[source, kv_head, :, row_in_group]
-    m_all = m.max()
-    total = (jnp.exp(m - m_all) * l).sum()
+    batch, num_splits = m_ref.shape[0], m_ref.shape[2]
     lanes = pl.ds(block * block_d, block_d)
 
-    def body(step, acc):
-        chunk = pl.ds(step * splits_per_step, splits_per_step)
-        weight = jnp.exp(m_ref[source, kv_head, chunk, row_in_group] - m_all)  # [splits_per_step]
-        return acc + (weight[:, None] * o_ref[source, kv_head, chunk, row_in_group, lanes]).sum(axis=0)
+    def weighted_sum(source):  # sequence `source`'s partials: (unnormalized output lanes, softmax sum)
+        # Empty splits have m = _M_INIT, l = 0, o = 0.
+        m = m_ref[source, kv_head, :, row_in_group]  # [splits]
+        l = l_ref[source, kv_head, :, row_in_group]
+        m_all = m.max()
 
-    acc = jnp.zeros((block_d,), jnp.float32)
-    acc = lax.fori_loop(0, num_splits // splits_per_step, body, acc)
+        def body(step, acc):
+            chunk = pl.ds(step * splits_per_step, splits_per_step)
+            weight = jnp.exp(m_ref[source, kv_head, chunk, row_in_group] - m_all)  # [splits_per_step]
+            return acc + (weight[:, None] * o_ref[source, kv_head, chunk, row_in_group, lanes]).sum(axis=0)
+
+        acc = lax.fori_loop(0, num_splits // splits_per_step, body, jnp.zeros((block_d,), jnp.float32))
+        return acc, (jnp.exp(m - m_all) * l).sum()
+
+    # In a step of decodes only (most steps) token t is sequence t: its partials are read while the
+    # token's row loads, not after it (one dependent load less); any other token reads them again.
+    row = token_row_ref[token]
+    guess = jnp.minimum(token, batch - 1)
+    acc, total = weighted_sum(guess)
+    acc, total = lax.cond((row == guess) | (row < 0), lambda: (acc, total), lambda: weighted_sum(row))
     keep = (total > 0) & (row >= 0)  # a query with no visible key gets zeros
     out = jnp.where(keep, acc / jnp.where(total > 0, total, 1.0), 0.0)
     if gated:
