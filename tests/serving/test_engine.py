@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import beam_jax
+from serving import engine as engine_module
 from serving.engine import LLM, EngineConfig, LLMEngine
 from serving.sampling import SamplingParams
 
@@ -206,3 +207,11 @@ def test_bad_requests_are_refused(beam):
         engine.add_request("d", [20, 21])
     assert engine.abort_request("nope") is None
     assert engine.abort_request("d").finished
+
+
+def test_page_size_defaults_to_the_platforms(beam, monkeypatch):
+    """No page size given: 16 tokens here (CPU), 64 on a GPU (the decode kernels' pages); one given is kept."""
+    assert LLMEngine(beam, config=EngineConfig(max_model_len=64)).pool.page_tokens == 16
+    assert LLMEngine(beam, config=EngineConfig(max_model_len=64, page_tokens=32)).pool.page_tokens == 32
+    monkeypatch.setattr(engine_module.jax, "default_backend", lambda: "gpu")
+    assert engine_module.default_page_tokens() == 64
