@@ -37,9 +37,11 @@ from pallas_kernels.paged_attention import (
     HeadPrologue,
     OutputGate,
     decode_metadata,
+    default_decode_blocks,
     default_use_kernel,
     ragged_paged_attention,
     write_kv,
+    write_kv_kernel,
 )
 
 
@@ -167,11 +169,23 @@ class PagedKVCache:
     def _attend_here(self, q, k, v, query_prologue, key_prologue, output_gate, *, layer: int, window: int | None):
         """`attend` on the arrays as they are here (one device's heads under `shard_map`)."""
         batch = self._step_batch()
-        written = self.write(layer, k, v, key_prologue=key_prologue)
+        table = self._layer_table(layer)
+        blocks = None
+        if self.fuses_attention and query_prologue is not None and key_prologue is not None:
+            blocks = default_decode_blocks(q, self.k_pages, self.v_pages, *table.shape, window,
+                                           interpret=self.interpret)
+        if blocks is not None and blocks.mosaic_split:
+            # The Mosaic split kernel takes finished queries: their prologue rides on the K/V write's launch
+            # (a separate XLA prologue cost 1.3-1.7 us a layer on the H200, RESULTS.md run 9).
+            written, q = self._write_with_queries(layer, k, v, key_prologue, q, query_prologue)
+            query_prologue = None
+        else:
+            written = self.write(layer, k, v, key_prologue=key_prologue)
         out = ragged_paged_attention(
-            q, written.k_pages, written.v_pages, batch.query_start, batch.seq_lens, self._layer_table(layer),
+            q, written.k_pages, written.v_pages, batch.query_start, batch.seq_lens, table,
             window=window, use_kernel=self.use_kernel, decode_only=batch.decode_only, decode=batch.decode,
-            query_prologue=query_prologue, output_gate=output_gate, interpret=self.interpret,
+            decode_block_sizes=blocks, query_prologue=query_prologue, output_gate=output_gate,
+            interpret=self.interpret,
         )
         return out, written
 
@@ -182,14 +196,26 @@ class PagedKVCache:
         """Write the step's K/V of `layer` (one row per flat token) into its rows of the pages. With
         `key_prologue`, `k` is the raw projection: normalized and rotated on the way in (in the write
         kernel when the cache fuses attention)."""
-        group, slot, slots, size = self.layer_group[layer], self.layer_slot[layer], self.slots, self.page_size
-        mapping = self._step_batch().slot_mappings[group]
-        mapping = jnp.where(mapping >= 0, (mapping // size * slots + slot) * size + mapping % size, -1)
         k_pages, v_pages = write_kv(
-            self.k_pages, self.v_pages, k, v, mapping, key_prologue=key_prologue,
+            self.k_pages, self.v_pages, k, v, self._slot_mapping(layer), key_prologue=key_prologue,
             use_kernel=key_prologue is not None and self.fuses_attention, interpret=self.interpret,
         )
         return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
+
+    def _write_with_queries(self, layer: int, k, v, key_prologue: HeadPrologue, queries,
+                            query_prologue: HeadPrologue) -> tuple[PagedKVCache, Float[Array, "tokens heads d"]]:
+        """`write` by the write kernel, which also applies `query_prologue` to the raw `queries`: (the
+        cache, the finished queries)."""
+        k_pages, v_pages, queries = write_kv_kernel(
+            self.k_pages, self.v_pages, k, v, self._slot_mapping(layer), key_prologue=key_prologue,
+            queries=queries, query_prologue=query_prologue, interpret=self.interpret)
+        return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages), queries
+
+    def _slot_mapping(self, layer: int) -> Int[Array, " tokens"]:
+        """Each flat token's row in `layer`'s slot of the page arrays (-1: padding, not written)."""
+        group, slot, slots, size = self.layer_group[layer], self.layer_slot[layer], self.slots, self.page_size
+        mapping = self._step_batch().slot_mappings[group]
+        return jnp.where(mapping >= 0, (mapping // size * slots + slot) * size + mapping % size, -1)
 
     def window_context(
         self, layer: int, end: Int[Array, " batch"], num_pages: int

@@ -179,6 +179,14 @@ def _prologue_arrays(prologue: HeadPrologue | None, head_dim: int) -> tuple[list
     return arrays, specs, (prologue.eps, has_rope, has_ssmax)
 
 
+def _prologue_kinds(spec: tuple) -> tuple[str, ...]:
+    """The arrays `_prologue_arrays` passes for a static description `spec`, in order."""
+    if not spec:
+        return ()
+    _, has_rope, has_ssmax = spec
+    return ("norm_weight",) + ("rope_cos", "rope_sin") * has_rope + ("ssmax_scale",) * has_ssmax
+
+
 def _rounded(x32, dtype):
     """fp32 `x32` rounded to `dtype` and back, as a kernel's intermediate rounding point. For bf16 the
     round-to-nearest-even is done on the bits: on the H200, Triton dropped a plain truncate-extend
@@ -226,21 +234,36 @@ def _write_kv_kernel(
     v_ref,  # [tokens, kv_heads, d]
     k_pages_in_ref,  # aliased with k_pages_ref
     v_pages_in_ref,  # aliased with v_pages_ref
-    *refs,  # the key prologue's arrays, then the outputs k_pages_ref, v_pages_ref
+    *refs,  # the key prologue's arrays; with a query prologue the raw queries and its arrays; then the
+    # outputs k_pages_ref, v_pages_ref (and the prologued queries)
     page_size: int,
     prologue_spec: tuple,
+    query_spec: tuple,
+    group: int,
 ):
     del k_pages_in_ref, v_pages_in_ref
-    *prologue_refs, k_pages_ref, v_pages_ref = refs
     token, kv_head = pl.program_id(0), pl.program_id(1)
     head_dim = k_ref.shape[-1]
+    key_refs, refs = refs[:len(_prologue_kinds(prologue_spec))], refs[len(_prologue_kinds(prologue_spec)):]
+    if query_spec:
+        q_ref, *refs = refs
+        query_refs, (k_pages_ref, v_pages_ref, q_out_ref) = refs[:-3], refs[-3:]
+        # This kv head's `group` query heads, as rows padded to a power of two (masked).
+        rows = 1 << (group - 1).bit_length()
+        heads = pl.ds(kv_head * group, rows)
+        head_rows = lax.broadcasted_iota(jnp.int32, (rows, head_dim), 0) < group
+        q = pltriton.load(q_ref.at[token, heads, :], mask=head_rows, other=0)
+        pltriton.store(q_out_ref.at[token, heads, :], _prologue_in_kernel(q, query_refs, token, query_spec),
+                       mask=head_rows)
+    else:
+        k_pages_ref, v_pages_ref = refs
     slot = slot_ref[token]
     live = jnp.broadcast_to(slot >= 0, (head_dim,))  # padding (slot -1) writes nothing
     slot = jnp.maximum(slot, 0)
     page, offset = slot // page_size, slot % page_size
     k = k_ref[token, kv_head, :]
     if prologue_spec:
-        k = _prologue_in_kernel(k, prologue_refs, token, prologue_spec)
+        k = _prologue_in_kernel(k, key_refs, token, prologue_spec)
     pltriton.store(k_pages_ref.at[page, offset, kv_head, :], k.astype(k_pages_ref.dtype), mask=live)
     v = v_ref[token, kv_head, :]
     pltriton.store(v_pages_ref.at[page, offset, kv_head, :], v.astype(v_pages_ref.dtype), mask=live)
@@ -254,27 +277,45 @@ def write_kv_kernel(
     slot_mapping: Int[Array, " tokens"],
     *,
     key_prologue: HeadPrologue | None = None,
+    queries: Float[Array, "tokens heads d"] | None = None,
+    query_prologue: HeadPrologue | None = None,
     interpret: bool = False,
-) -> tuple[Float[Array, "pages page_size kv_heads d"], Float[Array, "pages page_size kv_heads d"]]:
+):
     """`write_kv` as one Pallas call, grid (token, kv head): the key prologue (norm, RoPE) on the raw
     k, then both rows stored in place (the page arrays are aliased to the outputs). Replaces XLA's
-    norm, rotation and two scatters: at batch 1 each launch costs more than its work."""
+    norm, rotation and two scatters: at batch 1 each launch costs more than its work.
+
+    With `queries` and `query_prologue`, each program also applies the query prologue to its kv head's
+    query heads, and the call returns (k_pages, v_pages, prologued queries): for a decode kernel that
+    takes finished queries (the Mosaic split kernel), a launch less than a separate prologue."""
     _, page_size, kv_heads, head_dim = k_pages.shape
     tokens = new_k.shape[0]
     prologue, prologue_specs, prologue_spec = _prologue_arrays(key_prologue, head_dim)
     whole = lambda a: pl.BlockSpec(a.shape, lambda t, h, rank=a.ndim: (0,) * rank)
-    kernel = functools.partial(_write_kv_kernel, page_size=page_size, prologue_spec=prologue_spec)
-    return pl.pallas_call(
+    query_inputs, query_specs, query_spec, query_out = [], [], (), []
+    if queries is not None:
+        if query_prologue is None or queries.shape[0] != tokens or queries.shape[1] % kv_heads:
+            raise ValueError(f"queries {queries.shape} need a query prologue, {tokens} tokens and whole groups "
+                             f"of {kv_heads} kv heads")
+        arrays, specs, query_spec = _prologue_arrays(query_prologue, head_dim)
+        query_inputs, query_specs = [queries, *arrays], [whole(queries), *specs]
+        query_out = [jax.ShapeDtypeStruct(queries.shape, queries.dtype)]
+    kernel = functools.partial(_write_kv_kernel, page_size=page_size, prologue_spec=prologue_spec,
+                               query_spec=query_spec, group=1 if queries is None else queries.shape[1] // kv_heads)
+    out = pl.pallas_call(
         kernel,
         grid=(tokens, kv_heads),
-        in_specs=[whole(slot_mapping), whole(new_k), whole(new_v), whole(k_pages), whole(v_pages), *prologue_specs],
-        out_specs=[whole(k_pages), whole(v_pages)],
-        out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+        in_specs=[whole(slot_mapping), whole(new_k), whole(new_v), whole(k_pages), whole(v_pages), *prologue_specs,
+                  *query_specs],
+        out_specs=[whole(k_pages), whole(v_pages), *[whole(q) for q in query_out]],
+        out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype),
+                   *query_out],
         input_output_aliases={3: 0, 4: 1},
         compiler_params=_triton_params(1, 1),
         interpret=interpret,
-        name="write_kv_norm_rope" if prologue_spec else "write_kv",
-    )(slot_mapping.astype(jnp.int32), new_k, new_v, k_pages, v_pages, *prologue)
+        name=("write_kv_norm_rope" if prologue_spec else "write_kv") + ("_queries" if query_spec else ""),
+    )(slot_mapping.astype(jnp.int32), new_k, new_v, k_pages, v_pages, *prologue, *query_inputs)
+    return tuple(out)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -897,6 +938,10 @@ def _decode_combine_kernel(
         # Empty splits have m = _M_INIT, l = 0, o = 0.
         m = m_ref[source, kv_head, :, row_in_group]  # [splits]
         l = l_ref[source, kv_head, :, row_in_group]
+        if splits_per_step == num_splits:  # one chunk: o loads beside m and l, not after their reductions
+            o = o_ref[source, kv_head, :, row_in_group, lanes]
+            m_all = m.max()
+            return (jnp.exp(m - m_all)[:, None] * o).sum(axis=0), (jnp.exp(m - m_all) * l).sum()
         m_all = m.max()
 
         def body(step, acc):

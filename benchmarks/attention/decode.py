@@ -40,8 +40,9 @@ token's K/V written to its page (the position of the decode) each iteration.
            plain jnp
   layer_fused   : the model's GPU path (PagedKVCache.fuses_attention): write_kv_kernel (k norm +
            RoPE + both page rows, one Pallas call), the split decode kernel with the q norm + RoPE /
-           SSMax in its prologue, the combine with the output gate in its epilogue; on the first
-           config, and as layer_fused-<config> on each further one (e.g. "g0,g1": Triton, Mosaic)
+           SSMax in its prologue (for the Mosaic split kernel, the write kernel applies it instead),
+           the combine with the output gate in its epilogue; on the first config, and as
+           layer_fused-<config> on each further one (e.g. "g0,g1": Triton, Mosaic)
   The cos/sin tables and SSMax scale are built once per step outside the loop (the model builds them
   once per step for all layers). Also reported: the compiled step's top-level XLA ops (fusions,
   scatters, custom calls: about one launch each). Timed with the loop and, with the CUPTI timer, as
@@ -217,8 +218,13 @@ def layer_step(fused, window, blocks, interpret):
     """One layer's decode (see the module docstring): (q, page_table, k_pages, v_pages, ...) -> (out, pages)."""
 
     def step(q, page_table, k_pages, v_pages, new_k, new_v, slots, query_start, seq_lens, metadata, query, key, gate):
-        k_pages, v_pages = pa.write_kv(k_pages, v_pages, new_k, new_v, slots, key_prologue=key, use_kernel=fused,
-                                       interpret=interpret)
+        if fused and blocks is not None and blocks.mosaic_split:  # as PagedKVCache.attend: the query prologue
+            k_pages, v_pages, q = pa.write_kv_kernel(k_pages, v_pages, new_k, new_v, slots, key_prologue=key,
+                                                     queries=q, query_prologue=query, interpret=interpret)
+            query = None  # rides on the write kernel
+        else:
+            k_pages, v_pages = pa.write_kv(k_pages, v_pages, new_k, new_v, slots, key_prologue=key, use_kernel=fused,
+                                           interpret=interpret)
         kw = {"window": window, "use_kernel": True, "decode_only": True, "decode": metadata,
               "decode_block_sizes": blocks, "interpret": interpret}
         if fused:

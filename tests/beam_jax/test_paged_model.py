@@ -317,3 +317,71 @@ def test_rejected_drafts_are_rolled_back(params, prompts, truth, accepted):
         cache, (logits, *_) = paged_step(params, cache, pool, items)
         got.append(logits)
     assert_logits_match(np.concatenate(got), truth[0][kept:], f"after rolling back to {kept}")
+
+
+@pytest.mark.parametrize("kind", ["full", "sliding"])
+def test_mosaic_decode_takes_its_query_prologue_from_the_write_kernel(monkeypatch, kind):
+    """When the decode kernel is the Mosaic GPU one, `attend` has the K/V write kernel apply the query
+    prologue too (one launch less) and passes finished queries on. Forced here in interpret mode (the
+    model picks it on Hopper only): the output and pages equal the Triton kernel's path, which fuses the
+    prologue in its split kernel. bf16, head_dim 128, pages of 64 (the Mosaic kernel's smallest)."""
+    from beam_jax import paged_cache
+    from pallas_kernels import paged_attention as pa
+    from tests.pallas_kernels.test_fused_decode_attention import assert_same_rounding
+
+    config = dataclasses.replace(CONFIG, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
+                                 num_hidden_layers=1, layer_types=(FULL,), mlp_layer_types=(DENSE,))
+    rng = np.random.default_rng(8)
+    seq_lens = np.array([130, 64, 200], np.int32)  # decodes at a page's start, end and middle
+    batch_size, tokens, page, max_pages = 3, 4, 64, 4  # one padding token
+    table = np.full((batch_size, max_pages), -1, np.int32)
+    table[0, :3], table[1, :1], table[2, :4] = [5, 1, 7], [3], [0, 2, 4, 6]
+    window = None if kind == "full" else 100
+    if window:
+        table[2, 0] = -1  # out of the window: released
+    slots = np.array([table[b, (n - 1) // page] * page + (n - 1) % page for b, n in enumerate(seq_lens)] + [-1])
+    batch = PagedBatch(jnp.array([0, 1, 2, 3], jnp.int32), jnp.asarray(seq_lens), (jnp.asarray(table),),
+                       (jnp.asarray(slots, jnp.int32),), decode_only=True)
+    cache = PagedKVCache.create(config, 8, page, (0,), jnp.bfloat16, use_kernel="decode", interpret=True)
+    cache = dataclasses.replace(cache, k_pages=jnp.asarray(rng.standard_normal(cache.k_pages.shape), jnp.bfloat16),
+                                v_pages=jnp.asarray(rng.standard_normal(cache.v_pages.shape), jnp.bfloat16))
+    cache = cache.with_batch(batch)
+    q = jnp.asarray(3 * rng.standard_normal((tokens, 12, 128)), jnp.bfloat16)
+    k, v = (jnp.asarray(3 * rng.standard_normal((tokens, 2, 128)), jnp.bfloat16) for _ in range(2))
+    positions = np.append(seq_lens - 1, 0).astype(np.float32)
+    norm = lambda: jnp.asarray(1 + 0.3 * rng.standard_normal(128), jnp.float32)
+    if window:  # RoPE on both
+        angles = positions[:, None] / 10000.0 ** (np.arange(0, 128, 2) / 128)[None, :]
+        cos, sin = (jnp.asarray(np.tile(f(angles), 2), jnp.float32) for f in (np.cos, np.sin))
+        query, key = (pa.HeadPrologue(norm(), 1e-6, rope_cos=cos, rope_sin=sin) for _ in range(2))
+    else:  # SSMax on q
+        ssmax = jnp.asarray((1 + (positions + 1) / 2048) ** 0.1, jnp.float32)
+        query, key = pa.HeadPrologue(norm(), 1e-6, ssmax_scale=ssmax), pa.HeadPrologue(norm(), 1e-6)
+    gate = pa.OutputGate(jnp.asarray(rng.standard_normal((tokens, 12, 128)), jnp.bfloat16),
+                         jnp.asarray(rng.standard_normal(12), jnp.bfloat16))
+    def attend(c):  # traced afresh on each call: the patches below change what it traces
+        return jax.jit(lambda c: c.attend(0, q, k, v, window, query_prologue=query, key_prologue=key,
+                                          output_gate=gate))(c)
+
+    triton_out, triton_cache = attend(cache)
+    default_blocks = pa.default_decode_blocks
+    monkeypatch.setattr(paged_cache, "default_decode_blocks", lambda *a, **kw: dataclasses.replace(
+        default_blocks(*a, **kw), mosaic_split=True))
+    monkeypatch.setattr(paged_cache, "write_kv_kernel", spy := _Spy(pa.write_kv_kernel))
+    mosaic_out, mosaic_cache = attend(cache)
+    assert spy.with_queries == 1
+    assert_same_rounding(mosaic_out[:3], triton_out[:3], jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(mosaic_out[3], np.float32), 0.0)  # the padding token
+    for got, want in ((mosaic_cache.k_pages, triton_cache.k_pages), (mosaic_cache.v_pages, triton_cache.v_pages)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+class _Spy:
+    """Wraps a function and counts the calls that pass `queries`."""
+
+    def __init__(self, fn):
+        self.fn, self.with_queries = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.with_queries += kwargs.get("queries") is not None
+        return self.fn(*args, **kwargs)

@@ -156,6 +156,33 @@ def test_write_kernel_equals_reference_write(dtype, kv_heads, kind):
         assert int((np.asarray(got) != np.asarray(old)).any(axis=(2, 3)).sum()) == tokens - 3  # rows written
 
 
+@pytest.mark.parametrize("dtype, kv_heads, group, kind", [(jnp.float32, 3, 1, "sliding"), (jnp.bfloat16, 1, 6, "sliding"),
+                                                          (jnp.bfloat16, 2, 6, "full"), (jnp.float32, 2, 8, "full"),
+                                                          (jnp.bfloat16, 1, 3, "full")])
+def test_write_kernel_with_queries_applies_their_prologue(dtype, kv_heads, group, kind):
+    """With `queries`, the write kernel also returns them with the query prologue applied: equal to the
+    reference prologue for every token (padding and prefill tokens too: the caller picks what it reads),
+    odd groups (padded to a power of two of rows, masked) included; the pages as without queries."""
+    rng = np.random.default_rng(40 + group + kv_heads)
+    num_pages, page_size, tokens = 7, 16, 11
+    pages = [jnp.asarray(rng.standard_normal((num_pages, page_size, kv_heads, HEAD_DIM)), dtype) for _ in range(2)]
+    new_k, new_v = (jnp.asarray(3 * rng.standard_normal((tokens, kv_heads, HEAD_DIM)), dtype) for _ in range(2))
+    raw_q = jnp.asarray(3 * rng.standard_normal((tokens, kv_heads * group, HEAD_DIM)), dtype)
+    slots = rng.permutation(num_pages * page_size)[:tokens].astype(np.int32)
+    slots[[1, 9]] = -1
+    positions = np.array([0, 15, 16, 17, 63, 64, 65, 100, 511, 512, 513], np.int32)
+    query, key = layer_prologues(rng, positions, kind)
+    write = jax.jit(functools.partial(pa.write_kv_kernel, interpret=True))
+    k_pages, v_pages, queries = write(*pages, new_k, new_v, jnp.asarray(slots), key_prologue=key, queries=raw_q,
+                                      query_prologue=query)
+    assert queries.shape == raw_q.shape and queries.dtype == dtype
+    assert_same_rounding(queries, prologue_reference(raw_q, query), dtype)
+    for got, want in zip((k_pages, v_pages), write(*pages, new_k, new_v, jnp.asarray(slots), key_prologue=key)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(ValueError, match="query prologue"):
+        pa.write_kv_kernel(*pages, new_k, new_v, jnp.asarray(slots), key_prologue=key, queries=raw_q, interpret=True)
+
+
 def test_kernel_rounding_to_bf16_is_round_to_nearest_even():
     """The kernels' bit-level bf16 rounding (which Triton cannot elide) equals the dtype conversion,
     ties (even and odd), subnormals, huge values and zeros included."""
