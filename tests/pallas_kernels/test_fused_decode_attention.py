@@ -267,3 +267,10 @@ def test_fused_kernels_compiled_match_unfused_on_gpu(dtype, kv_heads, group, pag
         close = {"atol": 1e-5, "rtol": 1e-5} if dtype == jnp.float32 else {"atol": 2**-6, "rtol": 2**-7}
         for got, want in zip(written, expected):
             np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **close)
+        # The write kernel with the query prologue too (the Mosaic decode path's): queries as the reference's.
+        *written, queries = jax.jit(pa.write_kv_kernel)(*pages[:2], new_k, new_v, slots, key_prologue=key,
+                                                        queries=raw_q, query_prologue=query)
+        np.testing.assert_allclose(np.asarray(queries, np.float32),
+                                   np.asarray(prologue_reference(raw_q, query), np.float32), **close)
+        for got, want in zip(written, expected):
+            np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **close)
