@@ -370,7 +370,9 @@ def test_mosaic_decode_takes_its_query_prologue_from_the_write_kernel(monkeypatc
     monkeypatch.setattr(paged_cache, "write_kv_kernel", spy := _Spy(pa.write_kv_kernel))
     mosaic_out, mosaic_cache = attend(cache)
     assert spy.with_queries == 1
-    assert_same_rounding(mosaic_out[:3], triton_out[:3], jnp.bfloat16)
+    # On a GPU, XLA compiles the two interpreted prologues differently: a query one ulp apart moved one
+    # output of 4608 by two ulps (H200, run 11).
+    assert_same_rounding(mosaic_out[:3], triton_out[:3], jnp.bfloat16, gpu_ulps=2)
     np.testing.assert_array_equal(np.asarray(mosaic_out[3], np.float32), 0.0)  # the padding token
     for got, want in ((mosaic_cache.k_pages, triton_cache.k_pages), (mosaic_cache.v_pages, triton_cache.v_pages)):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
