@@ -2,8 +2,8 @@
 
 The Triton split kernel (`paged_attention._decode_split_kernel`) has no asynchronous copies: each loop
 step waits for its K and V loads. Here a program's pages stream through shared memory by TMA, `stages`
-pages ahead of the math. On the H200 (run 8 of benchmarks/attention/RESULTS.md) it took 5-24 % less
-time than the Triton kernel where a split has at least 4 pages (82 % of the HBM floor at 8K x 32 and
+pages ahead of the math. On the H200 (runs 8-11 of benchmarks/attention/RESULTS.md) it took 5-29 % less
+time than the Triton kernel where a split has at least 4 pages (85-87 % of the HBM floor at 8K x 32 and
 32K x 8, against 66 %), and lost at 2 pages a split; `paged_attention.default_decode_blocks` picks it
 on those terms.
 
@@ -14,11 +14,13 @@ them as they are (`q_rows` rows, the group rounded up to 8, of which the first `
   into the first rows of a 64-row buffer (wgmma's M). Rows past the group hold whatever the buffer
   held: computed, never stored.
 - A ring of `stages` page buffers: the first `stages` fetches go out, then the queries are loaded into
-  registers once, while those pages load.
-- A query prologue (the model's fused path) runs in XLA before the kernel (`paged_attention`). On the
-  H200 an in-kernel prologue computed wrong queries, and a TMA copy of a split's page ids into shared
-  memory (1-D, 16-byte boxes) stopped the GPU with CUDA_ERROR_ILLEGAL_INSTRUCTION (session 12); both
-  were taken out, not understood.
+  registers once, while those pages load. The page ids ride in the loop's carry, each loaded a step
+  before its fetch (run 10: 128K x 1 from 20.8 to 20.2-20.5 us).
+- The kernel takes finished queries: in the model the K/V write kernel applies the query prologue
+  (`PagedKVCache.attend`), elsewhere `paged_attention` runs it in XLA first. On the H200 an in-kernel
+  prologue computed wrong queries, and a TMA copy of a split's page ids into shared memory (1-D,
+  16-byte boxes) stopped the GPU with CUDA_ERROR_ILLEGAL_INSTRUCTION (session 12); both were taken
+  out, not understood.
 - One page of keys is one step: scores `[64, page_size]` by wgmma, the online softmax in registers,
   then the probabilities (wgmma's register operand) times the page's values.
 - Rounding follows the Triton kernel (and so the reference): fp32 scores rounded to the query dtype,

@@ -740,8 +740,9 @@ class DecodeBlocks:
     num_warps: int = 4  # split kernel
     num_stages: int = 2  # split kernel (Triton's software pipelining depth)
     combine_block_d: int | None = None  # head_dim lanes per combine program; None: by the token count
-    # The split kernel in Mosaic GPU (`decode_attention_mgpu`, Hopper, bf16; a query prologue runs in XLA
-    # before it), `num_stages` pages ahead by TMA; `pages_per_step` and `num_warps` do not apply.
+    # The split kernel in Mosaic GPU (`decode_attention_mgpu`, Hopper, bf16; it takes finished queries, so
+    # a query prologue runs before it), `num_stages` pages ahead by TMA; `pages_per_step` and `num_warps`
+    # do not apply.
     mosaic_split: bool = False
 
 
@@ -1016,7 +1017,7 @@ def paged_decode_attention_kernel(
     splits = blocks.num_splits
 
     if blocks.mosaic_split:
-        if query_prologue is not None:  # XLA, before the kernel: exact by construction
+        if query_prologue is not None:  # XLA, before the kernel (the model's cache has the write kernel do it)
             queries = head_prologue_reference(queries, query_prologue)
         o, m, l = decode_attention_mgpu.split_decode(
             queries, k_pages, v_pages, metadata.row_token, seq_lens, page_table, window=window, softmax_scale=scale,
