@@ -185,11 +185,11 @@ def moe_gemm_reference(
 
 
 def _local_pairs(ids: Int[Array, "tokens k"], expert_offset, num_experts: int):
-    """(ids relative to the local experts, with `num_experts` for other devices' pairs; whether each
-    pair is local). Without an offset every pair is local."""
-    if expert_offset is None:
-        return ids.astype(jnp.int32), jnp.ones(ids.shape, bool)
-    local_ids = ids.astype(jnp.int32) - expert_offset
+    """(ids relative to the local experts, with `num_experts` for pairs that are not computed here;
+    whether each pair is local). A pair is not local when its id is past these experts: another
+    device's expert (expert parallelism, `expert_offset`), or a negative id (a padding token the
+    caller masked: `MoE(num_tokens=)`)."""
+    local_ids = ids.astype(jnp.int32) - (0 if expert_offset is None else expert_offset)
     local = (local_ids >= 0) & (local_ids < num_experts)
     return jnp.where(local, local_ids, num_experts), local
 

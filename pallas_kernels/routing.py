@@ -151,11 +151,14 @@ def _partial_logits(x_ref, w_ref, t_block, e_block, split, *, block_t, block_e, 
     return jnp.sum(acc, axis=2) if gemv else acc
 
 
-def _logits_kernel(x_ref, w_ref, partial_ref, *, block_t, **tile):
+def _logits_kernel(num_tokens_ref, x_ref, w_ref, partial_ref, *, block_t, **tile):
     t_block, e_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    acc = _partial_logits(x_ref, w_ref, t_block, e_block, split, block_t=block_t, **tile)
-    block_e = tile["block_e"]
-    partial_ref[split, pl.ds(t_block * block_t, block_t), pl.ds(e_block * block_e, block_e)] = acc
+
+    @pl.when(t_block * block_t < num_tokens_ref[0])  # a block of padding only: nothing read or written
+    def _():
+        acc = _partial_logits(x_ref, w_ref, t_block, e_block, split, block_t=block_t, **tile)
+        block_e = tile["block_e"]
+        partial_ref[split, pl.ds(t_block * block_t, block_t), pl.ds(e_block * block_e, block_e)] = acc
 
 
 def _select_token(partial_ref, bias_ref, weights_ref, ids_ref, token, *, experts, num_groups, select, volatile):
@@ -178,8 +181,12 @@ def _select_token(partial_ref, bias_ref, weights_ref, ids_ref, token, *, experts
     plgpu.store(ids_ref.at[token, slots], (picks // shape[1]) * size + picks % shape[1])
 
 
-def _select_kernel(partial_ref, bias_ref, weights_ref, ids_ref, **kwargs):
-    _select_token(partial_ref, bias_ref, weights_ref, ids_ref, pl.program_id(0), volatile=False, **kwargs)
+def _select_kernel(num_tokens_ref, partial_ref, bias_ref, weights_ref, ids_ref, **kwargs):
+    token = pl.program_id(0)
+
+    @pl.when(token < num_tokens_ref[0])  # padding: left unwritten (`routing_kernel` masks it)
+    def _():
+        _select_token(partial_ref, bias_ref, weights_ref, ids_ref, token, volatile=False, **kwargs)
 
 
 def _fused_routing_kernel(x_ref, w_ref, bias_ref, counter_in_ref, partial_ref, weights_ref, ids_ref, counter_ref,
@@ -224,6 +231,7 @@ def routing_kernel(
     num_stages: int | None = None,
     fused: bool | None = None,
     logits_only: bool = False,
+    num_tokens: Int[Array, ""] | None = None,
     interpret: bool = False,
 ):
     """The routing kernels (see the module docstring). By default batches of up to 64 tokens take
@@ -233,7 +241,9 @@ def routing_kernel(
     slice per program. `fused` selects in the logits kernel's last program of each token block
     instead of a second launch; by default only for one token (H200, run M: 5.73 against 6.91 µs;
     slower from 2 tokens on, where that program selects one token after the other). `logits_only`
-    returns the kernel's fp32 logits [tokens, experts] (for tests)."""
+    returns the kernel's fp32 logits [tokens, experts] (for tests). `num_tokens`: only the first
+    `num_tokens` tokens are real (a serving step padded to its bucket); the two-kernel path reads and
+    selects nothing for the rest, and their selection comes back as expert -1, weight 0 (`routing`)."""
     from jax.experimental.pallas import triton as plgpu
 
     tokens, hidden = x.shape
@@ -271,11 +281,13 @@ def routing_kernel(
     logits_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     router_weight = router_weight.astype(jnp.float32)
 
+    real = jnp.full((1,), tokens if num_tokens is None else num_tokens, jnp.int32)  # the kernels' first input
+
     def partial_logits():
         return pl.pallas_call(
             functools.partial(_logits_kernel, block_t=block_t, **tile), grid=grid, out_shape=partial_shape,
             compiler_params=logits_params, interpret=interpret, name="beam_router_logits",
-        )(x, router_weight)
+        )(real, x, router_weight)
 
     if logits_only:
         return partial_logits().sum(0)[:tokens, :experts]
@@ -292,9 +304,10 @@ def routing_kernel(
             grid=grid, out_shape=[partial_shape, *selection_shapes, jax.ShapeDtypeStruct((token_blocks,), jnp.int32)],
             input_output_aliases={3: 3}, compiler_params=logits_params, interpret=interpret, name="beam_routing",
         )(x, router_weight, bias, jnp.zeros((token_blocks,), jnp.int32))
-        return weights[:tokens, :top_k], ids[:tokens, :top_k]
+        return _mask_padding(weights[:tokens, :top_k], ids[:tokens, :top_k], num_tokens)
     # One token per program and one warp: the selection's reductions stay inside a warp (shuffles,
     # no shared-memory round trips).
+    partials = partial_logits()
     weights, ids = pl.pallas_call(
         functools.partial(_select_kernel, **select_args),
         grid=(padded_tokens,),
@@ -302,8 +315,17 @@ def routing_kernel(
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="beam_router_select",
-    )(partial_logits(), bias)
-    return weights[:tokens, :top_k], ids[:tokens, :top_k]
+    )(real, partials, bias)
+    return _mask_padding(weights[:tokens, :top_k], ids[:tokens, :top_k], num_tokens)
+
+
+def _mask_padding(weights, ids, num_tokens):
+    """Tokens from `num_tokens` on (padding) select expert -1 with weight 0, which no expert path
+    computes (`moe_gemm._local_pairs`)."""
+    if num_tokens is None:
+        return weights, ids
+    real = (jnp.arange(ids.shape[0]) < num_tokens)[:, None]
+    return jnp.where(real, weights, 0.0).astype(weights.dtype), jnp.where(real, ids, -1).astype(ids.dtype)
 
 
 # Largest batch for which `routing()` picks the kernel on a GPU (H200: faster than XLA there).
@@ -321,16 +343,19 @@ def routing(
     normalize: bool = True,
     scaling: float = 1.0,
     use_kernel: bool | None = None,
+    num_tokens: Int[Array, ""] | None = None,
     interpret: bool = False,
 ) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
     """Beam's routing. `use_kernel=None`: the kernel on a GPU for decode batches of at most
     `KERNEL_MAX_TOKENS` tokens, where it beats XLA's fusion of the reference; the reference
-    otherwise."""
+    otherwise. `num_tokens`: tokens from it on are padding and select expert -1 with weight 0 (the
+    kernel skips their work)."""
     kwargs = dict(
         num_groups=num_groups, groups_kept=groups_kept, top_k=top_k, normalize=normalize, scaling=scaling
     )
     if use_kernel is None:
         use_kernel = jax.default_backend() == "gpu" and x.shape[0] <= KERNEL_MAX_TOKENS
     if use_kernel:
-        return routing_kernel(x, router_weight, correction_bias, interpret=interpret, **kwargs)
-    return routing_reference(x, router_weight, correction_bias, **kwargs)
+        return routing_kernel(x, router_weight, correction_bias, num_tokens=num_tokens, interpret=interpret, **kwargs)
+    selection = routing_reference(x, router_weight, correction_bias, **kwargs)
+    return selection if num_tokens is None else _mask_padding(*selection, num_tokens)

@@ -14,6 +14,7 @@ from beam_jax.layers.attention import Attention
 from beam_jax.layers.mlp import DenseMLP
 from beam_jax.layers.moe import MoE
 from beam_jax.layers.norm import RMSNorm
+from beam_jax.paged_cache import PagedKVCache
 
 
 def depth_scaled_residual(
@@ -52,7 +53,9 @@ class DecoderLayer(nnx.Module):
 
         h = self.pre_feedforward_layernorm(x)
         if self.is_sparse:
-            mlp_out, expert_indices = self.mlp(h)
+            # A paged step's tokens past query_start[-1] are its bucket's padding: no expert for them.
+            real = cache.batch.query_start[-1] if isinstance(cache, PagedKVCache) and cache.batch is not None else None
+            mlp_out, expert_indices = self.mlp(h, real)
         else:
             mlp_out, expert_indices = self.mlp(h), None
         x = depth_scaled_residual(self.post_feedforward_layernorm(mlp_out), x, self.mlp_add_index)

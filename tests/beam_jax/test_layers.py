@@ -511,6 +511,35 @@ def test_moe_block_scales_by_2_5_after_aggregation(normalize):
     assert_close(out, expected.reshape(x.shape), rtol=1e-5, what="MoE block")
 
 
+def test_moe_padding_tokens_get_no_experts(monkeypatch):
+    """`num_tokens`: the tokens past it (a serving step's bucket padding) select expert -1 on every
+    pair, so no expert path computes them (zeros); the real tokens' selections and outputs are as
+    without it."""
+    config = MOE_CONFIG
+    rng = np.random.default_rng(81)
+    h, e, i = config.hidden_size, config.num_experts, config.moe_intermediate_size
+    w = {
+        "gate.weight": f32(rng.normal(0, h**-0.5, (e, h))),
+        "gate.e_score_correction_bias": f32(rng.normal(0, 0.1, e)),
+        "experts.gate_up_proj": f32(rng.normal(0, h**-0.5, (e, 2 * i, h))),
+        "experts.down_proj": f32(rng.normal(0, i**-0.5, (e, h, i))),
+    }
+    module = MoE(config, dtype=jnp.float32)
+    _set(module, w)
+    x = jnp.asarray(f32(rng.normal(size=(1, 7, h))))
+    whole, whole_indices = module(x)
+    seen = []
+    experts_call = type(module.experts).__call__
+    monkeypatch.setattr(type(module.experts), "__call__", lambda self, x, w, ids: seen.append(ids) or experts_call(
+        self, x, w, ids))
+    padded, indices = module(x, jnp.int32(4))
+    np.testing.assert_array_equal(np.asarray(indices)[:4], np.asarray(whole_indices)[:4])
+    np.testing.assert_array_equal(np.asarray(indices)[4:], -1)
+    np.testing.assert_array_equal(np.asarray(seen[0]), np.asarray(indices))  # what the experts were given
+    np.testing.assert_array_equal(np.asarray(padded)[0, 4:], 0.0)
+    np.testing.assert_allclose(np.asarray(padded)[0, :4], np.asarray(whole)[0, :4], rtol=1e-6, atol=1e-7)
+
+
 # ---- residuals ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 52, 105])
 def test_depth_scaled_residual(n):

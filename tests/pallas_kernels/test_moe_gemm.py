@@ -143,6 +143,24 @@ def test_expert_parallel_shares(case, fmt):
     np.testing.assert_allclose(total, whole, rtol=0, atol=shares * 4 * 2.0**-7 * np.abs(whole).max())
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("blocks", [None, mg.MoEBlocks("sorted", 16, 16, 32, 1, 16, 32)])
+def test_negative_ids_are_not_computed(fmt, blocks):
+    """Pairs with a negative id (padding tokens the MoE layer masked) count zero on every path, as
+    other devices' pairs do: a token with only such pairs gets zeros, the others equal the layer without
+    the masked pairs (their weights zeroed instead)."""
+    x, weights, ids, gate, up, down = random_problem(3 + len(fmt), 9, 64, 32, 12, 3, fmt)
+    masked = ids.at[5:].set(-1).at[1, 0].set(-1)  # tokens 5-8: padding; token 1: one pair dropped
+    without = (x, weights.at[5:].set(0).at[1, 0].set(0), ids, gate, up, down)
+    want = np.asarray(jax.jit(mg.moe_gemm_reference)(*without), np.float32)
+    for run in (mg.moe_gemm_reference,
+                functools.partial(mg.moe_gemm_kernel, blocks=blocks, interpret=not ON_GPU)):
+        got = np.asarray(jax.jit(run)(x, weights, masked, gate, up, down), np.float32)
+        np.testing.assert_array_equal(got[5:], 0.0)
+        np.testing.assert_allclose(got[:5], want[:5], rtol=0, atol=4 * 2.0**-7 * np.abs(want).max())
+    assert np.abs(want[1]).max() > 0
+
+
 def test_ids_source_skips_padding_when_experts_are_not_a_power_of_two():
     """15 pairs padded to 16 lanes (filled with the "no expert" id 12) over 12 experts padded to
     16: the padding must not become a 12th used expert (a block reading past the weights)."""

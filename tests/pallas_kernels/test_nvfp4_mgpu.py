@@ -250,3 +250,17 @@ def test_expert_parallel_share_on_gpu(tokens):
 def test_k_order_by_transpose_equals_the_gather():
     x = np.random.default_rng(0).standard_normal((3, 5, 96)).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(nm.to_kernel_k_order(jnp.asarray(x))), x[..., nm.kernel_k_order(96)])
+
+
+@pytest.mark.parametrize("builder", ["shared", "sort", "compare"])
+def test_negative_ids_are_not_computed(builder):
+    """Padding tokens masked by the MoE layer (id -1 on every pair): zeros, and the real tokens as the
+    reference on them alone; every block builder (the emulated GEMM)."""
+    problem, kernel_weights = _layer_problem(60, 7, 256, 64, 12, 4, tile_k=128)
+    x, weights, ids, gate, up, down = problem
+    masked = ids.at[4:].set(-1)
+    got = np.asarray(nmm.moe_nvfp4(x, weights, masked, *kernel_weights, block_builder=builder,
+                                   matmul=nm.grouped_matmul_emulated), np.float32)
+    want = np.asarray(mg.moe_gemm_reference(x[:4], weights[:4], ids[:4], gate, up, down), np.float32)
+    np.testing.assert_array_equal(got[4:], 0.0)
+    np.testing.assert_allclose(got[:4], want, rtol=0, atol=4 * 2.0**-7 * np.abs(want).max())

@@ -49,6 +49,25 @@ def test_selection_equals_reference(shape, fused):
     _check(x, w, b, tiles=dict(fused=fused), num_groups=groups, groups_kept=kept, top_k=top_k, scaling=2.5)
 
 
+@pytest.mark.parametrize("fused, tokens, real", [(False, 9, 5), (False, 9, 9), (False, 16, 1), (True, 3, 2),
+                                                 (False, 70, 33)])
+def test_padding_tokens_select_nothing(fused, tokens, real):
+    """`num_tokens`: tokens from it on (a serving step's bucket padding) select expert -1 with weight 0
+    (the two-kernel path skips their token blocks: here whole blocks of 4 and a block cut in two); the
+    real tokens select as the reference. The reference path (`routing` off the kernel) masks alike."""
+    x, w, b = _inputs(tokens + real, tokens, 96, 32)
+    kwargs = dict(num_groups=4, groups_kept=2, top_k=4, scaling=2.5)
+    want_w, want_i = _run(rt.routing_reference, x[:real], w, b, **kwargs)
+    n = jnp.int32(real)
+    for got_w, got_i in (jax.jit(functools.partial(rt.routing_kernel, fused=fused, interpret=not ON_GPU, **kwargs))(
+                             x, w, b, num_tokens=n),
+                         jax.jit(functools.partial(rt.routing, use_kernel=False, **kwargs))(x, w, b, num_tokens=n)):
+        np.testing.assert_array_equal(np.asarray(got_i)[:real], np.asarray(want_i))
+        np.testing.assert_allclose(np.asarray(got_w)[:real], np.asarray(want_w), rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(np.asarray(got_i)[real:], -1)
+        np.testing.assert_array_equal(np.asarray(got_w)[real:], 0.0)
+
+
 @pytest.mark.parametrize("tiles", [dict(block_t=1, block_k=32, splits=3), dict(block_t=1, block_e=1, splits=1),
                                    dict(block_t=4, block_e=8, block_k=16),
                                    dict(block_t=16, block_e=32, block_k=32, splits=2)], ids=str)
@@ -82,13 +101,17 @@ def test_logits_are_the_fp32_gemv():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("tokens,fused", [(1, True), (1, False), (6, True), (16, False), (100, False)])
-def test_kernels_lower_for_cuda(triton_for_sm90, tokens, fused):
+@pytest.mark.parametrize("tokens,fused,padded", [(1, True, False), (1, False, False), (6, True, False),
+                                                 (16, False, False), (16, False, True), (100, False, False)])
+def test_kernels_lower_for_cuda(triton_for_sm90, tokens, fused, padded):
     """Beam's routing shape lowers to Triton for an sm_90 GPU (lowering only; runs on the CPU:
-    interpret mode does not lower)."""
+    interpret mode does not lower). `padded`: with a traced `num_tokens` (a serving step's)."""
     spec = jax.ShapeDtypeStruct
     args = [spec((tokens, 5120), jnp.bfloat16), spec((256, 5120), jnp.float32), spec((256,), jnp.float32)]
+    args += [spec((), jnp.int32)] if padded else []
     op = functools.partial(rt.routing_kernel, num_groups=8, groups_kept=4, top_k=8, scaling=2.5, fused=fused)
+    if padded:
+        op = functools.partial(lambda x, w, b, n, op: op(x, w, b, num_tokens=n), op=op)
     text = jax.jit(op).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == (1 if fused else 2)
 
