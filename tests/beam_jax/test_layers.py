@@ -487,12 +487,8 @@ MOE_CONFIG = BeamConfig(
 )
 
 
-@pytest.mark.parametrize("normalize", [True, False])
-def test_moe_block_scales_by_2_5_after_aggregation(normalize):
-    """Invisible in the logits (post_feedforward_layernorm removes a per-token scale): pinned here."""
-    config = MOE_CONFIG.replace(norm_topk_prob=normalize)
-    assert config.routed_scaling_factor == 2.5
-    rng = np.random.default_rng(80)
+def random_moe(config, rng) -> tuple[MoE, dict[str, np.ndarray]]:
+    """An fp32 MoE block with random router and experts, and its weights by name."""
     h, e, i = config.hidden_size, config.num_experts, config.moe_intermediate_size
     w = {
         "gate.weight": f32(rng.normal(0, h**-0.5, (e, h))),
@@ -502,6 +498,17 @@ def test_moe_block_scales_by_2_5_after_aggregation(normalize):
     }
     module = MoE(config, dtype=jnp.float32)
     _set(module, w)
+    return module, w
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_moe_block_scales_by_2_5_after_aggregation(normalize):
+    """Invisible in the logits (post_feedforward_layernorm removes a per-token scale): pinned here."""
+    config = MOE_CONFIG.replace(norm_topk_prob=normalize)
+    assert config.routed_scaling_factor == 2.5
+    rng = np.random.default_rng(80)
+    module, w = random_moe(config, rng)
+    h = config.hidden_size
     x = f32(rng.normal(size=(2, 5, h)))
     out, indices = run(module, jnp.asarray(x))
     flat = x.reshape(-1, h)
@@ -515,18 +522,9 @@ def test_moe_padding_tokens_get_no_experts(monkeypatch):
     """`num_tokens`: the tokens past it (a serving step's bucket padding) select expert -1 on every
     pair, so no expert path computes them (zeros); the real tokens' selections and outputs are as
     without it."""
-    config = MOE_CONFIG
     rng = np.random.default_rng(81)
-    h, e, i = config.hidden_size, config.num_experts, config.moe_intermediate_size
-    w = {
-        "gate.weight": f32(rng.normal(0, h**-0.5, (e, h))),
-        "gate.e_score_correction_bias": f32(rng.normal(0, 0.1, e)),
-        "experts.gate_up_proj": f32(rng.normal(0, h**-0.5, (e, 2 * i, h))),
-        "experts.down_proj": f32(rng.normal(0, i**-0.5, (e, h, i))),
-    }
-    module = MoE(config, dtype=jnp.float32)
-    _set(module, w)
-    x = jnp.asarray(f32(rng.normal(size=(1, 7, h))))
+    module, _ = random_moe(MOE_CONFIG, rng)
+    x = jnp.asarray(f32(rng.normal(size=(1, 7, MOE_CONFIG.hidden_size))))
     whole, whole_indices = module(x)
     seen = []
     experts_call = type(module.experts).__call__
