@@ -149,7 +149,8 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
                 correction = jnp.exp(m_prev - m_next)
                 probs = jnp.exp(scores - lax.broadcast_in_dim(m_next, scores.shape, [0]))
                 pv = _matmul(_lhs(probs.astype(dtype), lhs_smem, 1), v_smem, (_WGMMA_ROWS, head_dim))
-                pl.when(i + stages < num_steps)(lambda: fetch(i + stages, next_id))  # both wgmmas are done with the slot
+                # Both wgmmas are done with the slot: the page `stages` ahead may land in it.
+                pl.when(i + stages < num_steps)(lambda: fetch(i + stages, next_id))
                 acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + pv
                 return acc, m_next, correction * l_prev + probs.sum(axis=1), (*ids[1:], next_id)
 

@@ -179,12 +179,12 @@ def _prologue_arrays(prologue: HeadPrologue | None, head_dim: int) -> tuple[list
     return arrays, specs, (prologue.eps, has_rope, has_ssmax)
 
 
-def _prologue_kinds(spec: tuple) -> tuple[str, ...]:
-    """The arrays `_prologue_arrays` passes for a static description `spec`, in order."""
+def _prologue_count(spec: tuple) -> int:
+    """How many arrays `_prologue_arrays` passes for its static description `spec`."""
     if not spec:
-        return ()
+        return 0
     _, has_rope, has_ssmax = spec
-    return ("norm_weight",) + ("rope_cos", "rope_sin") * has_rope + ("ssmax_scale",) * has_ssmax
+    return 1 + 2 * has_rope + has_ssmax
 
 
 def _rounded(x32, dtype):
@@ -244,7 +244,8 @@ def _write_kv_kernel(
     del k_pages_in_ref, v_pages_in_ref
     token, kv_head = pl.program_id(0), pl.program_id(1)
     head_dim = k_ref.shape[-1]
-    key_refs, refs = refs[:len(_prologue_kinds(prologue_spec))], refs[len(_prologue_kinds(prologue_spec)):]
+    key_count = _prologue_count(prologue_spec)
+    key_refs, refs = refs[:key_count], refs[key_count:]
     if query_spec:
         q_ref, *refs = refs
         query_refs, (k_pages_ref, v_pages_ref, q_out_ref) = refs[:-3], refs[-3:]
@@ -308,8 +309,7 @@ def write_kv_kernel(
         in_specs=[whole(slot_mapping), whole(new_k), whole(new_v), whole(k_pages), whole(v_pages), *prologue_specs,
                   *query_specs],
         out_specs=[whole(k_pages), whole(v_pages), *[whole(q) for q in query_out]],
-        out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype),
-                   *query_out],
+        out_shape=[jax.ShapeDtypeStruct(pages.shape, pages.dtype) for pages in (k_pages, v_pages)] + query_out,
         input_output_aliases={3: 0, 4: 1},
         compiler_params=_triton_params(1, 1),
         interpret=interpret,

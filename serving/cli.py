@@ -36,7 +36,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--num-pages", type=int, default=None, help="KV pool pages (default: every sequence can reach max-model-len)"
     )
-    p.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default: 64 on a GPU, 16 elsewhere)")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="tokens per KV page (default: 64 on a GPU, 16 elsewhere)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument(
         "--tensor-parallel-size",
