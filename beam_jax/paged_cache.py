@@ -41,7 +41,7 @@ from pallas_kernels.paged_attention import (
     default_use_kernel,
     ragged_paged_attention,
     write_kv,
-    write_kv_kernel,
+    write_kv_before_decode,
 )
 
 
@@ -172,13 +172,13 @@ class PagedKVCache:
         table = self._layer_table(layer)
         blocks = None
         if self.fuses_attention and query_prologue is not None and key_prologue is not None:
+            # The decode kernel's blocks decide who applies the query prologue (`write_kv_before_decode`).
             blocks = default_decode_blocks(q, self.k_pages, self.v_pages, *table.shape, window,
                                            interpret=self.interpret)
-        if blocks is not None and blocks.mosaic_split:
-            # The Mosaic split kernel takes finished queries: their prologue rides on the K/V write's launch
-            # (a separate XLA prologue cost 1.3-1.7 us a layer on the H200, RESULTS.md run 9).
-            written, q = self._write_with_queries(layer, k, v, key_prologue, q, query_prologue)
-            query_prologue = None
+            k_pages, v_pages, q, query_prologue = write_kv_before_decode(
+                self.k_pages, self.v_pages, k, v, self._slot_mapping(layer), q, key_prologue=key_prologue,
+                query_prologue=query_prologue, blocks=blocks, interpret=self.interpret)
+            written = dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
         else:
             written = self.write(layer, k, v, key_prologue=key_prologue)
         out = ragged_paged_attention(
@@ -201,15 +201,6 @@ class PagedKVCache:
             use_kernel=key_prologue is not None and self.fuses_attention, interpret=self.interpret,
         )
         return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
-
-    def _write_with_queries(self, layer: int, k, v, key_prologue: HeadPrologue, queries,
-                            query_prologue: HeadPrologue) -> tuple[PagedKVCache, Float[Array, "tokens heads d"]]:
-        """`write` by the write kernel, which also applies `query_prologue` to the raw `queries`: (the
-        cache, the finished queries)."""
-        k_pages, v_pages, queries = write_kv_kernel(
-            self.k_pages, self.v_pages, k, v, self._slot_mapping(layer), key_prologue=key_prologue,
-            queries=queries, query_prologue=query_prologue, interpret=self.interpret)
-        return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages), queries
 
     def _slot_mapping(self, layer: int) -> Int[Array, " tokens"]:
         """Each flat token's row in `layer`'s slot of the page arrays (-1: padding, not written)."""

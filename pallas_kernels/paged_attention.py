@@ -318,6 +318,25 @@ def write_kv_kernel(
     return tuple(out)
 
 
+def write_kv_before_decode(
+    k_pages, v_pages, new_k, new_v, slot_mapping, queries, *, key_prologue: HeadPrologue,
+    query_prologue: HeadPrologue, blocks: DecodeBlocks, interpret: bool = False,
+):
+    """The fused layer's page write ahead of its decode attention on `blocks`, by the write kernel: the
+    Mosaic split kernel takes finished queries, so for it the write kernel also applies the query
+    prologue (a launch less than a separate prologue); the Triton split kernel applies it itself.
+    Returns (k_pages, v_pages, queries, the query prologue the attention still applies: None or
+    `query_prologue`)."""
+    if blocks.mosaic_split:
+        k_pages, v_pages, queries = write_kv_kernel(k_pages, v_pages, new_k, new_v, slot_mapping,
+                                                    key_prologue=key_prologue, queries=queries,
+                                                    query_prologue=query_prologue, interpret=interpret)
+        return k_pages, v_pages, queries, None
+    k_pages, v_pages = write_kv_kernel(k_pages, v_pages, new_k, new_v, slot_mapping, key_prologue=key_prologue,
+                                       interpret=interpret)
+    return k_pages, v_pages, queries, query_prologue
+
+
 # --------------------------------------------------------------------------------------------------
 # Token metadata shared by the reference and the kernel wrapper
 # --------------------------------------------------------------------------------------------------

@@ -218,12 +218,12 @@ def layer_step(fused, window, blocks, interpret):
     """One layer's decode (see the module docstring): (q, page_table, k_pages, v_pages, ...) -> (out, pages)."""
 
     def step(q, page_table, k_pages, v_pages, new_k, new_v, slots, query_start, seq_lens, metadata, query, key, gate):
-        if fused and blocks is not None and blocks.mosaic_split:  # as PagedKVCache.attend: the query prologue
-            k_pages, v_pages, q = pa.write_kv_kernel(k_pages, v_pages, new_k, new_v, slots, key_prologue=key,
-                                                     queries=q, query_prologue=query, interpret=interpret)
-            query = None  # rides on the write kernel
+        if fused:  # as PagedKVCache.attend (with the Mosaic kernel the write applies the query prologue)
+            k_pages, v_pages, q, query = pa.write_kv_before_decode(k_pages, v_pages, new_k, new_v, slots, q,
+                                                                   key_prologue=key, query_prologue=query,
+                                                                   blocks=blocks, interpret=interpret)
         else:
-            k_pages, v_pages = pa.write_kv(k_pages, v_pages, new_k, new_v, slots, key_prologue=key, use_kernel=fused,
+            k_pages, v_pages = pa.write_kv(k_pages, v_pages, new_k, new_v, slots, key_prologue=key,
                                            interpret=interpret)
         kw = {"window": window, "use_kernel": True, "decode_only": True, "decode": metadata,
               "decode_block_sizes": blocks, "interpret": interpret}

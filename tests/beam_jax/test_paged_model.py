@@ -367,7 +367,7 @@ def test_mosaic_decode_takes_its_query_prologue_from_the_write_kernel(monkeypatc
     default_blocks = pa.default_decode_blocks
     monkeypatch.setattr(paged_cache, "default_decode_blocks", lambda *a, **kw: dataclasses.replace(
         default_blocks(*a, **kw), mosaic_split=True))
-    monkeypatch.setattr(paged_cache, "write_kv_kernel", spy := _Spy(pa.write_kv_kernel))
+    monkeypatch.setattr(pa, "write_kv_kernel", spy := _Spy(pa.write_kv_kernel))
     mosaic_out, mosaic_cache = attend(cache)
     assert spy.with_queries == 1
     # On a GPU, XLA compiles the two interpreted prologues differently: a query one ulp apart moved one
