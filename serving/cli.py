@@ -38,6 +38,8 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--page-size", type=int, default=None,
                    help="tokens per KV page (default: 64 on a GPU, 16 elsewhere)")
+    p.add_argument("--min-token-bucket", type=int, default=None,
+                   help="the smallest compiled step size in tokens, a power of two (default: 1 on a GPU, 16 elsewhere)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument(
         "--tensor-parallel-size",
@@ -127,6 +129,7 @@ def engine_config(args: argparse.Namespace):
         max_prefill_chunk=args.max_prefill_chunk,
         max_model_len=args.max_model_len,
         page_tokens=args.page_size,
+        min_token_bucket=args.min_token_bucket,
         num_pages=args.num_pages,
         enable_prefix_caching=args.enable_prefix_caching,
         tp=args.tp,

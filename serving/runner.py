@@ -2,7 +2,7 @@
 calls ONE compiled program (model forward on the paged cache + sampling) and returns the tokens.
 
 Shapes are bucketed so that steady state never recompiles: the flat token count is padded to a
-power of two (at least 16, at most the token budget rounded up), the number of rows to
+power of two (at least `min_token_bucket`, at most the token budget rounded up), the number of rows to
 min(token bucket, max_num_seqs) (a step never has more sequences than tokens), page tables to a
 fixed width (`max_model_len` / page size), and the sampling widths are pinned: 20 top logprobs
 always, and one of two penalty widths (`penalty_widths`): a narrow one (16 distinct tokens: in
@@ -34,7 +34,15 @@ from serving.sampling import MAX_LOGPROBS, PENALTY_WIDTH_MIN, SamplerOutput, Sam
 from serving.scheduler import ScheduledRequest
 from serving.speculative_step import SpecInputs, SpecOutput, Speculation, speculative_step
 
-MIN_TOKEN_BUCKET = 16
+MIN_TOKEN_BUCKET = 16  # the smallest token bucket off the GPU (`default_min_token_bucket`)
+
+
+def default_min_token_bucket() -> int:
+    """The smallest token bucket: 1 on a GPU, where a padded step's kernels are sized by the bucket (at
+    batch 1 the bf16 experts took 95 us a layer at the 16-token bucket, the T = 1 path 25;
+    benchmarks/engine/RESULTS.md), so small decode batches get their own programs; 16 elsewhere, where
+    the programs' compile time counts more than their padding."""
+    return 1 if jax.default_backend() == "gpu" else MIN_TOKEN_BUCKET
 
 
 def layer_groups(pool: KVPool, num_layers: int, num_drafter_layers: int = 0) -> tuple[int, ...]:
@@ -45,8 +53,10 @@ def layer_groups(pool: KVPool, num_layers: int, num_drafter_layers: int = 0) -> 
     return tuple(by_label[label] for label in labels)
 
 
-def token_buckets(max_num_batched_tokens: int) -> list[int]:
-    buckets = [MIN_TOKEN_BUCKET]
+def token_buckets(max_num_batched_tokens: int, smallest: int = MIN_TOKEN_BUCKET) -> list[int]:
+    if smallest < 1 or smallest & (smallest - 1):
+        raise ValueError(f"the smallest token bucket must be a power of two >= 1, got {smallest}")
+    buckets = [smallest]
     while buckets[-1] < max_num_batched_tokens:
         buckets.append(buckets[-1] * 2)
     return buckets
@@ -68,6 +78,7 @@ class ModelRunner:
         drafter: tuple[DrafterConfig, Params] | None = None,
         num_speculative_tokens: int | None = None,
         simulated_accept_length: float | None = None,
+        min_token_bucket: int | None = None,
     ):
         """With a `mesh` (beam_jax.sharding.make_mesh), the parameters and the KV pages are split
         over it and the step runs as one SPMD program on all its devices (of every process).
@@ -76,7 +87,8 @@ class ModelRunner:
         (`beam_jax.sharding.attention_head_axes`), else plain jnp.
         `drafter` (its config and parameters): every step is the speculative program
         (serving/speculative_step.py) with `num_speculative_tokens` drafts per block (default: the
-        drafter's block size - 1); the pool must have the drafter's layers (`D{j}` labels)."""
+        drafter's block size - 1); the pool must have the drafter's layers (`D{j}` labels).
+        `min_token_bucket`: the smallest token bucket (default: `default_min_token_bucket()`)."""
         self.config = config
         self.mesh = mesh
         self.params = params if mesh is None else shard_params(params, mesh, config)
@@ -84,7 +96,8 @@ class ModelRunner:
         self.page_tokens = pool.page_tokens
         self.max_num_seqs = max_num_seqs
         self.max_pages = -(-max_model_len // pool.page_tokens)
-        self.buckets = token_buckets(max_num_batched_tokens)
+        smallest = default_min_token_bucket() if min_token_bucket is None else min_token_bucket
+        self.buckets = token_buckets(max_num_batched_tokens, smallest)
         self.speculation = None if drafter is None else self._speculation(drafter[0], num_speculative_tokens, simulated_accept_length)
         self.drafter_params = None if drafter is None else drafter[1]
         if drafter is not None and mesh is not None:  # small beside the target: every device holds it whole

@@ -234,7 +234,7 @@ def unpack_bitmask(bitmask: Int[Array, "batch words"], vocab_size: int) -> Bool[
         "temperature", "top_k", "top_p", "min_p",
         "repetition_penalty", "presence_penalty", "frequency_penalty",
         "rng_key_data", "steps",
-        "penalty_token_ids", "penalty_output_counts", "token_bitmask",
+        "penalty_token_ids", "penalty_output_counts", "token_bitmask", "wants_top_logprobs",
     ),
     meta_fields=("num_top_logprobs",),
 )
@@ -254,6 +254,7 @@ class SamplingBatch:
     penalty_token_ids: Int[Array, "batch penalty_width"]  # distinct seen tokens; -1 pads
     penalty_output_counts: Int[Array, "batch penalty_width"]  # their counts in the output
     token_bitmask: Int[Array, "batch words"]  # packed allowed tokens (`pack_bitmask`); -1 words: all
+    wants_top_logprobs: Bool[Array, " batch"]  # rows that asked for top logprobs (`logprobs` >= 1)
     num_top_logprobs: int = MAX_LOGPROBS  # static: width of the top-logprobs output
 
     @property
@@ -362,6 +363,7 @@ class SamplingBatch:
             penalty_token_ids=penalty_token_ids,
             penalty_output_counts=penalty_output_counts,
             token_bitmask=token_bitmask,
+            wants_top_logprobs=column(bool, False, [bool(p.logprobs) for p in params]),
             num_top_logprobs=num_top_logprobs,
         )
 
@@ -370,7 +372,9 @@ class SamplingBatch:
 class SamplerOutput(NamedTuple):
     tokens: Int[Array, " batch"]
     logprobs: Float[Array, " batch"]  # of the chosen token, in the model's (penalized) distribution
-    top_token_ids: Int[Array, "batch k"]  # k = min(num_top_logprobs, vocab), best first (ties: lower id first)
+    # k = min(num_top_logprobs, vocab), best first (ties: lower id first). Computed for every row when
+    # a row asked (`wants_top_logprobs`), else left out: ids -1, logprobs -inf.
+    top_token_ids: Int[Array, "batch k"]
     top_logprobs: Float[Array, "batch k"]
 
 
@@ -459,7 +463,14 @@ def sample(logits: Float[Array, "batch vocab"], batch: SamplingBatch) -> Sampler
         lambda: jnp.where(greedy, greedy_tokens, _random_tokens(logits, batch)),
     )
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=1)[:, 0]
-    top_logprobs, top_token_ids = jax.lax.top_k(logprobs, min(batch.num_top_logprobs, logits.shape[-1]))
+    k = min(batch.num_top_logprobs, logits.shape[-1])
+    # XLA's top-k over the vocabulary is a sort (86 us a step for 8 rows of 152K on the H200,
+    # benchmarks/engine/RESULTS.md): only when a row asked.
+    top_logprobs, top_token_ids = jax.lax.cond(
+        jnp.any(batch.wants_top_logprobs),
+        lambda: tuple(jax.lax.top_k(logprobs, k)),
+        lambda: (jnp.full((logits.shape[0], k), -jnp.inf), jnp.full((logits.shape[0], k), -1, jnp.int32)),
+    )
     return SamplerOutput(tokens, chosen, top_token_ids.astype(jnp.int32), top_logprobs)
 
 

@@ -10,6 +10,7 @@ import pytest
 
 import beam_jax
 from serving import engine as engine_module
+from serving import runner as runner_module
 from serving.engine import LLM, EngineConfig, LLMEngine
 from serving.sampling import SamplingParams
 
@@ -215,3 +216,29 @@ def test_page_size_defaults_to_the_platforms(beam, monkeypatch):
     assert LLMEngine(beam, config=EngineConfig(max_model_len=64, page_tokens=32)).pool.page_tokens == 32
     monkeypatch.setattr(engine_module.jax, "default_backend", lambda: "gpu")
     assert engine_module.default_page_tokens() == 64
+
+
+def test_small_token_buckets_give_the_same_tokens(beam, monkeypatch):
+    """`min_token_bucket=1` (the GPU default): decode steps of 3, 2 and 1 sequences run in buckets of 4, 2
+    and 1 tokens, and the greedy tokens equal those of the default buckets (16 and up here)."""
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(16, 8192, n).tolist() for n in (5, 7, 9)]  # one prefill step, then decodes
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 6, 9)]
+    outputs = {}
+    for smallest in (None, 1):
+        llm = LLM(beam, max_num_seqs=3, max_num_batched_tokens=32, max_model_len=256, min_token_bucket=smallest)
+        sizes = []
+        execute = llm.engine.runner.execute
+        monkeypatch.setattr(llm.engine.runner, "execute", lambda scheduled, *a, **k: (
+            sizes.append(llm.engine.runner.bucket(sum(s.num_tokens for s in scheduled))), execute(scheduled, *a, **k))[1])
+        outputs[smallest] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        if smallest == 1:
+            assert llm.engine.runner.buckets == [1, 2, 4, 8, 16, 32]
+            assert {1, 2, 4} <= set(sizes)
+        else:
+            assert min(sizes) == 16
+    assert outputs[1] == outputs[None] and [len(t) for t in outputs[1]] == [3, 6, 9]
+    with pytest.raises(ValueError, match="power of two"):
+        LLMEngine(beam, config=EngineConfig(max_model_len=64, min_token_bucket=3))
+    monkeypatch.setattr(engine_module.jax, "default_backend", lambda: "gpu")
+    assert runner_module.default_min_token_bucket() == 1

@@ -112,7 +112,7 @@ def test_sample_applies_the_mask():
     logits = jnp.asarray(rng.normal(size=(rows, vocab)) * 3, jnp.float32)
     allowed = rng.random((rows, vocab)) < 0.05
     allowed[3] = True  # an unconstrained row
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3),
+    params = [SamplingParams(temperature=0, logprobs=5), SamplingParams(temperature=1.0, seed=3),
               SamplingParams(temperature=0.7, top_p=0.9, seed=4), SamplingParams(temperature=0)]
 
     def build(bitmask):

@@ -336,6 +336,24 @@ def test_logprobs_are_the_log_softmax(batch: int, vocab: int, num_top: int):
     np.testing.assert_allclose(np.asarray(out.top_logprobs), np.take_along_axis(expected, top_ids, -1), atol=1e-5)
 
 
+def test_top_logprobs_are_left_out_when_no_row_asks():
+    """The top-k (a sort of the vocabulary) runs only when a row asks for top logprobs (`logprobs` >= 1;
+    0 asks for the chosen token's only); the tokens and their logprobs do not depend on it."""
+    rng = np.random.default_rng(17)
+    batch, vocab = 5, 300
+    logits = random_logits(rng, batch, vocab)
+    base = [SamplingParams(temperature=t, seed=i, logprobs=lp)
+            for i, (t, lp) in enumerate(zip([0.0, 0.8, 1.0, 0.0, 1.5], [None, 0, None, 0, None]))]
+    none = sample_jit(logits, make_batch(base, vocab))
+    np.testing.assert_array_equal(np.asarray(none.top_token_ids), -1)
+    assert np.all(np.asarray(none.top_logprobs) == -np.inf)
+    asked = sample_jit(logits, make_batch(base[:4] + [dataclasses.replace(base[4], logprobs=2)], vocab))
+    np.testing.assert_array_equal(np.asarray(asked.tokens), np.asarray(none.tokens))
+    np.testing.assert_array_equal(np.asarray(asked.logprobs), np.asarray(none.logprobs))
+    top_ids = np.argsort(-log_softmax(logits), axis=-1, kind="stable")[:, :MAX_LOGPROBS]
+    np.testing.assert_array_equal(np.asarray(asked.top_token_ids)[:batch], top_ids)  # every row, once one asks
+
+
 # ---- min_tokens ----------------------------------------------------------------------------------------
 def test_min_tokens_suppresses_eos_and_stop_ids():
     eos, stop_id, min_tokens = 3, 7, 4
@@ -345,7 +363,7 @@ def test_min_tokens_suppresses_eos_and_stop_ids():
         for temperature in (0.0, 1.0):
             for ignore_eos in (False, True):
                 params.append(SamplingParams(temperature=temperature, min_tokens=min_tokens,
-                                             stop_token_ids=[stop_id], ignore_eos=ignore_eos))
+                                             stop_token_ids=[stop_id], ignore_eos=ignore_eos, logprobs=2))
                 produced.append(n)
     batch, vocab = LARGE
     assert len(params) == batch
@@ -542,7 +560,7 @@ def test_sample_compiles_once_per_batch_size():
         # Default (bucketed) widths: histories of 10 tokens all fall in the smallest bucket.
         batch = SamplingBatch.build(mix, request_ids=range(len(mix)), num_output_tokens=rng.integers(0, 5, len(mix)),
                                     histories=histories, vocab_size=vocab, eos_token_ids=[0], pad_to=batch_size)
-        assert len(jax.tree_util.tree_leaves(batch)) == 12
+        assert len(jax.tree_util.tree_leaves(batch)) == 13
         out = step(random_logits(rng, batch_size, vocab), batch)
         assert out.tokens.shape == out.logprobs.shape == (batch_size,)
     assert step._cache_size() == 1
