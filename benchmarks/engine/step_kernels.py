@@ -9,7 +9,7 @@ for long full-attention contexts, and the Triton kernel's smallest) gets `--batc
 routing, XLA glue, ...) with their count and total device time, then one by one with `--list`.
 
 Usage (GPU): python benchmarks/engine/step_kernels.py [--model beam-tp8-slice] [--batch 8] [--context 8192]
-                 [--page-sizes 64,16] [--list] [--out step.json]
+                 [--page-sizes 64,16] [--min-token-buckets 1,16] [--list] [--out step.json]
 Smoke (CPU): python benchmarks/engine/step_kernels.py --smoke   (beam-tiny, short prompts, wall time only)
 """
 
@@ -69,9 +69,9 @@ def record_step(engine: LLMEngine):
     return [(name, ms * 1e3) for name, ms in timings or []], wall
 
 
-def measure(beam, page_size: int, batch: int, context: int, chunk: int, cupti: bool) -> dict:
+def measure(beam, page_size: int, min_bucket: int | None, batch: int, context: int, chunk: int, cupti: bool) -> dict:
     config = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=chunk, max_model_len=context + 64,
-                          page_tokens=page_size, enable_prefix_caching=False)
+                          page_tokens=page_size, min_token_bucket=min_bucket, enable_prefix_caching=False)
     engine = LLMEngine(beam, config=config)
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -88,7 +88,7 @@ def measure(beam, page_size: int, batch: int, context: int, chunk: int, cupti: b
         t0 = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - t0)
-    row = {"page_size": page_size, "batch": batch, "context": context, "setup_s": setup_s,
+    row = {"page_size": page_size, "min_token_bucket": engine.runner.buckets[0], "batch": batch, "context": context, "setup_s": setup_s,
            "decode_step_wall_ms": 1e3 * float(np.median(walls))}
     if cupti:
         kernels, wall = record_step(engine)
@@ -110,6 +110,8 @@ def main():
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--chunk", type=int, default=4096, help="the step's token budget (prefill chunks)")
     p.add_argument("--page-sizes", default="64,16")
+    p.add_argument("--min-token-buckets", default="default",
+                   help="smallest token buckets to compare, e.g. 1,16 (default: the engine's)")
     p.add_argument("--list", action="store_true", help="print every kernel of the recorded step")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
@@ -119,10 +121,11 @@ def main():
     cupti = jax.default_backend() == "gpu"
     beam = random_beam(args.model, args.layers)
     rows = []
-    for page_size in (int(x) for x in args.page_sizes.split(",")):
-        row = measure(beam, page_size, args.batch, args.context, args.chunk, cupti)
+    buckets = [None if x == "default" else int(x) for x in args.min_token_buckets.split(",")]
+    for page_size, min_bucket in ((int(p), b) for p in args.page_sizes.split(",") for b in buckets):
+        row = measure(beam, page_size, min_bucket, args.batch, args.context, args.chunk, cupti)
         rows.append(row)
-        print(f"\npages of {page_size}: decode step {row['decode_step_wall_ms']:.2f} ms wall (batch {args.batch}, "
+        print(f"\npages of {page_size}, buckets from {row['min_token_bucket']}: decode step {row['decode_step_wall_ms']:.2f} ms wall (batch {args.batch}, "
               f"context {args.context}; setup {row['setup_s']:.0f} s)", flush=True)
         if not cupti:
             continue
