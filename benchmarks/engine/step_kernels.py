@@ -69,12 +69,29 @@ def record_step(engine: LLMEngine):
     return [(name, ms * 1e3) for name, ms in timings or []], wall
 
 
-def measure(beam, page_size: int, min_bucket: int | None, batch: int, context: int, chunk: int, cupti: bool) -> dict:
+def host_profile(engine: LLMEngine, steps: int, top: int = 25) -> str:
+    """cProfile of `steps` decode steps: where the host spends a step (functions by own time)."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(steps):
+        engine.step()
+    profile.disable()
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def measure(beam, page_size: int, min_bucket: int | None, batch: int, context: int, chunk: int, cupti: bool,
+            profile_steps: int = 0) -> dict:
     config = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=chunk, max_model_len=context + 64,
                           page_tokens=page_size, min_token_bucket=min_bucket, enable_prefix_caching=False)
     engine = LLMEngine(beam, config=config)
     rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=64 + profile_steps, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"r{i}", rng.integers(16, engine.vocab_size, context).tolist(), params)
     started = time.perf_counter()
@@ -90,6 +107,8 @@ def measure(beam, page_size: int, min_bucket: int | None, batch: int, context: i
         walls.append(time.perf_counter() - t0)
     row = {"page_size": page_size, "min_token_bucket": engine.runner.buckets[0], "batch": batch, "context": context, "setup_s": setup_s,
            "decode_step_wall_ms": 1e3 * float(np.median(walls))}
+    if profile_steps:
+        row["host_profile"] = host_profile(engine, profile_steps)
     if cupti:
         kernels, wall = record_step(engine)
         totals, counts = defaultdict(float), defaultdict(int)
@@ -113,6 +132,8 @@ def main():
     p.add_argument("--min-token-buckets", default="default",
                    help="smallest token buckets to compare, e.g. 1,16 (default: the engine's)")
     p.add_argument("--list", action="store_true", help="print every kernel of the recorded step")
+    p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
+                   help="also print a cProfile of this many decode steps (the host's share of a step)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -123,10 +144,12 @@ def main():
     rows = []
     buckets = [None if x == "default" else int(x) for x in args.min_token_buckets.split(",")]
     for page_size, min_bucket in ((int(p), b) for p in args.page_sizes.split(",") for b in buckets):
-        row = measure(beam, page_size, min_bucket, args.batch, args.context, args.chunk, cupti)
+        row = measure(beam, page_size, min_bucket, args.batch, args.context, args.chunk, cupti, args.host_profile)
         rows.append(row)
         print(f"\npages of {page_size}, buckets from {row['min_token_bucket']}: decode step {row['decode_step_wall_ms']:.2f} ms wall (batch {args.batch}, "
               f"context {args.context}; setup {row['setup_s']:.0f} s)", flush=True)
+        if args.host_profile:
+            print(row["host_profile"])
         if not cupti:
             continue
         print(f"  recorded step: {len(row['kernels'])} kernels, {row['device_us']:.1f} us of device time, "
