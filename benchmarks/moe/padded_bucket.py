@@ -47,12 +47,13 @@ def step_inputs(real: int, repeats: int, key):
 
 
 def layer_op(fmt: str, weights):
+    """(op(x, w, ids, *layer_weights), layer_weights): the weights are arguments, not constants that
+    jit would fold into the program (GBs of them: its compilation did not end in minutes)."""
     if fmt == "nvfp4":
         from pallas_kernels import nvfp4_moe_mgpu as nmm
 
-        gate_up, down = bench.mosaic_layout(*weights)
-        return lambda x, w, ids: nmm.moe_nvfp4(x, w, ids, gate_up, down)
-    return lambda x, w, ids: mg.moe_gemm(x, w, ids, *weights)
+        return (lambda x, w, ids, gate_up, down: nmm.moe_nvfp4(x, w, ids, gate_up, down)), bench.mosaic_layout(*weights)
+    return (lambda x, w, ids, *layer: mg.moe_gemm(x, w, ids, *layer)), tuple(weights)
 
 
 def floor_us(ids, real: int, weights) -> float:
@@ -61,9 +62,9 @@ def floor_us(ids, real: int, weights) -> float:
     return float(distinct * bench.expert_bytes(*weights) / bench.HBM_BPS * 1e6)
 
 
-def check(op, masked, alone, real):
-    got = np.asarray(jax.jit(op)(*(a[0] for a in masked)), np.float32)[:real]
-    want = np.asarray(jax.jit(op)(*(a[0] for a in alone)), np.float32)
+def check(op, layer, masked, alone, real):
+    got = np.asarray(jax.jit(op)(*(a[0] for a in masked), *layer), np.float32)[:real]
+    want = np.asarray(jax.jit(op)(*(a[0] for a in alone), *layer), np.float32)
     error = float(np.abs(got - want).max())
     assert error <= 4 * 2.0**-7 * np.abs(want).max(), (error, np.abs(want).max())
     return error
@@ -85,15 +86,15 @@ def main():
     rows = []
     for fmt in args.formats.split(","):
         weights = bench.make_weights(fmt, jax.random.fold_in(key, 1))
-        op = layer_op(fmt, weights)
+        op, layer = layer_op(fmt, weights)
         for real in (int(r) for r in args.real.split(",")):
             padded, masked, alone = step_inputs(real, args.repeats, jax.random.fold_in(key, real))
             row = {"format": fmt, "real": real, "bucket": BUCKET, "floor_us": floor_us(masked[2], real, weights)}
             if args.check:
-                row["masked_vs_alone_max_error"] = check(op, masked, alone, real)
+                row["masked_vs_alone_max_error"] = check(op, layer, masked, alone, real)
             if not args.smoke:
                 for name, inputs in (("padded", padded), ("masked", masked), ("alone", alone)):
-                    us, kernels, _ = bench.time_calls(op, inputs)
+                    us, kernels, _ = bench.time_calls(op, inputs, *layer)
                     row[f"{name}_us"], row[f"{name}_kernels"] = us, kernels
             rows.append(row)
             print({k: v for k, v in row.items() if not k.endswith("_kernels")}, flush=True)
@@ -106,11 +107,11 @@ def main():
             n = jnp.int32(real)
             row = {"format": "routing", "real": real, "bucket": BUCKET}
             for name, op, inputs in (
-                ("padded", lambda x: rt.routing(x, router, bias, **kwargs), (x,)),
-                ("masked", lambda x: rt.routing(x, router, bias, num_tokens=n, **kwargs), (x,)),
-                ("alone", lambda x: rt.routing(x, router, bias, **kwargs), (x[:, :real],)),
+                ("padded", lambda x, r, b: rt.routing(x, r, b, **kwargs), (x,)),
+                ("masked", lambda x, r, b: rt.routing(x, r, b, num_tokens=n, **kwargs), (x,)),
+                ("alone", lambda x, r, b: rt.routing(x, r, b, **kwargs), (x[:, :real],)),
             ):
-                row[f"{name}_us"] = bench.time_calls(op, inputs)[0]
+                row[f"{name}_us"] = bench.time_calls(op, inputs, router, bias)[0]
             rows.append(row)
             print(row, flush=True)
     print(f"\n{'format':>8} {'real':>4} {'floor_us':>9} {'padded_us':>10} {'masked_us':>10} {'alone_us':>9}")
