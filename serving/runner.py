@@ -29,6 +29,7 @@ from beam_jax.drafter import DrafterConfig
 from beam_jax.model import Params, forward
 from beam_jax.paged_cache import PagedBatch, PagedKVCache
 from beam_jax.sharding import attention_head_axes, constrain_cache, replicate, shard_params, sharded_cache
+from serving import transfer
 from serving.kv_cache import KVPool
 from serving.sampling import MAX_LOGPROBS, PENALTY_WIDTH_MIN, SamplerOutput, SamplingBatch, bucket, sample
 from serving.scheduler import ScheduledRequest
@@ -127,8 +128,11 @@ class ModelRunner:
         # With a decode kernel, a step of decodes only is its own program (no plain-jnp pass at all).
         self.decode_only_programs = bool(self.cache.use_kernel)
         self.compilations = 0
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,))
-        self._spec_step = jax.jit(self._spec_step_impl, donate_argnums=(2,))
+        # A step's inputs and outputs travel as one int32 array each way (serving/transfer.py); the
+        # layout of the inputs is static, that of the outputs is recorded when the program is traced.
+        self._step = jax.jit(self._packed_step, donate_argnums=(1,), static_argnames=("layout",))
+        self._spec_step = jax.jit(self._packed_spec_step, donate_argnums=(2,), static_argnames=("layout",))
+        self._out_layouts: dict[transfer.Layout, transfer.Layout] = {}
 
     def _speculation(self, drafter: DrafterConfig, num_drafts: int | None, simulated: float | None) -> Speculation:
         num_drafts = drafter.num_drafts if num_drafts is None else num_drafts
@@ -141,6 +145,18 @@ class ModelRunner:
         # the window before the anchor (all of the table when a layer keeps the full history).
         pages = self.max_pages if None in windows else min(self.max_pages, -(-max(windows) // self.page_tokens) + 1)
         return Speculation(drafter, num_drafts, self.config.num_hidden_layers, pages, simulated)
+
+    def _packed_step(self, params, cache, words, layout: transfer.Layout):
+        cache, out = self._step_impl(params, cache, *transfer.unpack(words, layout))
+        return cache, self._pack_outputs(out, layout)
+
+    def _packed_spec_step(self, params, drafter_params, cache, words, layout: transfer.Layout):
+        cache, out = self._spec_step_impl(params, drafter_params, cache, *transfer.unpack(words, layout))
+        return cache, self._pack_outputs(out, layout)
+
+    def _pack_outputs(self, out, layout: transfer.Layout):
+        words, self._out_layouts[layout] = transfer.pack_traced(out)
+        return words
 
     def _spec_step_impl(self, params, drafter_params, cache, tokens, positions, batch, logits_at, sampling, spec_inputs):
         self.compilations += 1
@@ -227,26 +243,26 @@ class ModelRunner:
             decode_only=self.decode_only_programs
             and (all(item.num_tokens == 1 for item in scheduled) if decode_only is None else decode_only),
         )
-        # Host arrays go to the program as numpy: jit moves them in one transfer each (a jnp.asarray
-        # per array costs more host time than the whole step of a small model).
+        # Host arrays stay numpy: `call_step` packs them into one array, moved in one transfer.
         flat = tokens[None], positions[None], batch
         if self.speculation is None:
-            out = self.call_step((*flat, logits_at[:, 0].copy(), sampling))
-        else:
-            out = self.call_step((*flat, logits_at, sampling, SpecInputs(draft_tokens, num_drafts)))
-        return jax.tree.map(np.asarray, out)
+            return self.call_step((*flat, logits_at[:, 0].copy(), sampling))
+        return self.call_step((*flat, logits_at, sampling, SpecInputs(draft_tokens, num_drafts)))
 
     def call_step(self, inputs: tuple):
         """The one compiled call of a step: `inputs` are the program's arguments after the
-        parameters and the cache (a pytree of arrays; static flags in its structure). Every compiled
-        call goes through here, so that on several processes rank 0 can hand the same inputs to the
-        others (serving/multihost.py replaces this on rank 0 and calls it on the rest)."""
+        parameters and the cache (a pytree of host arrays; static flags in its structure). Returns
+        the outputs as numpy arrays. Every compiled call goes through here, so that on several
+        processes rank 0 can hand the same inputs to the others (serving/multihost.py replaces this
+        on rank 0 and calls it on the rest)."""
+        words, layout = transfer.pack(inputs)
         with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
             if self.speculation is None:
-                self.cache, out = self._step(self._param_leaves, self.cache, *inputs)
+                self.cache, out = self._step(self._param_leaves, self.cache, words, layout=layout)
             else:
-                self.cache, out = self._spec_step(self._param_leaves, self._drafter_leaves, self.cache, *inputs)
-        return out
+                self.cache, out = self._spec_step(self._param_leaves, self._drafter_leaves, self.cache, words,
+                                                  layout=layout)
+        return transfer.unpack_host(np.asarray(out), self._out_layouts[layout])
 
     def warmup(self) -> None:
         """Compiles every token bucket at every penalty width (and, with a decode kernel, as a mixed
