@@ -85,13 +85,22 @@ def host_profile(engine: LLMEngine, steps: int, top: int = 25) -> str:
     return out.getvalue()
 
 
+def trace_steps(engine: LLMEngine, steps: int, directory: str) -> None:
+    """A JAX profiler trace (host threads and GPU streams, Perfetto JSON under `directory`) of `steps`
+    decode steps: where a step's wall time goes when the device is idle."""
+    with jax.profiler.trace(directory, create_perfetto_trace=True):
+        for _ in range(steps):
+            with jax.profiler.TraceAnnotation("engine_step"):
+                engine.step()
+
+
 def measure(beam, page_size: int, min_bucket: int | None, batch: int, context: int, chunk: int, cupti: bool,
-            profile_steps: int = 0) -> dict:
+            profile_steps: int = 0, trace_dir: str | None = None) -> dict:
     config = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=chunk, max_model_len=context + 64,
                           page_tokens=page_size, min_token_bucket=min_bucket, enable_prefix_caching=False)
     engine = LLMEngine(beam, config=config)
     rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0, max_tokens=64 + profile_steps, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=64 + profile_steps + 5 * bool(trace_dir), ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"r{i}", rng.integers(16, engine.vocab_size, context).tolist(), params)
     started = time.perf_counter()
@@ -109,6 +118,8 @@ def measure(beam, page_size: int, min_bucket: int | None, batch: int, context: i
            "decode_step_wall_ms": 1e3 * float(np.median(walls))}
     if profile_steps:
         row["host_profile"] = host_profile(engine, profile_steps)
+    if trace_dir:
+        trace_steps(engine, 5, os.path.join(trace_dir, f"page{page_size}-bucket{engine.runner.buckets[0]}"))
     if cupti:
         kernels, wall = record_step(engine)
         totals, counts = defaultdict(float), defaultdict(int)
@@ -134,6 +145,7 @@ def main():
     p.add_argument("--list", action="store_true", help="print every kernel of the recorded step")
     p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
                    help="also print a cProfile of this many decode steps (the host's share of a step)")
+    p.add_argument("--trace-dir", default=None, help="also write a JAX profiler trace of 5 decode steps there")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -144,7 +156,7 @@ def main():
     rows = []
     buckets = [None if x == "default" else int(x) for x in args.min_token_buckets.split(",")]
     for page_size, min_bucket in ((int(p), b) for p in args.page_sizes.split(",") for b in buckets):
-        row = measure(beam, page_size, min_bucket, args.batch, args.context, args.chunk, cupti, args.host_profile)
+        row = measure(beam, page_size, min_bucket, args.batch, args.context, args.chunk, cupti, args.host_profile, args.trace_dir)
         rows.append(row)
         print(f"\npages of {page_size}, buckets from {row['min_token_bucket']}: decode step {row['decode_step_wall_ms']:.2f} ms wall (batch {args.batch}, "
               f"context {args.context}; setup {row['setup_s']:.0f} s)", flush=True)
