@@ -16,8 +16,10 @@ Smoke (CPU): python benchmarks/engine/step_kernels.py --smoke   (beam-tiny, shor
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
+import shutil
 import sys
 import time
 from collections import defaultdict
@@ -28,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 
+import trace_summary  # noqa: E402
 from mixed import random_beam  # noqa: E402
 from serving.engine import EngineConfig, LLMEngine  # noqa: E402
 from serving.sampling import SamplingParams  # noqa: E402
@@ -85,13 +88,18 @@ def host_profile(engine: LLMEngine, steps: int, top: int = 25) -> str:
     return out.getvalue()
 
 
-def trace_steps(engine: LLMEngine, steps: int, directory: str) -> None:
-    """A JAX profiler trace (host threads and GPU streams, Perfetto JSON under `directory`) of `steps`
-    decode steps: where a step's wall time goes when the device is idle."""
+def trace_steps(engine: LLMEngine, steps: int, directory: str) -> str:
+    """A JAX profiler trace (host threads and GPU streams) of `steps` decode steps, each annotated
+    `engine_step`: where a step's wall time goes when the device is idle. Returns the Perfetto JSON's
+    path, copied to `directory` itself (the profiler nests it five folders down)."""
     with jax.profiler.trace(directory, create_perfetto_trace=True):
         for _ in range(steps):
             with jax.profiler.TraceAnnotation("engine_step"):
                 engine.step()
+    [found] = glob.glob(os.path.join(directory, "plugins", "profile", "*", "perfetto_trace.json.gz"))
+    path = directory.rstrip("/") + ".json.gz"
+    shutil.copyfile(found, path)
+    return path
 
 
 def measure(beam, page_size: int, min_bucket: int | None, batch: int, context: int, chunk: int, cupti: bool,
@@ -119,7 +127,8 @@ def measure(beam, page_size: int, min_bucket: int | None, batch: int, context: i
     if profile_steps:
         row["host_profile"] = host_profile(engine, profile_steps)
     if trace_dir:
-        trace_steps(engine, 5, os.path.join(trace_dir, f"page{page_size}-bucket{engine.runner.buckets[0]}"))
+        path = trace_steps(engine, 5, os.path.join(trace_dir, f"page{page_size}-bucket{engine.runner.buckets[0]}"))
+        row["trace"] = {"path": path, "steps": trace_summary.summarize(trace_summary.load_events(path))}
     if cupti:
         kernels, wall = record_step(engine)
         totals, counts = defaultdict(float), defaultdict(int)
@@ -162,6 +171,10 @@ def main():
               f"context {args.context}; setup {row['setup_s']:.0f} s)", flush=True)
         if args.host_profile:
             print(row["host_profile"])
+        if args.trace_dir:
+            print(f"  trace: {row['trace']['path']}")
+            for i, step in enumerate(row["trace"]["steps"]):
+                print(f"    step {i}: {trace_summary.describe(step)}")
         if not cupti:
             continue
         print(f"  recorded step: {len(row['kernels'])} kernels, {row['device_us']:.1f} us of device time, "
