@@ -83,7 +83,9 @@ def first_visible_page(window: int | None, position, page_tokens: int):
     `k` is visible iff `0 <= position - k < window`, so pages below `(position - window + 1) // P`
     hold only invisible keys. 0 for a full-history group."""
     if window is None:
-        return np.zeros_like(position)
+        return 0 if isinstance(position, int) else np.zeros_like(position)
+    if isinstance(position, int):  # plain ints on the pool's per-step path: numpy scalars cost more
+        return max(0, position - window + 1) // page_tokens
     return np.maximum(0, np.asarray(position) - window + 1) // page_tokens
 
 
@@ -262,6 +264,12 @@ class KVPool:
         last token `(j + 1) * P - 1 < position - window + 1`, i.e. `j < (position - window + 1) // P`."""
         return min(num_pages, int(first_visible_page(group.window, position, self.page_tokens)))
 
+    def _release_due(self, state: _SequenceState, position: int) -> bool:
+        """Whether a sliding release at `position` has pages to release (`_release` would change something)."""
+        num_pages = state.num_pages(self.page_tokens)
+        return any(self._dead_pages(group, position, num_pages) > state.first_live[g]
+                   for g, group in enumerate(self.groups) if group.window is not None)
+
     def _releasable(self, state: _SequenceState | None, position: int) -> int:
         """How many pages a sliding release at `position` would return to the free list: the dead
         pages this sequence alone holds (a shared one stays with its other holders)."""
@@ -290,8 +298,11 @@ class KVPool:
         if state is not None and new_total_tokens > old_tokens and old_tokens % self.page_tokens:
             # The step writes into the partly filled last page: it must be this sequence's alone.
             # It is, because shared pages are full (prefixes and cache entries are whole pages).
-            last = [state.tables[g][old_pages - 1] for g in range(len(self.groups))]
-            assert np.all(self._refcount[last] == 1), f"sequence {seq_id} would write into a shared page"
+            assert all(self._refcount[table[old_pages - 1]] == 1 for table in state.tables), (
+                f"sequence {seq_id} would write into a shared page")
+        if state is not None and not grow and not self._release_due(state, old_tokens):
+            state.num_tokens = new_total_tokens  # a token into the last page: nothing else changes
+            return 0
         needed = grow * len(self.groups)
         # Pages released below were dead already, so counting them as free cannot hurt anyone; but
         # check before touching anything so that a failure leaves the pool exactly as it was.

@@ -218,7 +218,7 @@ class ModelRunner:
             request, start, count, drafts = item.request, item.start, item.num_tokens, item.num_drafts
             span = slice(at, at + count)
             known = count - drafts  # tokens of the request; the rest of the span is its drafts
-            tokens[at : at + known] = request.token_ids[start : start + known]
+            tokens[at : at + known] = request.token_span(start, start + known)
             tokens[at + known : at + count] = request.draft_tokens[:drafts]
             positions[span] = np.arange(start, start + count)
             for g in range(groups):

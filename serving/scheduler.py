@@ -61,6 +61,16 @@ class Request:
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_span(self, start: int, stop: int) -> list[int]:
+        """`token_ids[start:stop]` without building `token_ids` (a step reads a few tokens of a long
+        context)."""
+        prompt = len(self.prompt_ids)
+        if start >= prompt:
+            return self.output_ids[start - prompt : stop - prompt]
+        if stop <= prompt:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.output_ids[: stop - prompt]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 _DTYPES = ("int32", "uint32", "float32", "bool")
+_NAMES = {np.dtype(name): name for name in _DTYPES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +40,9 @@ class Layout:
 
 
 def _check_dtype(dtype, where: str) -> str:
-    name = np.dtype(dtype).name
-    if name not in _DTYPES:
-        raise ValueError(f"{where}: a {name} array cannot travel as int32 words (only {', '.join(_DTYPES)})")
+    name = _NAMES.get(dtype)
+    if name is None:
+        raise ValueError(f"{where}: a {np.dtype(dtype).name} array cannot travel as int32 words (only {', '.join(_DTYPES)})")
     return name
 
 
