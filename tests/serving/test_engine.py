@@ -242,3 +242,13 @@ def test_small_token_buckets_give_the_same_tokens(beam, monkeypatch):
         LLMEngine(beam, config=EngineConfig(max_model_len=64, min_token_bucket=3))
     monkeypatch.setattr(engine_module.jax, "default_backend", lambda: "gpu")
     assert runner_module.default_min_token_bucket() == 1
+
+
+def test_token_span_is_a_slice_of_the_tokens():
+    """`Request.token_span` (what a step reads) equals slicing `token_ids`, across the prompt/output edge."""
+    from serving.scheduler import Request
+
+    request = Request("a", [5, 6, 7], SamplingParams(), arrival=0, seq_id=0, output_ids=[8, 9])
+    for start in range(6):
+        for stop in range(start, 7):
+            assert request.token_span(start, stop) == request.token_ids[start:stop], (start, stop)
