@@ -404,7 +404,7 @@ class LLMEngine:
         return outputs
 
     def _sampling_batch(self, plan: SchedulerOutput) -> SamplingBatch:
-        rows = self.runner.rows_for(self.runner.bucket(plan.num_tokens))
+        rows = self.runner.rows_for(self.runner.step_bucket(plan.scheduled))
         tracked = [self._tracked[s.request.request_id] for s in plan.scheduled]
         return SamplingBatch.build(
             [t.request.params for t in tracked],

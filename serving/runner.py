@@ -2,7 +2,8 @@
 calls ONE compiled program (model forward on the paged cache + sampling) and returns the tokens.
 
 Shapes are bucketed so that steady state never recompiles: the flat token count is padded to a
-power of two (at least `min_token_bucket`, at most the token budget rounded up), the number of rows to
+power of two (at least `min_token_bucket`, at most the token budget rounded up; buckets below 16 only
+for steps of decodes alone), the number of rows to
 min(token bucket, max_num_seqs) (a step never has more sequences than tokens), page tables to a
 fixed width (`max_model_len` / page size), and the sampling widths are pinned: 20 top logprobs
 always, and one of two penalty widths (`penalty_widths`): a narrow one (16 distinct tokens: in
@@ -178,11 +179,19 @@ class ModelRunner:
             cache, sampled = constrain_cache(cache, self.config), replicate(sampled)
         return cache, sampled
 
-    def bucket(self, num_tokens: int) -> int:
+    def bucket(self, num_tokens: int, *, decodes_only: bool = False) -> int:
+        """The smallest token bucket that holds a step. Buckets below `MIN_TOKEN_BUCKET` take steps of
+        decodes only, where the padding costs latency; a step that prefills a few tokens pads to 16,
+        which spares compiling every small bucket twice (the mixed and the decode-only program)."""
+        smallest_mixed = min(MIN_TOKEN_BUCKET, self.buckets[-1])
         for size in self.buckets:
-            if size >= num_tokens:
+            if size >= num_tokens and (decodes_only or size >= smallest_mixed):
                 return size
         raise ValueError(f"a step of {num_tokens} tokens exceeds the largest bucket {self.buckets[-1]}")
+
+    def step_bucket(self, scheduled: Sequence[ScheduledRequest]) -> int:
+        """The bucket `execute` runs `scheduled` in."""
+        return self.bucket(sum(s.num_tokens for s in scheduled), decodes_only=all(s.num_tokens == 1 for s in scheduled))
 
     def rows_for(self, token_bucket: int) -> int:
         return min(token_bucket, self.max_num_seqs)
@@ -198,7 +207,8 @@ class ModelRunner:
         With a drafter the result is a `SpecOutput` (a speculating item's drafts are the request's
         `draft_tokens[:item.num_drafts]`, computed after its last token)."""
         total = max(sum(s.num_tokens for s in scheduled), num_tokens or 0)
-        size = self.bucket(total)
+        decodes_only = all(item.num_tokens == 1 for item in scheduled) if decode_only is None else decode_only
+        size = self.bucket(total, decodes_only=decodes_only)
         rows = self.rows_for(size)
         if len(scheduled) > rows:
             raise ValueError(f"{len(scheduled)} sequences in a step of at most {rows}")
@@ -240,8 +250,7 @@ class ModelRunner:
             seq_lens=seq_lens,
             page_tables=tuple(tables),
             slot_mappings=tuple(slots),
-            decode_only=self.decode_only_programs
-            and (all(item.num_tokens == 1 for item in scheduled) if decode_only is None else decode_only),
+            decode_only=self.decode_only_programs and decodes_only,
         )
         # Host arrays stay numpy: `call_step` packs them into one array, moved in one transfer.
         flat = tokens[None], positions[None], batch
@@ -266,10 +275,13 @@ class ModelRunner:
 
     def warmup(self) -> None:
         """Compiles every token bucket at every penalty width (and, with a decode kernel, as a mixed
-        and a decode-only step) with an all-padding step (nothing is written to the cache)."""
+        and a decode-only step; the buckets below 16 take decode-only steps alone) with an all-padding
+        step (nothing is written to the cache)."""
+        smallest_mixed = min(MIN_TOKEN_BUCKET, self.buckets[-1])
         for size in self.buckets:
+            kinds = (True,) if size < smallest_mixed else (False, True) if self.decode_only_programs else (False,)
             for width in self.penalty_widths:
-                for decode_only in (False, True) if self.decode_only_programs else (False,):
+                for decode_only in kinds:
                     empty = SamplingBatch.build(
                         [],
                         request_ids=[],

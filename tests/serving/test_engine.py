@@ -220,7 +220,8 @@ def test_page_size_defaults_to_the_platforms(beam, monkeypatch):
 
 def test_small_token_buckets_give_the_same_tokens(beam, monkeypatch):
     """`min_token_bucket=1` (the GPU default): decode steps of 3, 2 and 1 sequences run in buckets of 4, 2
-    and 1 tokens, and the greedy tokens equal those of the default buckets (16 and up here)."""
+    and 1 tokens, steps that prefill in 16 and up, and the greedy tokens equal those of the default
+    buckets (16 and up here)."""
     rng = np.random.default_rng(12)
     prompts = [rng.integers(16, 8192, n).tolist() for n in (5, 7, 9)]  # one prefill step, then decodes
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 6, 9)]
@@ -230,13 +231,17 @@ def test_small_token_buckets_give_the_same_tokens(beam, monkeypatch):
         sizes = []
         execute = llm.engine.runner.execute
         monkeypatch.setattr(llm.engine.runner, "execute", lambda scheduled, *a, **k: (
-            sizes.append(llm.engine.runner.bucket(sum(s.num_tokens for s in scheduled))), execute(scheduled, *a, **k))[1])
+            sizes.append((llm.engine.runner.step_bucket(scheduled), sum(s.num_tokens for s in scheduled))),
+            execute(scheduled, *a, **k))[1])
         outputs[smallest] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         if smallest == 1:
             assert llm.engine.runner.buckets == [1, 2, 4, 8, 16, 32]
-            assert {1, 2, 4} <= set(sizes)
+            assert {(4, 3), (2, 2), (1, 1)} <= set(sizes)  # decodes of 3, 2 and 1 sequences
         else:
-            assert min(sizes) == 16
+            assert min(size for size, _ in sizes) == 16
+        # The prompts (21 tokens) in one step of 32; a step that prefills never takes a bucket below 16.
+        assert (32, 21) in sizes
+        assert llm.engine.runner.bucket(5) == 16 and llm.engine.runner.bucket(5, decodes_only=True) == (8 if smallest else 16)
     assert outputs[1] == outputs[None] and [len(t) for t in outputs[1]] == [3, 6, 9]
     with pytest.raises(ValueError, match="power of two"):
         LLMEngine(beam, config=EngineConfig(max_model_len=64, min_token_bucket=3))
@@ -252,3 +257,20 @@ def test_token_span_is_a_slice_of_the_tokens():
     for start in range(6):
         for stop in range(start, 7):
             assert request.token_span(start, stop) == request.token_ids[start:stop], (start, stop)
+
+
+def test_warmup_compiles_small_buckets_for_decodes_only(beam, monkeypatch):
+    """With buckets from 1, warm-up runs the buckets below 16 as decode-only steps alone (the only steps
+    that take them) and the others as both kinds where there are decode-only programs."""
+    engine = LLMEngine(beam, config=EngineConfig(max_num_batched_tokens=32, max_model_len=64, min_token_bucket=1))
+    runner = engine.runner
+    calls = []
+    monkeypatch.setattr(runner, "execute", lambda scheduled, sampling, *, num_tokens, decode_only: calls.append(
+        (runner.bucket(num_tokens, decodes_only=decode_only), decode_only)))
+    for decode_programs in (False, True):
+        calls.clear()
+        runner.decode_only_programs = decode_programs
+        runner.warmup()
+        kinds = [(size, True) for size in (1, 2, 4, 8)] + [
+            (size, d) for size in (16, 32) for d in ((False, True) if decode_programs else (False,))]
+        assert sorted(set(calls)) == sorted(kinds) and len(calls) == len(kinds) * len(runner.penalty_widths)
