@@ -118,7 +118,7 @@ def measure(beam, page_size: int, min_bucket: int | None, batch: int, context: i
             produced[out.request_id] = len(out.outputs[0].token_ids)
     setup_s = time.perf_counter() - started
     walls = []
-    for _ in range(3):  # steady decode steps
+    for _ in range(10):  # steady decode steps (the median: one step can stall on the host)
         t0 = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - t0)
