@@ -58,7 +58,8 @@ class EngineConfig:
     max_model_len: int | None = None  # default: min(config.max_position_embeddings, 4096)
     page_tokens: int | None = None  # default: `default_page_tokens()` (64 on a GPU, 16 elsewhere)
     num_pages: int | None = None  # default: every sequence can reach max_model_len
-    # The smallest token bucket (a power of two): None: `serving.runner.default_min_token_bucket()` (1 on a GPU, 16 elsewhere)
+    # The smallest token bucket (a power of two). None: `serving.runner.default_min_token_bucket()`
+    # (1 on a GPU, 16 elsewhere).
     min_token_bucket: int | None = None
     enable_prefix_caching: bool = True
     # Tensor / expert parallelism over the first tp*ep devices (beam_jax.sharding): 1, 1 is one device.

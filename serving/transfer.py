@@ -42,7 +42,8 @@ class Layout:
 def _check_dtype(dtype, where: str) -> str:
     name = _NAMES.get(dtype)
     if name is None:
-        raise ValueError(f"{where}: a {np.dtype(dtype).name} array cannot travel as int32 words (only {', '.join(_DTYPES)})")
+        raise ValueError(f"{where}: a {np.dtype(dtype).name} array cannot travel as int32 words "
+                         f"(only {', '.join(_DTYPES)})")
     return name
 
 

@@ -122,8 +122,8 @@ def measure(beam, page_size: int, min_bucket: int | None, batch: int, context: i
         t0 = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - t0)
-    row = {"page_size": page_size, "min_token_bucket": engine.runner.buckets[0], "batch": batch, "context": context, "setup_s": setup_s,
-           "decode_step_wall_ms": 1e3 * float(np.median(walls))}
+    row = {"page_size": page_size, "min_token_bucket": engine.runner.buckets[0], "batch": batch, "context": context,
+           "setup_s": setup_s, "decode_step_wall_ms": 1e3 * float(np.median(walls))}
     if profile_steps:
         row["host_profile"] = host_profile(engine, profile_steps)
     if trace_dir:
@@ -165,9 +165,11 @@ def main():
     rows = []
     buckets = [None if x == "default" else int(x) for x in args.min_token_buckets.split(",")]
     for page_size, min_bucket in ((int(p), b) for p in args.page_sizes.split(",") for b in buckets):
-        row = measure(beam, page_size, min_bucket, args.batch, args.context, args.chunk, cupti, args.host_profile, args.trace_dir)
+        row = measure(beam, page_size, min_bucket, args.batch, args.context, args.chunk, cupti, args.host_profile,
+                      args.trace_dir)
         rows.append(row)
-        print(f"\npages of {page_size}, buckets from {row['min_token_bucket']}: decode step {row['decode_step_wall_ms']:.2f} ms wall (batch {args.batch}, "
+        print(f"\npages of {page_size}, buckets from {row['min_token_bucket']}: decode step "
+              f"{row['decode_step_wall_ms']:.2f} ms wall (batch {args.batch}, "
               f"context {args.context}; setup {row['setup_s']:.0f} s)", flush=True)
         if args.host_profile:
             print(row["host_profile"])

@@ -60,8 +60,10 @@ def summarize(events: list[dict]) -> list[dict]:
 
 def describe(row: dict) -> str:
     phases = ", ".join(f"{phase} {row[phase][0]:.0f} us ({row[phase][1]})" for _, phase in HOST_PHASES if row[phase][1])
-    gpu = (f"GPU busy {row['gpu_busy_us']:.0f} us in a {row['gpu_span_us']:.0f} us span from "
-           f"{row['gpu_first_kernel_at_us']:.0f} us ({row['gpu_kernels']} kernels)") if "gpu_busy_us" in row else "no GPU"
+    gpu = "no GPU"
+    if "gpu_busy_us" in row:
+        gpu = (f"GPU busy {row['gpu_busy_us']:.0f} us in a {row['gpu_span_us']:.0f} us span from "
+               f"{row['gpu_first_kernel_at_us']:.0f} us ({row['gpu_kernels']} kernels)")
     return f"wall {row['wall_us']:.0f} us; {gpu}; host: {phases or '-'}"
 
 

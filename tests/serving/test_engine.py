@@ -241,7 +241,8 @@ def test_small_token_buckets_give_the_same_tokens(beam, monkeypatch):
             assert min(size for size, _ in sizes) == 16
         # The prompts (21 tokens) in one step of 32; a step that prefills never takes a bucket below 16.
         assert (32, 21) in sizes
-        assert llm.engine.runner.bucket(5) == 16 and llm.engine.runner.bucket(5, decodes_only=True) == (8 if smallest else 16)
+        runner = llm.engine.runner
+        assert runner.bucket(5) == 16 and runner.bucket(5, decodes_only=True) == (8 if smallest else 16)
     assert outputs[1] == outputs[None] and [len(t) for t in outputs[1]] == [3, 6, 9]
     with pytest.raises(ValueError, match="power of two"):
         LLMEngine(beam, config=EngineConfig(max_model_len=64, min_token_bucket=3))

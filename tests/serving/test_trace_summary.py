@@ -15,7 +15,8 @@ spec.loader.exec_module(trace_summary)
 
 
 def test_the_recorded_step_splits_into_its_phases():
-    rows = trace_summary.summarize(trace_summary.load_events(str(ENGINE / "trace-2026-12-02-h200-s14-run-d-batch1.json.gz")))
+    trace = ENGINE / "trace-2026-12-02-h200-s14-run-d-batch1.json.gz"
+    rows = trace_summary.summarize(trace_summary.load_events(str(trace)))
     assert len(rows) == 5
     step = rows[2]
     assert step["wall_us"] == pytest.approx(4733.3, abs=0.1)
