@@ -100,6 +100,7 @@ class ModelRunner:
         self.max_pages = -(-max_model_len // pool.page_tokens)
         smallest = default_min_token_bucket() if min_token_bucket is None else min_token_bucket
         self.buckets = token_buckets(max_num_batched_tokens, smallest)
+        self.smallest_mixed_bucket = min(MIN_TOKEN_BUCKET, self.buckets[-1])  # see `bucket`
         self.speculation = None if drafter is None else self._speculation(drafter[0], num_speculative_tokens, simulated_accept_length)
         self.drafter_params = None if drafter is None else drafter[1]
         if drafter is not None and mesh is not None:  # small beside the target: every device holds it whole
@@ -183,9 +184,8 @@ class ModelRunner:
         """The smallest token bucket that holds a step. Buckets below `MIN_TOKEN_BUCKET` take steps of
         decodes only, where the padding costs latency; a step that prefills a few tokens pads to 16,
         which spares compiling every small bucket twice (the mixed and the decode-only program)."""
-        smallest_mixed = min(MIN_TOKEN_BUCKET, self.buckets[-1])
         for size in self.buckets:
-            if size >= num_tokens and (decodes_only or size >= smallest_mixed):
+            if size >= num_tokens and (decodes_only or size >= self.smallest_mixed_bucket):
                 return size
         raise ValueError(f"a step of {num_tokens} tokens exceeds the largest bucket {self.buckets[-1]}")
 
@@ -277,9 +277,10 @@ class ModelRunner:
         """Compiles every token bucket at every penalty width (and, with a decode kernel, as a mixed
         and a decode-only step; the buckets below 16 take decode-only steps alone) with an all-padding
         step (nothing is written to the cache)."""
-        smallest_mixed = min(MIN_TOKEN_BUCKET, self.buckets[-1])
         for size in self.buckets:
-            kinds = (True,) if size < smallest_mixed else (False, True) if self.decode_only_programs else (False,)
+            kinds = (False, True) if self.decode_only_programs else (False,)
+            if size < self.smallest_mixed_bucket:
+                kinds = (True,)
             for width in self.penalty_widths:
                 for decode_only in kinds:
                     empty = SamplingBatch.build(
