@@ -271,6 +271,7 @@ class ModelRunner:
             else:
                 self.cache, out = self._spec_step(self._param_leaves, self._drafter_leaves, self.cache, words,
                                                   layout=layout)
+        out.copy_to_host_async()  # queued behind the step on the device, not when the host asks for it
         return transfer.unpack_host(np.asarray(out), self._out_layouts[layout])
 
     def warmup(self) -> None:
