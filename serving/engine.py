@@ -32,7 +32,7 @@ from beam_jax.sharding import AXES, check_mesh, make_mesh
 from serving.grammar import GrammarBackend, Matcher
 from serving.kv_cache import KVPool
 from serving.prefix_cache import PrefixCache
-from serving.runner import ModelRunner
+from serving.runner import ModelRunner, token_buckets
 from serving.sampling import SamplerOutput, SamplingBatch, SamplingParams, StopChecker, TokenHistory, full_bitmask
 from serving.scheduler import Request, Scheduler, SchedulerOutput
 from serving.speculative_step import SPECULATIVE_METHODS, SpecOutput, check_drafter, drafter_memory_spec
@@ -259,6 +259,8 @@ class LLMEngine:
         """`drafter`: a drafter already in memory (its config and parameters), for
         `config.speculative` instead of a `config.draft_model` checkpoint."""
         config = config or EngineConfig()
+        if config.min_token_bucket is not None:
+            token_buckets(config.max_num_batched_tokens, config.min_token_bucket)  # refuses a bad one before loading
         served = _served_config(model, config.quantization)  # refuses what cannot be served before loading
         if (config.tp, config.ep) != (1, 1) and served is not None:
             check_parallelism(served, config.tp, config.ep, jax.device_count())

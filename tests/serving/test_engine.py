@@ -244,8 +244,8 @@ def test_small_token_buckets_give_the_same_tokens(beam, monkeypatch):
         runner = llm.engine.runner
         assert runner.bucket(5) == 16 and runner.bucket(5, decodes_only=True) == (8 if smallest else 16)
     assert outputs[1] == outputs[None] and [len(t) for t in outputs[1]] == [3, 6, 9]
-    with pytest.raises(ValueError, match="power of two"):
-        LLMEngine(beam, config=EngineConfig(max_model_len=64, min_token_bucket=3))
+    with pytest.raises(ValueError, match="power of two"):  # refused before anything loads
+        LLMEngine("/no/such/checkpoint", config=EngineConfig(max_model_len=64, min_token_bucket=3))
     monkeypatch.setattr(engine_module.jax, "default_backend", lambda: "gpu")
     assert runner_module.default_min_token_bucket() == 1
 
