@@ -1,5 +1,6 @@
-"""The MoE layer and routing as a serving step runs them: the step's tokens padded to the engine's
-smallest token bucket (16, `serving.runner.MIN_TOKEN_BUCKET`), `R` of them real. Since session 13 the
+"""The MoE layer and routing at a 16-token step with `R` real tokens: the engine's smallest bucket off
+the GPU and for steps that prefill (`serving.runner.MIN_TOKEN_BUCKET`; on a GPU, steps of decodes
+alone take buckets from 1 since session 14, which is the "alone" row below). Since session 13 the
 model gives the padding expert -1 (`MoE(num_tokens=)`); before, the padding tokens (all alike in a
 step: token 0 at position 0) were routed and computed like real ones, all to the same 8 experts.
 
