@@ -98,10 +98,22 @@ def time_layers(t, variants, weights, repeats=4):
     x, w, ids = bench.make_tokens(t, repeats, jax.random.key(t))
     # Weights are arguments, not closed over: jit would make them constants of the program.
     layers = {"triton": lambda x, w, ids, weights: mg.moe_gemm_kernel(x, w, ids, *weights[0])}
-    for settings in variants:  # moe_nvfp4 keyword arguments; the rest from default_config
+    down_copies = {}  # the down weights repacked for another K step (a variant's `down_tile_k`)
+    for settings in variants:  # moe_nvfp4 keyword arguments, and down_tile_k; the rest from default_config
         name = variant_name(settings)
-        layers[name] = functools.partial(
-            lambda x, w, ids, weights, **kw: nmm.moe_nvfp4(x, w, ids, *weights[1], **kw), **settings)
+        settings = dict(settings)
+        down_tile_k = settings.pop("down_tile_k", None)
+        if down_tile_k is not None and down_tile_k not in down_copies:
+            down_copies[down_tile_k] = jax.jit(functools.partial(nmm.KernelNvfp4.from_expert_weights,
+                                                                 tile_k=down_tile_k))(down)
+
+        def layer(x, w, ids, weights, down_tile_k=down_tile_k, **kw):
+            gate_up, kernel_down = weights[1]
+            if down_tile_k is not None:
+                kernel_down = down_copies[down_tile_k]
+            return nmm.moe_nvfp4(x, w, ids, gate_up, kernel_down, **kw)
+
+        layers[name] = functools.partial(layer, **settings)
     # Tokens are independent: the reference (which gathers every pair's weights) checks the first 64.
     checked = min(t, 64)
     want = np.asarray(jax.jit(mg.moe_gemm_reference)(x[0, :checked], w[0, :checked], ids[0, :checked], gate, up,
@@ -237,10 +249,16 @@ def main():
         # Run Z: nothing near the decode defaults won (tile_n 128 by 2 % at T = 64 only). Run AA: blocks
         # of 32 rows and gate/up programs of 128 rows at T = 512 (now the defaults up to 1024 tokens);
         # next, the same choices where they are untimed: 2048 tokens and prefill.
-        wide = dict(gate_up_tile_n=128)
-        down2 = dict(down_stages=2)  # the down GEMM's K is 5 steps; the isolated sweep (no flag) times more
-        plans = {8: [{}, down2], 64: [{}, down2], 2048: [{}, dict(block_t=32), dict(block_t=32, **wide), dict(wide)],
-                 8192: [{}, wide]}
+        # Session 15: the down GEMM and the combine in one kernel for shared blocks (`down_group_blocks`:
+        # blocks summed per program), its groups, program rows, stages and K step.
+        def summed(group_blocks, **kw):
+            return dict(block_builder="shared", down_group_blocks=group_blocks, **kw)
+
+        plans = {1: [{}, summed(8), summed(4), summed(2), summed(4, down_stages=8), summed(8, down_tile_k=320),
+                     summed(4, down_tile_k=320), summed(2, down_tile_k=320, down_stages=2)],
+                 8: [{}, summed(8), summed(16), summed(4), summed(8, down_tile_n=64), summed(8, down_stages=8),
+                     summed(16, down_tile_k=320), summed(8, down_tile_k=320), summed(32, down_tile_k=320)],
+                 16: [{}, summed(16), summed(8), summed(32), summed(16, down_tile_k=320), summed(32, down_tile_k=320)]}
         weights = layer_weights()
         for t, variants in plans.items():
             try:
