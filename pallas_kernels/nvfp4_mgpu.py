@@ -364,20 +364,26 @@ def grouped_matmul_summed(xs, block_expert, packed, scales, *, block_t: int, til
     packed_rows = packed.reshape(experts * n, half_k)
     scale_rows = scales.reshape(experts * k_steps, n * tile_k // 16 // _SCALE_ROW, _SCALE_ROW)
     ops = _TileOps(tile_n, tile_k, block_t)
+    # A group's experts are copied to shared memory first: the pipeline reads one for every K step it
+    # fetches, and a global load there stalled each step (H200 session 15, run B). TMA copies multiples
+    # of 16 bytes, so each group's list is padded to 4 entries.
+    listed = -(-per_group // 4) * 4
+    expert_lists = jnp.pad(block_expert.reshape(groups, per_group), ((0, 0), (0, listed - per_group)))
 
-    def kernel(block_expert_gmem, xs_gmem, packed_gmem, scales_gmem, out_gmem, out_smem):
+    def kernel(expert_lists_gmem, xs_gmem, packed_gmem, scales_gmem, out_gmem, out_smem, experts_smem,
+               experts_barrier):
         ni, g = jax.lax.axis_index("n"), jax.lax.axis_index("g")
+        plgpu.copy_gmem_to_smem(expert_lists_gmem.at[g], experts_smem, experts_barrier)
+        plgpu.barrier_wait(experts_barrier)
 
         def block_and_step(step):
             return g * per_group + step // k_steps, step % k_steps
 
         def weight_map(step):
-            b, kk = block_and_step(step)
-            return block_expert_gmem[b] * row_tiles + ni, kk
+            return experts_smem[step // k_steps] * row_tiles + ni, step % k_steps
 
         def scale_map(step):
-            b, kk = block_and_step(step)
-            return block_expert_gmem[b] * k_steps + kk, ni, 0
+            return experts_smem[step // k_steps] * k_steps + step % k_steps, ni, 0
 
         def acc_scope(acc_ref):
             plgpu.emit_pipeline(
@@ -398,9 +404,10 @@ def grouped_matmul_summed(xs, block_expert, packed, scales, *, block_t: int, til
         out_type=jax.ShapeDtypeStruct((groups, block_t, n), out_dtype),
         grid=(row_tiles, groups),
         grid_names=("n", "g"),
-        scratch_types=dict(out_smem=plgpu.SMEM((block_t, tile_n), out_dtype)),
+        scratch_types=dict(out_smem=plgpu.SMEM((block_t, tile_n), out_dtype),
+                           experts_smem=plgpu.SMEM((listed,), jnp.int32), experts_barrier=plgpu.Barrier()),
     )
-    return call(block_expert, xs, packed_rows, scale_rows)
+    return call(expert_lists, xs, packed_rows, scale_rows)
 
 
 def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: bool = False):

@@ -254,11 +254,9 @@ def main():
         def summed(group_blocks, **kw):
             return dict(block_builder="shared", down_group_blocks=group_blocks, **kw)
 
-        plans = {1: [{}, summed(8), summed(4), summed(2), summed(4, down_stages=8), summed(8, down_tile_k=320),
-                     summed(4, down_tile_k=320), summed(2, down_tile_k=320, down_stages=2)],
-                 8: [{}, summed(8), summed(16), summed(4), summed(8, down_tile_n=64), summed(8, down_stages=8),
-                     summed(16, down_tile_k=320), summed(8, down_tile_k=320), summed(32, down_tile_k=320)],
-                 16: [{}, summed(16), summed(8), summed(32), summed(16, down_tile_k=320), summed(32, down_tile_k=320)]}
+        plans = {1: [{}, summed(8), summed(4), summed(8, down_tile_k=320), summed(4, down_tile_k=320)],
+                 8: [{}, summed(8), summed(4), summed(16), summed(8, down_tile_k=320), summed(8, down_stages=8)],
+                 16: [{}, summed(16), summed(8), summed(16, down_tile_k=320)]}
         weights = layer_weights()
         for t, variants in plans.items():
             try:
