@@ -234,27 +234,31 @@ class _TileOps:
             arg_types=(plgpu.Layout.WGMMA, *[plgpu.RefType()] * (1 + scaled)))(
             _store_transposed(tile_n, block_t, scaled))
 
-    def in_specs(self, weight_map, scale_map, x_map) -> list:
+    def in_specs(self, weight_map, scale_map, x_map, overlap: bool = False) -> list:
         """Pipeline specs of a K step's weight bytes `[tile_n, tile_k/2]`, its scales (one row of scale
-        rows) and the activations `[block_t, tile_k]`, at the block indices the maps give."""
+        rows) and the activations `[block_t, tile_k]`, at the block indices the maps give. `overlap`
+        (see `step`): the activations' tile, which the wgmma reads, is released a step later."""
         return [
             plgpu.BlockSpec((self.tile_n, self.tile_k // 2), weight_map, transforms=self.packed_transforms),
             plgpu.BlockSpec((None, self.tile_n * self.tile_k // 16 // _SCALE_ROW, _SCALE_ROW), scale_map),
-            plgpu.BlockSpec((self.block_t, self.tile_k), x_map, transforms=self.x_transforms),
+            plgpu.BlockSpec((self.block_t, self.tile_k), x_map, transforms=self.x_transforms,
+                            delay_release=int(overlap)),
         ]
 
-    def step(self, acc_ref):
+    def step(self, acc_ref, overlap: bool = False):
+        """`overlap`: one wgmma stays in flight while the next step decodes its weights (the weight bytes
+        are in registers by then; ptxas keeps the in-flight wgmma's register operands intact)."""
         def body(_, w_smem, s_smem, x_smem):
             w = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT)
             plgpu.wgmma(acc_ref, self.decode(w, s_smem), x_smem.transpose((1, 0)))
-            plgpu.wgmma_wait(0)
+            plgpu.wgmma_wait(1 if overlap else 0)
 
         return body
 
 
 def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
                    stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
-                   row_destination=None, out_rows: int | None = None):
+                   row_destination=None, out_rows: int | None = None, overlap: bool = False):
     """`xs [B*block_t, K]` bf16 (K in `kernel_k_order`), `block_expert [B]` int32 (-1: skip the block),
     `packed [E, N, K/2]` uint8 (`pack_kernel_layout`), `scales` bf16 (`pack_scales`) ->
     `[splits, B*block_t, N]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
@@ -265,7 +269,8 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     once (half the bytes to write, and nothing left for XLA to scale). With it, `row_destination
     [B, block_t]` int32 (-1: drop the row) and `out_rows` write each block row to that row of a
     `[1, out_rows, N]` output instead, one row at a time: decode blocks then write only their
-    (token, expert) pairs, in pair order (rows nobody writes are left unwritten)."""
+    (token, expert) pairs, in pair order (rows nobody writes are left unwritten). `overlap`: keep one
+    wgmma in flight (`_TileOps.step`); `stages` must then be at least 2."""
     rows, k = xs.shape
     _, n, half_k = packed.shape
     blocks = block_expert.shape[0]
@@ -297,10 +302,10 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
 
         def acc_scope(acc_ref):
             plgpu.emit_pipeline(
-                ops.step(acc_ref),
+                ops.step(acc_ref, overlap),
                 grid=(k_steps,),
                 in_specs=ops.in_specs(lambda kk: (ni, k0 + kk), lambda kk: (k0 + kk, ni, 0),
-                                      lambda kk: (0 if shared_rows else b, k0 + kk)),
+                                      lambda kk: (0 if shared_rows else b, k0 + kk), overlap),
                 max_concurrent_steps=stages,
             )(packed_gmem.at[expert], scales_gmem.at[expert], xs_gmem)
             return acc_ref[...]
@@ -342,7 +347,7 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
 
 
 def grouped_matmul_summed(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, groups: int = 1,
-                          stages: int = 4, tile_n: int = 64, out_dtype=jnp.float32):
+                          stages: int = 4, tile_n: int = 64, out_dtype=jnp.float32, overlap: bool = False):
     """The blocks' products summed: `out[g, t, n] = sum over the blocks b of group g of
     sum_k W[e_b, n, k] * xs[b*block_t + t, k] / OUTPUT_FACTOR`, `[groups, block_t, N]` in `out_dtype`.
     The blocks are split into `groups` runs of consecutive blocks; a program computes `tile_n` rows of
@@ -387,9 +392,9 @@ def grouped_matmul_summed(xs, block_expert, packed, scales, *, block_t: int, til
 
         def acc_scope(acc_ref):
             plgpu.emit_pipeline(
-                ops.step(acc_ref),
+                ops.step(acc_ref, overlap),
                 grid=(per_group * k_steps,),
-                in_specs=ops.in_specs(weight_map, scale_map, block_and_step),
+                in_specs=ops.in_specs(weight_map, scale_map, block_and_step, overlap),
                 max_concurrent_steps=stages,
             )(packed_gmem, scales_gmem, xs_gmem)
             return acc_ref[...]
@@ -441,11 +446,11 @@ def emulated_weights(packed, scales, tile_k: int) -> jax.Array:
 
 def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int = 1,
                             stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
-                            row_destination=None, out_rows: int | None = None):
+                            row_destination=None, out_rows: int | None = None, overlap: bool = False):
     """`grouped_matmul`'s contract in plain jnp, from the kernel layouts (for CPU tests of code that
     calls the kernel). Blocks of expert -1 get NaN, as the kernel leaves them unwritten (any bits);
     one split holds the whole sum."""
-    del splits, stages, tile_n
+    del splits, stages, tile_n, overlap
     n = packed.shape[1]
     w = emulated_weights(packed, scales, tile_k)
     out = grouped_matmul_reference(xs, jnp.maximum(block_expert, 0), w, block_t=block_t, shared_rows=shared_rows)
@@ -462,9 +467,9 @@ def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, t
 
 
 def grouped_matmul_summed_emulated(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, groups: int = 1,
-                                   stages: int = 4, tile_n: int = 64, out_dtype=jnp.float32):
+                                   stages: int = 4, tile_n: int = 64, out_dtype=jnp.float32, overlap: bool = False):
     """`grouped_matmul_summed`'s contract in plain jnp, from the kernel layouts."""
-    del stages, tile_n
+    del stages, tile_n, overlap
     products = grouped_matmul_reference(xs, block_expert, emulated_weights(packed, scales, tile_k), block_t=block_t)
     summed = products.reshape(groups, -1, block_t, products.shape[-1]).sum(1) / OUTPUT_FACTOR
     return summed.astype(out_dtype)

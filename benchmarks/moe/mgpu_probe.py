@@ -103,6 +103,9 @@ def time_layers(t, variants, weights, repeats=4):
         name = variant_name(settings)
         settings = dict(settings)
         down_tile_k = settings.pop("down_tile_k", None)
+        if settings.pop("overlap", False):  # both kernels keep one wgmma in flight
+            settings.update(matmul=functools.partial(nm.grouped_matmul, overlap=True),
+                            summed_matmul=functools.partial(nm.grouped_matmul_summed, overlap=True))
         if down_tile_k is not None and down_tile_k not in down_copies:
             down_copies[down_tile_k] = jax.jit(functools.partial(nmm.KernelNvfp4.from_expert_weights,
                                                                  tile_k=down_tile_k))(down)
@@ -254,9 +257,13 @@ def main():
         def summed(group_blocks, **kw):
             return dict(block_builder="shared", down_group_blocks=group_blocks, **kw)
 
-        plans = {1: [{}, summed(8), summed(4), summed(8, down_tile_k=320), summed(4, down_tile_k=320)],
-                 8: [{}, summed(8), summed(4), summed(16), summed(8, down_tile_k=320), summed(8, down_stages=8)],
-                 16: [{}, summed(16), summed(8), summed(16, down_tile_k=320)]}
+        # Then one wgmma in flight while the next K step decodes (`overlap`), on both paths.
+        lap = dict(overlap=True)
+        plans = {1: [{}, lap, dict(lap, gate_up_stages=3), summed(4, **lap), summed(8, down_tile_k=320, **lap)],
+                 8: [{}, lap, dict(lap, gate_up_stages=3), dict(lap, down_stages=6), summed(8, **lap),
+                     summed(8, down_tile_k=320, **lap)],
+                 16: [{}, lap, dict(lap, gate_up_stages=3), summed(8, **lap)],
+                 64: [{}, lap, dict(lap, gate_up_stages=3)]}
         weights = layer_weights()
         for t, variants in plans.items():
             try:

@@ -67,13 +67,14 @@ def _specs(experts, n, k, blocks, block_t, tile_k, shared_rows=False):
             spec((experts, k // tile_k, n, tile_k // 16), jnp.bfloat16))
 
 
-@pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,stages,output", [
-    (640, 5120, 8, 8, 256, 4, 64, False, 2, "sums"), (640, 5120, 8, 8, 256, 1, 128, False, 4, "scaled"),
-    (5120, 320, 5, 16, 64, 1, 256, False, 4, "by_pair"), (640, 5120, 64, 16, 256, 1, 64, True, 2, "scaled")])
-def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, stages, output):
+@pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,stages,output,overlap", [
+    (640, 5120, 8, 8, 256, 4, 64, False, 2, "sums", False), (640, 5120, 8, 8, 256, 1, 128, False, 4, "scaled", True),
+    (5120, 320, 5, 16, 64, 1, 256, False, 4, "by_pair", False),
+    (640, 5120, 64, 16, 256, 1, 64, True, 2, "scaled", True)])
+def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, stages, output, overlap):
     """Beam's gate/up and down shapes lower to Mosaic GPU on the CPU (the PTX is built on the GPU)."""
     op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits, tile_n=tile_n,
-                           shared_rows=shared_rows, stages=stages)
+                           shared_rows=shared_rows, stages=stages, overlap=overlap)
     specs = _specs(256, n, k, blocks, block_t, tile_k, shared_rows)
     if output != "sums":
         spec = jax.ShapeDtypeStruct
@@ -102,7 +103,11 @@ def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits
     operands = (jnp.asarray(x[:, nm.kernel_k_order(k)]), jnp.asarray(block_expert),
                 jnp.asarray(nm.pack_kernel_layout(codes)), jnp.asarray(nm.pack_scales(scale, tile_k)))
     settings = dict(block_t=block_t, tile_k=tile_k, tile_n=tile_n, shared_rows=shared_rows)
-    got = np.asarray(nm.grouped_matmul(*operands, splits=splits, **settings)).sum(0) * nm.OUTPUT_FACTOR
+    sums = np.asarray(nm.grouped_matmul(*operands, splits=splits, **settings))
+    # One wgmma in flight while the next step decodes: the same sums, in the same order.
+    np.testing.assert_array_equal(np.asarray(nm.grouped_matmul(*operands, splits=splits, overlap=True, **settings)),
+                                  sums)
+    got = sums.sum(0) * nm.OUTPUT_FACTOR
     w = jnp.asarray(E2M1[codes] * np.repeat(scale, 16, axis=-1))
     want = np.asarray(nm.grouped_matmul_reference(jnp.asarray(x), jnp.asarray(block_expert), w, block_t=block_t,
                                                   shared_rows=shared_rows))
@@ -151,9 +156,9 @@ def test_summed_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k,
     w = jnp.asarray(E2M1[codes] * np.repeat(scale, 16, axis=-1))
     products = np.asarray(nm.grouped_matmul_reference(jnp.asarray(x), jnp.asarray(block_expert), w, block_t=block_t))
     want = products.reshape(groups, -1, block_t, n).sum(1)
-    for out_dtype, rtol in ((jnp.float32, 0), (jnp.bfloat16, 2.0**-8)):
+    for out_dtype, rtol, overlap in ((jnp.float32, 0, False), (jnp.bfloat16, 2.0**-8, False), (jnp.float32, 0, True)):
         got = nm.grouped_matmul_summed(*operands, block_t=block_t, tile_k=tile_k, groups=groups, tile_n=tile_n,
-                                       stages=stages, out_dtype=out_dtype)
+                                       stages=stages, out_dtype=out_dtype, overlap=overlap)
         assert got.shape == (groups, block_t, n) and got.dtype == out_dtype
         np.testing.assert_allclose(np.asarray(got, np.float32) * nm.OUTPUT_FACTOR, want, rtol=rtol,
                                    atol=1e-5 * np.abs(want).max())
