@@ -182,8 +182,8 @@ def _store_transposed(tile_n: int, block_t: int, scaled: bool):
     contiguous rows). A thread's register [m, c, .., half, ..] holds row 64 m + 16 warp + lane / 4 + 8 half,
     columns 8 c + 2 (lane % 4) and the next. Pallas' own store does not take a transposed ref.
     `scaled`: a third argument holds the tile's global scales `[tile_n]`; each value is multiplied by
-    OUTPUT_FACTOR and its row's scale. Values are rounded to the output's dtype where it is not fp32
-    (bf16, as the layer's reference rounds the projections)."""
+    OUTPUT_FACTOR and its row's scale and rounded to the output's dtype (bf16), as the layer's
+    reference rounds the projections."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, gpu, memref, vector
     from jax.experimental.mosaic.gpu import utils
@@ -207,58 +207,15 @@ def _store_transposed(tile_n: int, block_t: int, scaled: bool):
                         col = arith.addi(col0, utils.c(8 * c + j, index))
                         value = vector.extract(pair, dynamic_position=[], static_position=[j])
                         if scaled:
-                            value = arith.mulf(value, factor)
-                        if out_type != f32:
-                            value = arith.truncf(out_type, value)
+                            value = arith.truncf(out_type, arith.mulf(value, factor))
                         memref.store(value, out_ref, [col, row])
 
     return body
 
 
-class _TileOps:
-    """What both kernels do per tile: the TMA transforms of a K step's weight bytes and activations, the
-    pipeline step (decode the weight tile into registers, one wgmma into the accumulator) and the
-    transposed store of the accumulator."""
-
-    def __init__(self, tile_n: int, tile_k: int, block_t: int, scaled: bool = False):
-        self.tile_n, self.tile_k, self.block_t = tile_n, tile_k, block_t
-        byte_swizzle = plgpu.find_swizzle(tile_k // 2 * 8, "lhs")
-        x_swizzle = plgpu.find_swizzle(tile_k * 16, "rhs")
-        self.packed_transforms = (plgpu.TilingTransform((8, byte_swizzle)), plgpu.SwizzleTransform(byte_swizzle))
-        self.x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
-        self.decode = plgpu.inline_mgpu(
-            arg_types=(plgpu.Layout.WGMMA_8BIT, plgpu.RefType()),
-            return_type=plgpu.ShapeDtypeStruct((tile_n, tile_k), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-        )(_decode_tile(tile_n, tile_k))
-        self.store_transposed = plgpu.inline_mgpu(
-            arg_types=(plgpu.Layout.WGMMA, *[plgpu.RefType()] * (1 + scaled)))(
-            _store_transposed(tile_n, block_t, scaled))
-
-    def in_specs(self, weight_map, scale_map, x_map, overlap: bool = False) -> list:
-        """Pipeline specs of a K step's weight bytes `[tile_n, tile_k/2]`, its scales (one row of scale
-        rows) and the activations `[block_t, tile_k]`, at the block indices the maps give. `overlap`
-        (see `step`): the activations' tile, which the wgmma reads, is released a step later."""
-        return [
-            plgpu.BlockSpec((self.tile_n, self.tile_k // 2), weight_map, transforms=self.packed_transforms),
-            plgpu.BlockSpec((None, self.tile_n * self.tile_k // 16 // _SCALE_ROW, _SCALE_ROW), scale_map),
-            plgpu.BlockSpec((self.block_t, self.tile_k), x_map, transforms=self.x_transforms,
-                            delay_release=int(overlap)),
-        ]
-
-    def step(self, acc_ref, overlap: bool = False):
-        """`overlap`: one wgmma stays in flight while the next step decodes its weights (the weight bytes
-        are in registers by then; ptxas keeps the in-flight wgmma's register operands intact)."""
-        def body(_, w_smem, s_smem, x_smem):
-            w = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT)
-            plgpu.wgmma(acc_ref, self.decode(w, s_smem), x_smem.transpose((1, 0)))
-            plgpu.wgmma_wait(1 if overlap else 0)
-
-        return body
-
-
 def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
                    stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
-                   row_destination=None, out_rows: int | None = None, overlap: bool = False):
+                   row_destination=None, out_rows: int | None = None):
     """`xs [B*block_t, K]` bf16 (K in `kernel_k_order`), `block_expert [B]` int32 (-1: skip the block),
     `packed [E, N, K/2]` uint8 (`pack_kernel_layout`), `scales` bf16 (`pack_scales`) ->
     `[splits, B*block_t, N]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
@@ -269,8 +226,7 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     once (half the bytes to write, and nothing left for XLA to scale). With it, `row_destination
     [B, block_t]` int32 (-1: drop the row) and `out_rows` write each block row to that row of a
     `[1, out_rows, N]` output instead, one row at a time: decode blocks then write only their
-    (token, expert) pairs, in pair order (rows nobody writes are left unwritten). `overlap`: keep one
-    wgmma in flight (`_TileOps.step`); `stages` must then be at least 2."""
+    (token, expert) pairs, in pair order (rows nobody writes are left unwritten)."""
     rows, k = xs.shape
     _, n, half_k = packed.shape
     blocks = block_expert.shape[0]
@@ -286,7 +242,16 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         raise ValueError(f"row_destination needs global_scale, out_rows and shape {(blocks, block_t)}")
     k_steps = k // (tile_k * splits)
     scales = scales.reshape(scales.shape[0], k // tile_k, n * tile_k // 16 // _SCALE_ROW, _SCALE_ROW)
-    ops = _TileOps(tile_n, tile_k, block_t, scaled)
+    byte_swizzle = plgpu.find_swizzle(tile_k // 2 * 8, "lhs")
+    x_swizzle = plgpu.find_swizzle(tile_k * 16, "rhs")
+    packed_transforms = (plgpu.TilingTransform((8, byte_swizzle)), plgpu.SwizzleTransform(byte_swizzle))
+    x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
+    decode = plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA_8BIT, plgpu.RefType()),
+        return_type=plgpu.ShapeDtypeStruct((tile_n, tile_k), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+    )(_decode_tile(tile_n, tile_k))
+    store_transposed = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, *[plgpu.RefType()] * (1 + scaled)))(
+        _store_transposed(tile_n, block_t, scaled))
     out_dtype = xs.dtype if scaled else jnp.float32
 
     # Optional inputs, in this order: the global scales (scaled), the row destinations (scattered).
@@ -301,11 +266,22 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         k0 = si * k_steps
 
         def acc_scope(acc_ref):
+            def step(_, w_smem, s_smem, x_smem):
+                w = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT)
+                a = decode(w, s_smem)
+                plgpu.wgmma(acc_ref, a, x_smem.transpose((1, 0)))
+                plgpu.wgmma_wait(0)
+
             plgpu.emit_pipeline(
-                ops.step(acc_ref, overlap),
+                step,
                 grid=(k_steps,),
-                in_specs=ops.in_specs(lambda kk: (ni, k0 + kk), lambda kk: (k0 + kk, ni, 0),
-                                      lambda kk: (0 if shared_rows else b, k0 + kk), overlap),
+                in_specs=[
+                    plgpu.BlockSpec((tile_n, tile_k // 2), lambda kk: (ni, k0 + kk), transforms=packed_transforms),
+                    plgpu.BlockSpec((None, tile_n * tile_k // 16 // _SCALE_ROW, _SCALE_ROW),
+                                    lambda kk: (k0 + kk, ni, 0)),
+                    plgpu.BlockSpec((block_t, tile_k), lambda kk: (0 if shared_rows else b, k0 + kk),
+                                    transforms=x_transforms),
+                ],
                 max_concurrent_steps=stages,
             )(packed_gmem.at[expert], scales_gmem.at[expert], xs_gmem)
             return acc_ref[...]
@@ -318,7 +294,7 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
             acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, block_t)))
             if scaled:
                 plgpu.barrier_wait(scale_barrier)
-            ops.store_transposed(acc, out_smem, *([scale_smem] if scaled else []))
+            store_transposed(acc, out_smem, *([scale_smem] if scaled else []))
             plgpu.commit_smem()
             columns = pl.ds(ni * tile_n, tile_n)
             if scattered:
@@ -346,75 +322,6 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     return call(block_expert, xs, packed, scales, *optional)
 
 
-def grouped_matmul_summed(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, groups: int = 1,
-                          stages: int = 4, tile_n: int = 64, out_dtype=jnp.float32, overlap: bool = False):
-    """The blocks' products summed: `out[g, t, n] = sum over the blocks b of group g of
-    sum_k W[e_b, n, k] * xs[b*block_t + t, k] / OUTPUT_FACTOR`, `[groups, block_t, N]` in `out_dtype`.
-    The blocks are split into `groups` runs of consecutive blocks; a program computes `tile_n` rows of
-    one group, its K loop running through every block of the group, so one pipeline streams several
-    experts' weights. This is a decode MoE's down GEMM and combine in one: the caller puts each
-    (token, expert) pair's routing weight and global scale (and OUTPUT_FACTOR, to get the sums
-    themselves) into that block's row of `xs`, and zeros in rows without a pair. Every block's expert
-    must be a real one: an unused block names any expert (the one before it: its tiles come from L2)
-    and has zero rows. Other arguments as `grouped_matmul`."""
-    rows, k = xs.shape
-    experts, n, half_k = packed.shape
-    blocks = block_expert.shape[0]
-    if (rows != blocks * block_t or half_k * 2 != k or tile_n % 64 or n % tile_n or tile_k % TILE_K_QUANTUM
-            or k % tile_k or blocks % groups or scales.shape[1:] != (k // tile_k, n, tile_k // 16)):
-        raise ValueError(f"shapes: xs {xs.shape}, packed {packed.shape}, blocks {blocks}, groups {groups}, "
-                         f"block_t {block_t}, tile_n {tile_n}, tile_k {tile_k}")
-    k_steps, per_group, row_tiles = k // tile_k, blocks // groups, n // tile_n
-    # Experts' rows and K steps flattened into one axis each, so a block's expert is an index of the TMA box.
-    packed_rows = packed.reshape(experts * n, half_k)
-    scale_rows = scales.reshape(experts * k_steps, n * tile_k // 16 // _SCALE_ROW, _SCALE_ROW)
-    ops = _TileOps(tile_n, tile_k, block_t)
-    # A group's experts are copied to shared memory first: the pipeline reads one for every K step it
-    # fetches, and a global load there stalled each step (H200 session 15, run B). TMA copies multiples
-    # of 16 bytes, so each group's list is padded to 4 entries.
-    listed = -(-per_group // 4) * 4
-    expert_lists = jnp.pad(block_expert.reshape(groups, per_group), ((0, 0), (0, listed - per_group)))
-
-    def kernel(expert_lists_gmem, xs_gmem, packed_gmem, scales_gmem, out_gmem, out_smem, experts_smem,
-               experts_barrier):
-        ni, g = jax.lax.axis_index("n"), jax.lax.axis_index("g")
-        plgpu.copy_gmem_to_smem(expert_lists_gmem.at[g], experts_smem, experts_barrier)
-        plgpu.barrier_wait(experts_barrier)
-
-        def block_and_step(step):
-            return g * per_group + step // k_steps, step % k_steps
-
-        def weight_map(step):
-            return experts_smem[step // k_steps] * row_tiles + ni, step % k_steps
-
-        def scale_map(step):
-            return experts_smem[step // k_steps] * k_steps + step % k_steps, ni, 0
-
-        def acc_scope(acc_ref):
-            plgpu.emit_pipeline(
-                ops.step(acc_ref, overlap),
-                grid=(per_group * k_steps,),
-                in_specs=ops.in_specs(weight_map, scale_map, block_and_step, overlap),
-                max_concurrent_steps=stages,
-            )(packed_gmem, scales_gmem, xs_gmem)
-            return acc_ref[...]
-
-        ops.store_transposed(pl.run_scoped(acc_scope, plgpu.ACC((tile_n, block_t))), out_smem)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[g, :, pl.ds(ni * tile_n, tile_n)])
-        plgpu.wait_smem_to_gmem(0)
-
-    call = plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((groups, block_t, n), out_dtype),
-        grid=(row_tiles, groups),
-        grid_names=("n", "g"),
-        scratch_types=dict(out_smem=plgpu.SMEM((block_t, tile_n), out_dtype),
-                           experts_smem=plgpu.SMEM((listed,), jnp.int32), experts_barrier=plgpu.Barrier()),
-    )
-    return call(expert_lists, xs, packed_rows, scale_rows)
-
-
 def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: bool = False):
     """Plain jnp: `w [E, N, K]` dequantized weights (original K order), `xs` in original K order."""
     if shared_rows:
@@ -424,9 +331,13 @@ def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: 
     return jnp.einsum("btk,bnk->btn", x, w, precision=jax.lax.Precision.HIGHEST).reshape(-1, w.shape[1])
 
 
-def emulated_weights(packed, scales, tile_k: int) -> jax.Array:
-    """The dequantized weights `[E, N, K]` (K in `kernel_k_order`, without the global scale) from the
-    kernel layouts, decoded as the PTX does: the emulations' (and CPU tests') view of the kernels."""
+def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int = 1,
+                            stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
+                            row_destination=None, out_rows: int | None = None):
+    """`grouped_matmul`'s contract in plain jnp, from the kernel layouts (for CPU tests of code that
+    calls the kernel): decodes the words as the PTX does, then `grouped_matmul_reference`. Blocks
+    of expert -1 get NaN, as the kernel leaves them unwritten (any bits); one split holds the whole sum."""
+    del splits, stages, tile_n
     e, n, half_k = packed.shape
     k = half_k * 2
     words = jax.lax.bitcast_convert_type(packed.reshape(e, n, k // 32, 4, 4), jnp.uint32)  # [e, n, c, thread]
@@ -441,20 +352,9 @@ def emulated_weights(packed, scales, tile_k: int) -> jax.Array:
             logical = 32 * jnp.arange(k // 32)[:, None] + 8 * pair + 2 * jnp.arange(4)[None, :] + half
             values = values.at[:, :, logical].set(jnp.asarray(_E2M1_VALUES)[code])
     block_scale = scales.reshape(e, k // tile_k, n, tile_k // 16).transpose(0, 2, 1, 3).reshape(e, n, k // 16)
-    return values * jnp.repeat(block_scale.astype(jnp.float32) / SCALE_FACTOR, 16, axis=-1)[:, :, kernel_k_order(k)]
-
-
-def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int = 1,
-                            stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
-                            row_destination=None, out_rows: int | None = None, overlap: bool = False):
-    """`grouped_matmul`'s contract in plain jnp, from the kernel layouts (for CPU tests of code that
-    calls the kernel). Blocks of expert -1 get NaN, as the kernel leaves them unwritten (any bits);
-    one split holds the whole sum."""
-    del splits, stages, tile_n, overlap
-    n = packed.shape[1]
-    w = emulated_weights(packed, scales, tile_k)
+    w = values * jnp.repeat(block_scale.astype(jnp.float32) / SCALE_FACTOR, 16, axis=-1)[:, :, kernel_k_order(k)]
     out = grouped_matmul_reference(xs, jnp.maximum(block_expert, 0), w, block_t=block_t, shared_rows=shared_rows)
-    out = jnp.where(jnp.repeat(block_expert >= 0, block_t)[:, None], out, jnp.nan)  # unwritten: anything, NaN too
+    out = jnp.where(jnp.repeat(block_expert >= 0, block_t)[:, None], out, jnp.nan)
     if global_scale is not None:
         row_scale = jnp.repeat(global_scale[jnp.maximum(block_expert, 0)], block_t, axis=0)
         out = (out * row_scale).astype(xs.dtype)
@@ -464,16 +364,3 @@ def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, t
                 out, mode="drop")
         return out[None]
     return (out / OUTPUT_FACTOR)[None]
-
-
-def grouped_matmul_summed_emulated(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, groups: int = 1,
-                                   stages: int = 4, tile_n: int = 64, out_dtype=jnp.float32, overlap: bool = False):
-    """`grouped_matmul_summed`'s contract in plain jnp, from the kernel layouts."""
-    del stages, tile_n, overlap
-    products = grouped_matmul_reference(xs, block_expert, emulated_weights(packed, scales, tile_k), block_t=block_t)
-    summed = products.reshape(groups, -1, block_t, products.shape[-1]).sum(1) / OUTPUT_FACTOR
-    return summed.astype(out_dtype)
-
-
-# The emulations in place of the kernels, as `nvfp4_moe_mgpu.moe_nvfp4` takes them (CPU tests).
-EMULATED = dict(matmul=grouped_matmul_emulated, summed_matmul=grouped_matmul_summed_emulated)

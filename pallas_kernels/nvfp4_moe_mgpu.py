@@ -184,16 +184,14 @@ def default_config(tokens: int) -> dict:
     return dict(block_builder="shared" if shared else "sort",
                 block_t=8 if tokens <= 64 else 32 if small_blocks else 64, gate_up_splits=4 if tokens == 1 else 1,
                 gate_up_stages=2, gate_up_tile_n=128 if small_blocks and not shared else 64,
-                down_tile_n=64 if tokens == 1 else 128, down_stages=4, kernel_epilogue=not shared,
-                down_group_blocks=0)
+                down_tile_n=64 if tokens == 1 else 128, down_stages=4, kernel_epilogue=not shared)
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
               gate_up_splits: int | None = None, gate_up_stages: int | None = None, gate_up_tile_n: int | None = None,
               down_tile_n: int | None = None, down_stages: int | None = None, block_builder: str | None = None,
-              kernel_epilogue: bool | None = None, down_group_blocks: int | None = None,
-              expert_offset: int | jax.Array | None = None, matmul=nm.grouped_matmul,
-              summed_matmul=nm.grouped_matmul_summed):
+              kernel_epilogue: bool | None = None, expert_offset: int | jax.Array | None = None,
+              matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
     (`_shared_blocks`; its blocks have T rows rounded up to 8, whatever `block_t` says), "sort"
@@ -201,9 +199,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     global scales and write bf16 (gate/up with one K split), and at decode the down GEMM writes each
     pair's row in pair order (`grouped_matmul(global_scale=, row_destination=)`). `expert_offset`: the
     weights are one device's experts from that index on (expert parallelism); other pairs count zero.
-    `down_group_blocks` (shared blocks only; 0: off): the down GEMM and the combine are one kernel
-    (`grouped_matmul_summed`), each program summing this many blocks' products (`_summed_down`).
-    `matmul` and `summed_matmul` are the kernels (tests on the CPU pass `nm.EMULATED`)."""
+    `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation)."""
     tokens, top_k = ids.shape
     config = default_config(tokens)
     block_builder = config["block_builder"] if block_builder is None else block_builder
@@ -215,15 +211,12 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     gate_up_stages = config["gate_up_stages"] if gate_up_stages is None else gate_up_stages
     kernel_epilogue = config["kernel_epilogue"] if kernel_epilogue is None else kernel_epilogue
     gate_up_tile_n = config["gate_up_tile_n"] if gate_up_tile_n is None else gate_up_tile_n
-    down_group_blocks = config["down_group_blocks"] if down_group_blocks is None else down_group_blocks
     hidden, intermediate = x.shape[1], down.packed.shape[2] * 2
     num_experts = gate_up.packed.shape[0]
     if block_builder not in ("shared", "sort", "compare"):
         raise ValueError(f"block_builder must be 'shared', 'sort' or 'compare', got {block_builder!r}")
     local_ids, local = mg._local_pairs(ids, expert_offset, num_experts)
     shared = block_builder == "shared"
-    if down_group_blocks and not shared:
-        raise ValueError(f"down_group_blocks={down_group_blocks} needs shared blocks, not {block_builder!r}")
     if shared:
         block_t = -(-tokens // 8) * 8
         pair_row, block_expert, row_pair = _shared_blocks(local_ids, num_experts, block_t)
@@ -242,10 +235,6 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         gu = (gu.sum(0) * nm.OUTPUT_FACTOR * gate_up.global_scale[row_expert]).astype(x.dtype)[None]
     act = mg._swiglu(gu[0, :, :intermediate], gu[0, :, intermediate:]).astype(x.dtype)
     act = act if gate_up.rows_in_k_order else nm.to_kernel_k_order(act)
-    if down_group_blocks:
-        return _summed_down(act, weights, block_expert, row_pair, down, tokens, block_t=block_t,
-                            group_blocks=down_group_blocks, tile_n=down_tile_n, stages=down_stages,
-                            summed_matmul=summed_matmul)
     down_gemm = functools.partial(matmul, act, block_expert, down.packed, down.scales, block_t=block_t,
                                   tile_k=down.tile_k, splits=1, stages=down_stages, tile_n=down_tile_n)
     if not kernel_epilogue:
@@ -261,25 +250,3 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         expert_out = down_gemm(global_scale=down.global_scale)[0][pair_row]
     pair_out = (expert_out.astype(x.dtype).astype(jnp.float32) * weights.reshape(-1, 1)).astype(x.dtype)
     return mg._add_token_pairs(pair_out, local, tokens)
-
-
-def _summed_down(act, weights, block_expert, row_pair, down: KernelNvfp4, tokens: int, *, block_t: int,
-                 group_blocks: int, tile_n: int, stages: int, summed_matmul):
-    """Shared blocks' down GEMM with the combine in it: each block row (a token) is scaled by its pair's
-    routing weight and the expert's global scale (zero where the token did not pick the block's
-    expert), and `grouped_matmul_summed` adds the blocks' products; XLA adds its groups' sums. The
-    global scale is taken per expert (column 0 of `global_scale`, which `from_expert_weights` fills
-    from one scale per expert). Rounding: the scaled rows are rounded to bf16 once, the sums once."""
-    blocks = block_expert.shape[0]
-    # An unused block loads the tiles of the block before it (L2 hits, as a rule) and has zero rows. (A
-    # scan for the last used block was a 2.4 us kernel of its own at T = 8 on the H200.)
-    load_expert = jnp.maximum(jnp.where(block_expert >= 0, block_expert, jnp.roll(block_expert, 1)), 0)
-    pair_weight = weights.reshape(-1)[jnp.maximum(row_pair, 0)].astype(jnp.float32)
-    row_scale = pair_weight * jnp.repeat(down.global_scale[load_expert, 0], block_t) * nm.OUTPUT_FACTOR
-    # `where`, not a product: rows of unused blocks are unwritten gate/up outputs (any bits, NaN too).
-    rows = jnp.where((row_pair >= 0)[:, None], act.astype(jnp.float32) * row_scale[:, None], 0.0).astype(act.dtype)
-    groups = blocks // math.gcd(group_blocks, blocks)
-    out = summed_matmul(rows, load_expert, down.packed, down.scales, block_t=block_t, tile_k=down.tile_k,
-                        groups=groups, stages=stages, tile_n=tile_n,
-                        out_dtype=act.dtype if groups == 1 else jnp.float32)
-    return (out[0] if groups == 1 else out.sum(0))[:tokens].astype(act.dtype)

@@ -251,9 +251,9 @@ def mosaic_experts(
     which are what it takes) and its plain-jnp emulation of the same layouts on the CPU."""
     gate_up, down = kernel_weights(arrays)
     on_gpu = jax.default_backend() == "gpu"
-    kernels = {} if on_gpu else nvfp4_mgpu.EMULATED
+    matmul = nvfp4_mgpu.grouped_matmul if on_gpu else nvfp4_mgpu.grouped_matmul_emulated
     out = nvfp4_moe_mgpu.moe_nvfp4(x.astype(jnp.bfloat16) if on_gpu else x, weights, indices, gate_up, down,
-                                   expert_offset=expert_offset, **kernels)
+                                   expert_offset=expert_offset, matmul=matmul)
     return out.astype(x.dtype)
 
 

@@ -98,25 +98,10 @@ def time_layers(t, variants, weights, repeats=4):
     x, w, ids = bench.make_tokens(t, repeats, jax.random.key(t))
     # Weights are arguments, not closed over: jit would make them constants of the program.
     layers = {"triton": lambda x, w, ids, weights: mg.moe_gemm_kernel(x, w, ids, *weights[0])}
-    down_copies = {}  # the down weights repacked for another K step (a variant's `down_tile_k`)
-    for settings in variants:  # moe_nvfp4 keyword arguments, and down_tile_k; the rest from default_config
+    for settings in variants:  # moe_nvfp4 keyword arguments; the rest from default_config
         name = variant_name(settings)
-        settings = dict(settings)
-        down_tile_k = settings.pop("down_tile_k", None)
-        if settings.pop("overlap", False):  # both kernels keep one wgmma in flight
-            settings.update(matmul=functools.partial(nm.grouped_matmul, overlap=True),
-                            summed_matmul=functools.partial(nm.grouped_matmul_summed, overlap=True))
-        if down_tile_k is not None and down_tile_k not in down_copies:
-            down_copies[down_tile_k] = jax.jit(functools.partial(nmm.KernelNvfp4.from_expert_weights,
-                                                                 tile_k=down_tile_k))(down)
-
-        def layer(x, w, ids, weights, down_tile_k=down_tile_k, **kw):
-            gate_up, kernel_down = weights[1]
-            if down_tile_k is not None:
-                kernel_down = down_copies[down_tile_k]
-            return nmm.moe_nvfp4(x, w, ids, gate_up, kernel_down, **kw)
-
-        layers[name] = functools.partial(layer, **settings)
+        layers[name] = functools.partial(
+            lambda x, w, ids, weights, **kw: nmm.moe_nvfp4(x, w, ids, *weights[1], **kw), **settings)
     # Tokens are independent: the reference (which gathers every pair's weights) checks the first 64.
     checked = min(t, 64)
     want = np.asarray(jax.jit(mg.moe_gemm_reference)(x[0, :checked], w[0, :checked], ids[0, :checked], gate, up,
@@ -251,19 +236,12 @@ def main():
         # Run Y: the GEMMs are 85-90 % of the layer at T <= 64; next, gate/up program shapes.
         # Run Z: nothing near the decode defaults won (tile_n 128 by 2 % at T = 64 only). Run AA: blocks
         # of 32 rows and gate/up programs of 128 rows at T = 512 (now the defaults up to 1024 tokens);
-        # next, the same choices where they are untimed: 2048 tokens and prefill.
-        # Session 15: the down GEMM and the combine in one kernel for shared blocks (`down_group_blocks`:
-        # blocks summed per program), its groups, program rows, stages and K step.
-        def summed(group_blocks, **kw):
-            return dict(block_builder="shared", down_group_blocks=group_blocks, **kw)
-
-        # Then one wgmma in flight while the next K step decodes (`overlap`), on both paths.
-        lap = dict(overlap=True)
-        plans = {1: [{}, lap, dict(lap, gate_up_stages=3), summed(4, **lap), summed(8, down_tile_k=320, **lap)],
-                 8: [{}, lap, dict(lap, gate_up_stages=3), dict(lap, down_stages=6), summed(8, **lap),
-                     summed(8, down_tile_k=320, **lap)],
-                 16: [{}, lap, dict(lap, gate_up_stages=3), summed(8, **lap)],
-                 64: [{}, lap, dict(lap, gate_up_stages=3)]}
+        # next, the same choices where they are untimed: 2048 tokens and prefill. Session 15 (runs B-D):
+        # the down GEMM with the combine in it, and one wgmma in flight, both lost and were removed.
+        wide = dict(gate_up_tile_n=128)
+        down2 = dict(down_stages=2)  # the down GEMM's K is 5 steps; the isolated sweep (no flag) times more
+        plans = {8: [{}, down2], 64: [{}, down2], 2048: [{}, dict(block_t=32), dict(block_t=32, **wide), dict(wide)],
+                 8192: [{}, wide]}
         weights = layer_weights()
         for t, variants in plans.items():
             try:

@@ -118,7 +118,7 @@ def test_mosaic_nvfp4_layer_takes_the_models_experts():
 
     x, weights, ids = routed_tokens(2, 6, config)
     want = np.asarray(experts(x, weights, ids), np.float32)
-    got = np.asarray(nmm.moe_nvfp4(x, weights, ids, *kernel_weights, **nm.EMULATED), np.float32)
+    got = np.asarray(nmm.moe_nvfp4(x, weights, ids, *kernel_weights, matmul=nm.grouped_matmul_emulated), np.float32)
     np.testing.assert_allclose(got, want, rtol=0, atol=8 * 2.0**-8 * np.abs(want).max())
     assert np.abs(want).max() > 0
 

@@ -67,14 +67,13 @@ def _specs(experts, n, k, blocks, block_t, tile_k, shared_rows=False):
             spec((experts, k // tile_k, n, tile_k // 16), jnp.bfloat16))
 
 
-@pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,stages,output,overlap", [
-    (640, 5120, 8, 8, 256, 4, 64, False, 2, "sums", False), (640, 5120, 8, 8, 256, 1, 128, False, 4, "scaled", True),
-    (5120, 320, 5, 16, 64, 1, 256, False, 4, "by_pair", False),
-    (640, 5120, 64, 16, 256, 1, 64, True, 2, "scaled", True)])
-def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, stages, output, overlap):
+@pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,stages,output", [
+    (640, 5120, 8, 8, 256, 4, 64, False, 2, "sums"), (640, 5120, 8, 8, 256, 1, 128, False, 4, "scaled"),
+    (5120, 320, 5, 16, 64, 1, 256, False, 4, "by_pair"), (640, 5120, 64, 16, 256, 1, 64, True, 2, "scaled")])
+def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, stages, output):
     """Beam's gate/up and down shapes lower to Mosaic GPU on the CPU (the PTX is built on the GPU)."""
     op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits, tile_n=tile_n,
-                           shared_rows=shared_rows, stages=stages, overlap=overlap)
+                           shared_rows=shared_rows, stages=stages)
     specs = _specs(256, n, k, blocks, block_t, tile_k, shared_rows)
     if output != "sums":
         spec = jax.ShapeDtypeStruct
@@ -103,11 +102,7 @@ def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits
     operands = (jnp.asarray(x[:, nm.kernel_k_order(k)]), jnp.asarray(block_expert),
                 jnp.asarray(nm.pack_kernel_layout(codes)), jnp.asarray(nm.pack_scales(scale, tile_k)))
     settings = dict(block_t=block_t, tile_k=tile_k, tile_n=tile_n, shared_rows=shared_rows)
-    sums = np.asarray(nm.grouped_matmul(*operands, splits=splits, **settings))
-    # One wgmma in flight while the next step decodes: the same sums, in the same order.
-    np.testing.assert_array_equal(np.asarray(nm.grouped_matmul(*operands, splits=splits, overlap=True, **settings)),
-                                  sums)
-    got = sums.sum(0) * nm.OUTPUT_FACTOR
+    got = np.asarray(nm.grouped_matmul(*operands, splits=splits, **settings)).sum(0) * nm.OUTPUT_FACTOR
     w = jnp.asarray(E2M1[codes] * np.repeat(scale, 16, axis=-1))
     want = np.asarray(nm.grouped_matmul_reference(jnp.asarray(x), jnp.asarray(block_expert), w, block_t=block_t,
                                                   shared_rows=shared_rows))
@@ -117,50 +112,6 @@ def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits
         scaled = nm.grouped_matmul(*operands, global_scale=jnp.asarray(global_scale), **settings)
         want = want * np.repeat(global_scale[block_expert], block_t, axis=0)
         np.testing.assert_allclose(np.asarray(scaled[0], np.float32), want, rtol=2.0**-8,
-                                   atol=1e-5 * np.abs(want).max())
-
-
-@pytest.mark.parametrize("blocks,block_t,tile_k,groups,tile_n,out_dtype", [
-    (8, 8, 64, 2, 64, jnp.float32), (64, 8, 64, 8, 128, jnp.float32), (8, 8, 320, 1, 64, jnp.bfloat16)])
-def test_summed_lowers_for_cuda(blocks, block_t, tile_k, groups, tile_n, out_dtype):
-    """Beam's down shape (N 5120, K 320) through the summed kernel lowers to Mosaic GPU."""
-    op = functools.partial(nm.grouped_matmul_summed, block_t=block_t, tile_k=tile_k, groups=groups, tile_n=tile_n,
-                           out_dtype=out_dtype)
-    text = jax.jit(op).trace(*_specs(256, 5120, 320, blocks, block_t, tile_k)).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-
-
-def test_summed_rejects_groups_that_do_not_divide_the_blocks():
-    xs = jnp.zeros((5 * 8, 320), jnp.bfloat16)
-    with pytest.raises(ValueError, match="groups 2"):
-        nm.grouped_matmul_summed(xs, jnp.zeros((5,), jnp.int32), jnp.zeros((4, 64, 160), jnp.uint8),
-                                 jnp.zeros((4, 5, 64, 4), jnp.bfloat16), block_t=8, tile_k=64, groups=2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("experts,n,k,blocks,block_t,tile_k,groups,tile_n,stages", [
-    (16, 128, 320, 6, 8, 64, 2, 64, 4), (16, 192, 320, 5, 16, 64, 1, 64, 2), (8, 256, 512, 4, 8, 256, 4, 128, 4),
-    (32, 5120, 320, 8, 8, 64, 2, 64, 8), (32, 5120, 320, 8, 8, 320, 1, 64, 4)])
-def test_summed_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, groups, tile_n, stages):
-    """The blocks' products summed per group, fp32 and bf16 out; blocks repeat experts (as unused
-    decode blocks name the block before theirs)."""
-    rng = np.random.default_rng(n + k + blocks)
-    codes = rng.integers(0, 16, (experts, n, k), dtype=np.uint8)
-    scale = rng.uniform(0.02, 4, (experts, n, k // 16)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    x = rng.standard_normal((blocks * block_t, k)).astype(ml_dtypes.bfloat16)
-    block_expert = rng.integers(0, experts, blocks).astype(np.int32)
-    block_expert[1] = block_expert[0]
-    operands = (jnp.asarray(x[:, nm.kernel_k_order(k)]), jnp.asarray(block_expert),
-                jnp.asarray(nm.pack_kernel_layout(codes)), jnp.asarray(nm.pack_scales(scale, tile_k)))
-    w = jnp.asarray(E2M1[codes] * np.repeat(scale, 16, axis=-1))
-    products = np.asarray(nm.grouped_matmul_reference(jnp.asarray(x), jnp.asarray(block_expert), w, block_t=block_t))
-    want = products.reshape(groups, -1, block_t, n).sum(1)
-    for out_dtype, rtol, overlap in ((jnp.float32, 0, False), (jnp.bfloat16, 2.0**-8, False), (jnp.float32, 0, True)):
-        got = nm.grouped_matmul_summed(*operands, block_t=block_t, tile_k=tile_k, groups=groups, tile_n=tile_n,
-                                       stages=stages, out_dtype=out_dtype, overlap=overlap)
-        assert got.shape == (groups, block_t, n) and got.dtype == out_dtype
-        np.testing.assert_allclose(np.asarray(got, np.float32) * nm.OUTPUT_FACTOR, want, rtol=rtol,
                                    atol=1e-5 * np.abs(want).max())
 
 
@@ -180,22 +131,18 @@ def _assert_layer_close(problem, got, expert_offset=None):
     assert np.abs(want).max() > 0
 
 
-@pytest.mark.parametrize("tokens,block_t,splits,builder,epilogue,group_blocks", [
-    (1, 8, 2, "sort", False, 0), (5, 2, 2, "sort", False, 0), (13, 2, 1, "sort", True, 0),
-    (13, 8, 2, "compare", True, 0), (70, None, None, "sort", False, 0), (70, None, None, "sort", True, 0),
-    (1, None, 4, "shared", True, 0), (5, None, 1, "shared", False, 0), (5, None, 1, "shared", True, 0),
-    (13, None, 2, None, False, 0), (1, None, 4, "shared", False, 4), (5, None, 1, "shared", False, 3),
-    (13, None, 2, "shared", False, 8), (16, None, 1, "shared", False, 64)])
-def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits, builder, epilogue, group_blocks):
+@pytest.mark.parametrize("tokens,block_t,splits,builder,epilogue", [
+    (1, 8, 2, "sort", False), (5, 2, 2, "sort", False), (13, 2, 1, "sort", True), (13, 8, 2, "compare", True),
+    (70, None, None, "sort", False), (70, None, None, "sort", True), (1, None, 4, "shared", True),
+    (5, None, 1, "shared", False), (5, None, 1, "shared", True), (13, None, 2, None, False)])
+def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits, builder, epilogue):
     """Blocks, gathers, splits, scales, SwiGLU and combine, with the GEMM emulated in plain jnp:
     experts with more pairs than a block (tails), experts picked by several tokens, unused experts,
     and unused blocks; None: the defaults (`default_config`: shared rows up to 16 tokens, sorted
-    blocks of 8 rows up to 64, then 32); with and without the kernel's own epilogue; shared blocks
-    with the down GEMM and combine in one kernel (`down_group_blocks`: one group, a group per block,
-    groups of several blocks)."""
+    blocks of 8 rows up to 64, then 32); with and without the kernel's own epilogue."""
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 256, 64, 16, 4, tile_k=128)
     layer = functools.partial(nmm.moe_nvfp4, block_t=block_t, gate_up_splits=splits, block_builder=builder,
-                              kernel_epilogue=epilogue, down_group_blocks=group_blocks, **nm.EMULATED)
+                              kernel_epilogue=epilogue, matmul=nm.grouped_matmul_emulated)
     _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
 
 
@@ -242,10 +189,9 @@ def test_both_block_builders_agree(tokens, top_k, experts, block_t):
         np.testing.assert_array_equal(np.asarray(by_sort), np.asarray(by_comparison))
 
 
-@pytest.mark.parametrize("tokens,builder,epilogue,group_blocks", [
-    (1, "sort", False, 0), (7, "sort", True, 0), (7, "compare", False, 0), (1, "shared", True, 0),
-    (7, "shared", True, 0), (7, "shared", False, 0), (1, "shared", False, 2), (7, "shared", False, 4)])
-def test_expert_parallel_shares_add_up(tokens, builder, epilogue, group_blocks):
+@pytest.mark.parametrize("tokens,builder,epilogue", [(1, "sort", False), (7, "sort", True), (7, "compare", False),
+                                                     (1, "shared", True), (7, "shared", True), (7, "shared", False)])
+def test_expert_parallel_shares_add_up(tokens, builder, epilogue):
     """Each device's share of the experts (`expert_offset`): equal to the reference on it (other
     shares' pairs count zero), and the shares add up to the whole layer."""
     from tests.pallas_kernels.test_moe_gemm import share_of_experts
@@ -258,7 +204,7 @@ def test_expert_parallel_shares_add_up(tokens, builder, epilogue, group_blocks):
         kernel_weights = (nmm.KernelNvfp4.from_expert_weights(*share[:2], tile_k=128),
                           nmm.KernelNvfp4.from_expert_weights(share[2], tile_k=64))
         got = nmm.moe_nvfp4(x, weights, ids, *kernel_weights, expert_offset=start, block_builder=builder,
-                            kernel_epilogue=epilogue, down_group_blocks=group_blocks, **nm.EMULATED)
+                            kernel_epilogue=epilogue, matmul=nm.grouped_matmul_emulated)
         want = mg.moe_gemm_reference(x, weights, ids, *share, expert_offset=start)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0,
                                    atol=4 * 2.0**-7 * np.abs(np.asarray(want, np.float32)).max())
@@ -267,30 +213,22 @@ def test_expert_parallel_shares_add_up(tokens, builder, epilogue, group_blocks):
     np.testing.assert_allclose(total, whole, rtol=0, atol=3 * 4 * 2.0**-7 * np.abs(whole).max())
 
 
-def test_summed_down_needs_shared_blocks():
-    problem, (gate_up, down) = _layer_problem(0, 3, 256, 64, 12, 4, tile_k=128)
-    with pytest.raises(ValueError, match="down_group_blocks=4 needs shared blocks"):
-        nmm.moe_nvfp4(*problem[:3], gate_up, down, block_builder="sort", down_group_blocks=4, **nm.EMULATED)
-
-
 def test_unknown_block_builder_is_rejected():
     problem, (gate_up, down) = _layer_problem(0, 3, 256, 64, 16, 4, tile_k=128)
     with pytest.raises(ValueError, match="block_builder"):
-        nmm.moe_nvfp4(*problem[:3], gate_up, down, block_builder="hash", **nm.EMULATED)
+        nmm.moe_nvfp4(*problem[:3], gate_up, down, block_builder="hash", matmul=nm.grouped_matmul_emulated)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens,down_tile_n,builder,epilogue,group_blocks", [
-    (1, 64, None, False, None), (1, 64, None, True, None), (8, 128, None, False, None), (8, 128, None, True, None),
-    (8, 64, "sort", True, None), (13, 64, None, True, None), (32, 64, "shared", False, None),
-    (64, 256, None, True, None), (300, 64, None, True, None), (1, 64, "shared", False, 4),
-    (8, 128, "shared", False, 8), (13, 64, "shared", False, 16)])
-def test_layer_matches_reference_on_gpu(tokens, down_tile_n, builder, epilogue, group_blocks):
+@pytest.mark.parametrize("tokens,down_tile_n,builder,epilogue", [
+    (1, 64, None, False), (1, 64, None, True), (8, 128, None, False), (8, 128, None, True), (8, 64, "sort", True),
+    (13, 64, None, True), (32, 64, "shared", False), (64, 256, None, True), (300, 64, None, True)])
+def test_layer_matches_reference_on_gpu(tokens, down_tile_n, builder, epilogue):
     """Beam's per-GPU TP8 expert shape on the kernel (None: `default_config`'s blocks), with and
-    without the kernel's own epilogue, and with the summed down GEMM (`down_group_blocks`)."""
+    without the kernel's own epilogue."""
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 5120, 320, 256, 8, tile_k=256)
     layer = functools.partial(nmm.moe_nvfp4, down_tile_n=down_tile_n, block_builder=builder,
-                              kernel_epilogue=epilogue, down_group_blocks=group_blocks)
+                              kernel_epilogue=epilogue)
     _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
 
 
@@ -314,15 +252,15 @@ def test_k_order_by_transpose_equals_the_gather():
     np.testing.assert_array_equal(np.asarray(nm.to_kernel_k_order(jnp.asarray(x))), x[..., nm.kernel_k_order(96)])
 
 
-@pytest.mark.parametrize("builder,group_blocks", [("shared", 0), ("sort", 0), ("compare", 0), ("shared", 4)])
-def test_negative_ids_are_not_computed(builder, group_blocks):
+@pytest.mark.parametrize("builder", ["shared", "sort", "compare"])
+def test_negative_ids_are_not_computed(builder):
     """Padding tokens masked by the MoE layer (id -1 on every pair): zeros, and the real tokens as the
-    reference on them alone; every block builder (the emulated GEMM), and the summed down GEMM."""
+    reference on them alone; every block builder (the emulated GEMM)."""
     problem, kernel_weights = _layer_problem(60, 7, 256, 64, 12, 4, tile_k=128)
     x, weights, ids, gate, up, down = problem
     masked = ids.at[4:].set(-1)
     got = np.asarray(nmm.moe_nvfp4(x, weights, masked, *kernel_weights, block_builder=builder,
-                                   down_group_blocks=group_blocks, **nm.EMULATED), np.float32)
+                                   matmul=nm.grouped_matmul_emulated), np.float32)
     want = np.asarray(mg.moe_gemm_reference(x[:4], weights[:4], ids[:4], gate, up, down), np.float32)
     np.testing.assert_array_equal(got[4:], 0.0)
     np.testing.assert_allclose(got[:4], want, rtol=0, atol=4 * 2.0**-7 * np.abs(want).max())
