@@ -264,3 +264,20 @@ def test_negative_ids_are_not_computed(builder):
     want = np.asarray(mg.moe_gemm_reference(x[:4], weights[:4], ids[:4], gate, up, down), np.float32)
     np.testing.assert_array_equal(got[4:], 0.0)
     np.testing.assert_allclose(got[:4], want, rtol=0, atol=4 * 2.0**-7 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("mode", ["no_scales", "raw"])
+def test_decode_cost_stand_ins_lower_for_cuda(mode, monkeypatch):
+    """benchmarks/moe/decode_cost.py's cheaper decode bodies build the kernel they time."""
+    import importlib.util
+    from pathlib import Path
+
+    moe_benchmarks = Path(__file__).parents[2] / "benchmarks/moe"
+    monkeypatch.syspath_prepend(str(moe_benchmarks))
+    spec = importlib.util.spec_from_file_location("decode_cost", moe_benchmarks / "decode_cost.py")
+    decode_cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(decode_cost)
+    monkeypatch.setattr(nm, "_decode_tile", decode_cost.cheap_decode(mode))
+    op = functools.partial(nm.grouped_matmul, block_t=8, tile_k=256, splits=4, stages=2)
+    text = jax.jit(op).trace(*_specs(256, 640, 5120, 8, 8, 256)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

@@ -1,0 +1,81 @@
+"""What the NVFP4 GEMM's register decode costs on the GPU (session 15, run E of RESULTS.md).
+
+The kernel's decode body (`nvfp4_mgpu._decode_tile`) is swapped for cheaper ones that keep the
+kernel's memory traffic and everything else:
+  full       the kernel as committed;
+  no_scales  the bit extraction and the fma, with constant scales (no shared-memory scale loads);
+  raw        each packed word used as the bf16 registers as it is (no decode instruction at all).
+The values are wrong in the last two; only their time matters. Shapes are the layer's defaults at
+T = 1, 8 and 64 (`nvfp4_moe_mgpu.default_config`), timed by `mgpu_probe.time_kernel` (CUPTI).
+
+Usage (GPU): OUT=dir python3 -u benchmarks/moe/decode_cost.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mgpu_probe as probe  # noqa: E402
+from pallas_kernels import nvfp4_mgpu as nm  # noqa: E402
+
+SHAPES = {  # label: (N, K, blocks, block_t, tile_k, splits, stages, tile_n)
+    "T1 gate/up": (640, 5120, 8, 8, 256, 4, 2, 64), "T1 down": (5120, 320, 8, 8, 64, 1, 4, 64),
+    "T8 gate/up": (640, 5120, 57, 8, 256, 1, 2, 64), "T8 down": (5120, 320, 57, 8, 64, 1, 4, 128),
+    "T64 gate/up": (640, 5120, 223, 8, 256, 1, 2, 64), "T64 down": (5120, 320, 223, 8, 64, 1, 4, 128)}
+
+
+def cheap_decode(mode: str):
+    """A stand-in for `nm._decode_tile` (same signature): "no_scales" or "raw" (see the module doc)."""
+
+    def make(tile_n: int, tile_k: int):
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import llvm
+        from jax.experimental.mosaic.gpu import fragmented_array as fa
+        from jax.experimental.mosaic.gpu import utils
+
+        def body(ctx, packed, scale_ref):
+            del ctx, scale_ref
+            i32, bf16 = ir.IntegerType.get_signless(32), ir.BF16Type.get()
+            out = np.empty(fa.WGMMA_LAYOUT.registers_shape((tile_n, tile_k)), dtype=object)
+            ones = utils.c(0x3F803F80, i32)  # bf16x2 (1.0, 1.0) in place of the block scales
+            for m in range(tile_n // 64):
+                for half in range(2):
+                    for c in range(tile_k // 32):
+                        word = utils.bitcast(packed.registers[m, c, 0, 0, half, 0, 0, 0, 0], i32)
+                        for pair in range(4):
+                            reg = word if mode == "raw" else llvm.inline_asm(
+                                i32, [word, ones], nm._decode_pair_asm(pair), "=r,r,r")
+                            out[m, 4 * c + pair, 0, 0, half, 0, 0, 0, 0] = utils.bitcast(
+                                reg, ir.VectorType.get((2,), bf16))
+            return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+        return body
+
+    return make
+
+
+def main():
+    original, rows = nm._decode_tile, []
+    rng = np.random.default_rng(0)
+    try:
+        for label, (n, k, blocks, block_t, tile_k, splits, stages, tile_n) in SHAPES.items():
+            for mode in ("full", "no_scales", "raw", "full"):  # full twice: the run's spread
+                nm._decode_tile = original if mode == "full" else cheap_decode(mode)
+                row = dict(probe.time_kernel(rng, n, k, blocks, block_t, tile_k, splits, stages, tile_n),
+                           label=label, mode=mode)
+                rows.append(row)
+                print(f"{label:12s} {mode:10s} {row['us']:7.1f} us  {row['pct_floor']:5.1f} % of "
+                      f"{row['floor_us']:.1f}", flush=True)
+    finally:
+        nm._decode_tile = original
+    with open(os.path.join(os.environ.get("OUT", "."), "decode-cost.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
