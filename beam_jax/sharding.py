@@ -126,13 +126,13 @@ def check_mesh(config: BeamConfig, mesh) -> None:
 
 # ---- partition specs -----------------------------------------------------------------------------
 # NVFP4 experts in the Mosaic kernel's layout (`beam_jax.quant.kernel_layout`), gate_up in its mesh
-# layout `[E, 2, I, ...]`: gate/up rows split on I; down's K (the intermediate dim) split in whole
-# 64-value tiles: its packed bytes on the last axis, its scales `[E, K/64, H, 4]` on the K-tile axis.
+# layout `[E, ..., 2, I, ...]`: gate/up rows split on I; down's K (the intermediate dim) split in whole
+# 64-value tiles: its packed bytes `[E, K/64, H, 32]` and scales `[E, K/64, H, 4]` on the K-tile axis.
 KERNEL_SPECS = {
-    "gate_up.packed": P(EP, None, TP, None),  # [E, 2, I, H/2]
+    "gate_up.packed": P(EP, None, None, TP, None),  # [E, H/256, 2, I, 128]
     "gate_up.scales": P(EP, None, None, TP, None),  # [E, H/256, 2, I, 16]
     "gate_up.global_scale": P(EP, None, TP),  # [E, 2, I]
-    "down.packed": P(EP, None, TP),  # [E, H, I/2]
+    "down.packed": P(EP, TP, None, None),  # [E, I/64, H, 32]
     "down.scales": P(EP, TP, None, None),  # [E, I/64, H, 4]
     "down.global_scale": P(EP, None),  # [E, H]
 }
@@ -217,7 +217,7 @@ def attention_head_axes(num_heads: int, num_kv_heads: int, mesh=None) -> tuple[s
 
 
 # Axis holding gate rows then up rows, and the rank, of each parameter split into gate and up on the mesh.
-_GATE_UP_ROWS = {GATE_UP: (1, 3), "gate_up.packed": (1, 3), "gate_up.scales": (2, 4), "gate_up.global_scale": (1, 2)}
+_GATE_UP_ROWS = {GATE_UP: (1, 3), "gate_up.packed": (2, 4), "gate_up.scales": (2, 4), "gate_up.global_scale": (1, 2)}
 
 
 def mesh_layout(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:

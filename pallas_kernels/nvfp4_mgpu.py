@@ -95,6 +95,18 @@ def pack_kernel_layout(codes) -> jax.Array:
     return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(*codes.shape[:-4], k // 2)
 
 
+def pack_k_steps(packed, tile_k: int) -> jax.Array:
+    """Kernel-layout bytes `[..., N, K/2]` -> `[..., K/tile_k, N, tile_k/2]`: one K step's bytes of every
+    row together, so that a program's weight tile is one contiguous block (a TMA box of `tile_n` rows
+    of `tile_k/2` bytes at the row stride was 5 % slower for the down GEMM at T = 8 and 64, H200
+    session 15 run G). K steps and rows stay axes of their own, so a mesh can split either."""
+    *lead, n, half_k = packed.shape
+    if (2 * half_k) % tile_k:
+        raise ValueError(f"K={2 * half_k} must be a multiple of tile_k={tile_k}")
+    steps = jnp.asarray(packed).reshape(*lead, n, 2 * half_k // tile_k, tile_k // 2)
+    return jnp.moveaxis(steps, -2, -3)
+
+
 def checkpoint_codes(values) -> jax.Array:
     """Checkpoint NVFP4 bytes `[..., K/2]` (element 2j in the low nibble) -> codes `[..., K]`."""
     return jnp.stack([values & 0x0F, values >> 4], axis=-1).reshape(*values.shape[:-1], -1)
@@ -217,7 +229,8 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                    stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
                    row_destination=None, out_rows: int | None = None):
     """`xs [B*block_t, K]` bf16 (K in `kernel_k_order`), `block_expert [B]` int32 (-1: skip the block),
-    `packed [E, N, K/2]` uint8 (`pack_kernel_layout`), `scales` bf16 (`pack_scales`) ->
+    `packed [E, K/tile_k, N, tile_k/2]` uint8 (`pack_kernel_layout`, then `pack_k_steps`), `scales` bf16
+    (`pack_scales`) ->
     `[splits, B*block_t, N]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
     computes `tile_n` (a multiple of 64) rows of one block and split. `shared_rows`: `xs` is one block
     `[block_t, K]` that every block multiplies (decode: each expert takes all the step's tokens).
@@ -228,16 +241,16 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     `[1, out_rows, N]` output instead, one row at a time: decode blocks then write only their
     (token, expert) pairs, in pair order (rows nobody writes are left unwritten)."""
     rows, k = xs.shape
-    _, n, half_k = packed.shape
+    experts, n = packed.shape[0], packed.shape[2]
     blocks = block_expert.shape[0]
-    if (rows != (1 if shared_rows else blocks) * block_t or half_k * 2 != k or tile_n % 64 or n % tile_n
-            or tile_k % TILE_K_QUANTUM or k % (tile_k * splits)
+    if (rows != (1 if shared_rows else blocks) * block_t or tile_n % 64 or n % tile_n
+            or tile_k % TILE_K_QUANTUM or k % (tile_k * splits) or packed.shape[1:] != (k // tile_k, n, tile_k // 2)
             or scales.shape[1:] != (k // tile_k, n, tile_k // 16)):
         raise ValueError(f"shapes: xs {xs.shape}, packed {packed.shape}, blocks {blocks}, block_t {block_t}, "
                          f"tile_n {tile_n}, tile_k {tile_k}, splits {splits}")
     scaled, scattered = global_scale is not None, row_destination is not None
-    if scaled and (splits != 1 or global_scale.shape != packed.shape[:2]):
-        raise ValueError(f"global_scale {global_scale.shape} needs one split and shape {packed.shape[:2]}")
+    if scaled and (splits != 1 or global_scale.shape != (experts, n)):
+        raise ValueError(f"global_scale {global_scale.shape} needs one split and shape {(experts, n)}")
     if scattered and (not scaled or out_rows is None or row_destination.shape != (blocks, block_t)):
         raise ValueError(f"row_destination needs global_scale, out_rows and shape {(blocks, block_t)}")
     k_steps = k // (tile_k * splits)
@@ -276,7 +289,8 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                 step,
                 grid=(k_steps,),
                 in_specs=[
-                    plgpu.BlockSpec((tile_n, tile_k // 2), lambda kk: (ni, k0 + kk), transforms=packed_transforms),
+                    plgpu.BlockSpec((None, tile_n, tile_k // 2), lambda kk: (k0 + kk, ni, 0),
+                                    transforms=packed_transforms),
                     plgpu.BlockSpec((None, tile_n * tile_k // 16 // _SCALE_ROW, _SCALE_ROW),
                                     lambda kk: (k0 + kk, ni, 0)),
                     plgpu.BlockSpec((block_t, tile_k), lambda kk: (0 if shared_rows else b, k0 + kk),
@@ -338,9 +352,10 @@ def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, t
     calls the kernel): decodes the words as the PTX does, then `grouped_matmul_reference`. Blocks
     of expert -1 get NaN, as the kernel leaves them unwritten (any bits); one split holds the whole sum."""
     del splits, stages, tile_n
-    e, n, half_k = packed.shape
-    k = half_k * 2
-    words = jax.lax.bitcast_convert_type(packed.reshape(e, n, k // 32, 4, 4), jnp.uint32)  # [e, n, c, thread]
+    e, k_steps, n, _ = packed.shape
+    k = k_steps * tile_k
+    rows = jnp.moveaxis(packed, 1, 2).reshape(e, n, k // 32, 4, 4)  # back to [E, N, K/2], by 32 values and thread
+    words = jax.lax.bitcast_convert_type(rows, jnp.uint32)  # [e, n, c, thread]
     values = jnp.zeros((e, n, k), jnp.float32)
     for pair in range(4):
         bits = decode_pair_bits(words, pair)

@@ -30,8 +30,10 @@ from pallas_kernels import row_gather as rg
                    meta_fields=["tile_k", "rows_in_k_order"])
 @dataclasses.dataclass(frozen=True)
 class KernelNvfp4:
-    """One projection of every expert in the kernel's layouts; `global_scale [E, N]` per output row.
-    `rows_in_k_order`: each projection's rows are stored in `kernel_k_order` (gate/up: SwiGLU's output
+    """One projection of every expert in the kernel's layouts: `packed [E, K/tile_k, N, tile_k/2]` uint8
+    (`nm.pack_kernel_layout`, `nm.pack_k_steps`), `scales [E, K/tile_k, N, tile_k/16]` bf16
+    (`nm.pack_scales`), `global_scale [E, N]` fp32 per output row. `rows_in_k_order`: each
+    projection's rows are stored in `kernel_k_order` (gate/up: SwiGLU's output
     then comes out in the K order the down GEMM takes, with no permutation in between)."""
 
     packed: jax.Array
@@ -58,7 +60,8 @@ class KernelNvfp4:
             packed.append(nm.pack_kernel_layout(nm.checkpoint_codes(w.values[:, rows])))
             scales.append(w.scale[:, rows].astype(jnp.float32))
             global_scale.append(jnp.broadcast_to(w.global_scale[:, None], (w.values.shape[0], w.num_rows)))
-        return cls(jnp.concatenate(packed, 1), nm.pack_scales(jnp.concatenate(scales, 1), tile_k),
+        return cls(nm.pack_k_steps(jnp.concatenate(packed, 1), tile_k),
+                   nm.pack_scales(jnp.concatenate(scales, 1), tile_k),
                    jnp.concatenate(global_scale, 1).astype(jnp.float32), tile_k, rows_in_k_order)
 
 
@@ -211,7 +214,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     gate_up_stages = config["gate_up_stages"] if gate_up_stages is None else gate_up_stages
     kernel_epilogue = config["kernel_epilogue"] if kernel_epilogue is None else kernel_epilogue
     gate_up_tile_n = config["gate_up_tile_n"] if gate_up_tile_n is None else gate_up_tile_n
-    hidden, intermediate = x.shape[1], down.packed.shape[2] * 2
+    hidden, intermediate = x.shape[1], down.packed.shape[1] * down.tile_k
     num_experts = gate_up.packed.shape[0]
     if block_builder not in ("shared", "sort", "compare"):
         raise ValueError(f"block_builder must be 'shared', 'sort' or 'compare', got {block_builder!r}")

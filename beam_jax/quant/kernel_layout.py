@@ -7,7 +7,7 @@ at load time in place of the checkpoint layout.
 Per sparse layer, `mlp.experts` then holds two `KernelNvfp4Linear`s instead of `gate_proj`, `up_proj`
 and `down_proj`: `gate_up` (gate rows then up rows, each in `kernel_k_order` so that SwiGLU's output
 is in down's K order; K = hidden, `tile_k` 256) and `down` (K = the expert intermediate, `tile_k`
-64), each `packed` uint8 `[E, N, K/2]` (`nm.pack_kernel_layout`),
+64), each `packed` uint8 `[E, K/tile_k, N, tile_k/2]` (`nm.pack_kernel_layout`, `nm.pack_k_steps`),
 `scales` bf16 `[E, K/tile_k, N, tile_k/16]` (`nm.pack_scales`) and `global_scale` fp32 `[E, N]`
 (the checkpoint's per-expert `weight_scale_2` on every row of that projection). The activation
 `input_scale` is not kept (W4A16 never reads it). The config says so (`BeamConfig.mosaic_experts`),
@@ -15,11 +15,11 @@ and a model so converted cannot be saved: a checkpoint holds the producers' layo
 
 The kernel needs K a multiple of its tile_k and rows in multiples of 64 (`layout_problems`). On a
 mesh (`beam_jax.sharding`) every device's shard is itself a valid local layout: gate_up is held as
-`[E, 2, I, ...]` (packed `[E, 2, I, H/2]`, scales `[E, H/256, 2, I, 16]`, global scale `[E, 2, I]`)
-so that TP splits gate rows and up rows alike, and each device reshapes its `[E/ep, 2, I/tp, ...]`
-back to `[E/ep, 2I/tp, ...]` (the row order permutes within groups of 32 rows, so a device's rows are
+`[E, ..., 2, I, ...]` (packed `[E, H/256, 2, I, 128]`, scales `[E, H/256, 2, I, 16]`, global scale
+`[E, 2, I]`) so that TP splits gate rows and up rows alike, and each device reshapes its `[.., 2, I/tp, ..]`
+back to `[.., 2I/tp, ..]` (the row order permutes within groups of 32 rows, so a device's rows are
 the same whether it or the whole converts them); down's K is the intermediate dim, split in whole
-64-value tiles (packed bytes on the last axis, scales on the K/tile_k axis). Packing works per row and per 32 K
+64-value tiles (packed bytes and scales on their K/tile_k axis). Packing works per row and per 32 K
 values, so converting each device's checkpoint shard gives exactly its shard of the global layout:
 the conversion runs per device under `shard_map`, one layer at a time.
 """
@@ -58,7 +58,7 @@ class KernelNvfp4Linear(nnx.Module):
         if in_features % tile_k or out_features % ROW_QUANTUM:
             raise ValueError(f"the Mosaic NVFP4 layout needs K a multiple of {tile_k} and rows a multiple of "
                              f"{ROW_QUANTUM}: K={in_features}, rows={out_features}")
-        self.packed = nnx.Param(jnp.zeros((experts, out_features, in_features // 2), jnp.uint8))
+        self.packed = nnx.Param(jnp.zeros((experts, in_features // tile_k, out_features, tile_k // 2), jnp.uint8))
         self.scales = nnx.Param(jnp.zeros((experts, in_features // tile_k, out_features, tile_k // 16), jnp.bfloat16))
         self.global_scale = nnx.Param(jnp.zeros((experts, out_features), jnp.float32))
 
@@ -123,7 +123,7 @@ def use_mosaic(config: BeamConfig, expert_kernel: str = "auto", mesh=None) -> bo
 
 def _convert_experts(arrays: dict[str, jax.Array], mesh_shaped: bool) -> dict[str, jax.Array]:
     """One layer's (or one device's share of its) checkpoint arrays (`gate_proj.weight`, ...) ->
-    kernel arrays (`gate_up.packed`, ...); gate_up in its mesh layout `[E, 2, I, ...]` if `mesh_shaped`."""
+    kernel arrays (`gate_up.packed`, ...); gate_up in its mesh layout `[E, ..., 2, I, ...]` if `mesh_shaped`."""
     experts = arrays["gate_proj.weight"].shape[0]
     chunk = math.gcd(experts, EXPERTS_PER_STEP)
 
@@ -143,10 +143,8 @@ def _convert_experts(arrays: dict[str, jax.Array], mesh_shaped: bool) -> dict[st
 
 
 def kernel_shaped(name: str, array: jax.Array) -> jax.Array:
-    """A kernel array as `KernelNvfp4` takes it, also from its mesh layout (gate_up `[E, 2, I, ...]`)."""
-    if name == "gate_up.packed":
-        return array.reshape(array.shape[0], -1, array.shape[-1])
-    if name == "gate_up.scales":
+    """A kernel array as `KernelNvfp4` takes it, also from its mesh layout (gate_up `[E, ..., 2, I, ...]`)."""
+    if name in ("gate_up.packed", "gate_up.scales"):
         return array.reshape(*array.shape[:2], -1, array.shape[-1])
     if name == "gate_up.global_scale":
         return array.reshape(array.shape[0], -1)

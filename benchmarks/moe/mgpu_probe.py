@@ -34,7 +34,7 @@ def make_expert_weights(rng, experts, n, k, tile_k):
     codes = rng.integers(0, 16, (experts, n, k), dtype=np.uint8)
     scale = rng.uniform(0.02, 4, (experts, n, k // 16)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
     dequant = E2M1[codes] * np.repeat(scale, 16, axis=-1)
-    return (jnp.asarray(nm.pack_kernel_layout(codes)), jnp.asarray(nm.pack_scales(scale, tile_k)),
+    return (nm.pack_k_steps(nm.pack_kernel_layout(codes), tile_k), jnp.asarray(nm.pack_scales(scale, tile_k)),
             dequant)
 
 
@@ -55,7 +55,7 @@ def check(rng, experts, n, k, blocks, block_t, tile_k, splits):
 def time_kernel(rng, n, k, blocks, block_t, tile_k, splits, stages, tile_n=64, repeats=4):
     # Random bytes and scales made on the device: timing does not need known values.
     kp, ks = jax.random.split(jax.random.key(n * k + splits))
-    packed = jax.random.bits(kp, (bench.E, n, k // 2), jnp.uint8)
+    packed = jax.random.bits(kp, (bench.E, k // tile_k, n, tile_k // 2), jnp.uint8)
     scales = jax.random.uniform(ks, (bench.E, k // tile_k, n, tile_k // 16), jnp.float32, 0.5, 4)
     scales = (scales * nm.SCALE_FACTOR).astype(jnp.bfloat16)
     xs = jnp.asarray(rng.standard_normal((repeats, blocks * block_t, k)), jnp.bfloat16)

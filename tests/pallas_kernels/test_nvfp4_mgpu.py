@@ -42,6 +42,15 @@ def test_kernel_k_order_keeps_scale_blocks_and_halves():
     assert np.all(order[0::2] % 32 < 16) and np.all(order[1::2] % 32 >= 16)
 
 
+def test_pack_k_steps_puts_a_step_of_every_row_together():
+    packed = np.random.default_rng(2).integers(0, 256, (2, 64, 160), dtype=np.uint8)
+    steps = np.asarray(nm.pack_k_steps(packed, tile_k=64))
+    assert steps.shape == (2, 5, 64, 32)
+    np.testing.assert_array_equal(steps[:, 3], packed[:, :, 96:128])
+    with pytest.raises(ValueError, match="tile_k"):
+        nm.pack_k_steps(packed, tile_k=256)
+
+
 def test_pack_scales_puts_a_step_of_every_row_together():
     rng = np.random.default_rng(1)
     scale = rng.uniform(0.02, 4, (2, 128, 20)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
@@ -56,14 +65,17 @@ def test_bad_shapes_are_rejected():
         nm.pack_scales(np.ones((1, 64, 20), np.float32), tile_k=256)
     xs = jnp.zeros((16, 512), jnp.bfloat16)
     with pytest.raises(ValueError, match="shapes"):
-        nm.grouped_matmul(xs, jnp.zeros((3,), jnp.int32), jnp.zeros((4, 64, 256), jnp.uint8),
+        nm.grouped_matmul(xs, jnp.zeros((3,), jnp.int32), jnp.zeros((4, 2, 64, 128), jnp.uint8),
                           jnp.zeros((4, 2, 64, 16), jnp.bfloat16), block_t=8)
+    with pytest.raises(ValueError, match="shapes"):  # the bytes by row, not by K step
+        nm.grouped_matmul(jnp.zeros((16, 512), jnp.bfloat16), jnp.zeros((2,), jnp.int32),
+                          jnp.zeros((4, 64, 256), jnp.uint8), jnp.zeros((4, 2, 64, 16), jnp.bfloat16), block_t=8)
 
 
 def _specs(experts, n, k, blocks, block_t, tile_k, shared_rows=False):
     spec = jax.ShapeDtypeStruct
     return (spec(((1 if shared_rows else blocks) * block_t, k), jnp.bfloat16), spec((blocks,), jnp.int32),
-            spec((experts, n, k // 2), jnp.uint8),
+            spec((experts, k // tile_k, n, tile_k // 2), jnp.uint8),
             spec((experts, k // tile_k, n, tile_k // 16), jnp.bfloat16))
 
 
@@ -100,7 +112,7 @@ def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits
     x = rng.standard_normal(((1 if shared_rows else blocks) * block_t, k)).astype(ml_dtypes.bfloat16)
     block_expert = rng.integers(0, experts, blocks).astype(np.int32)
     operands = (jnp.asarray(x[:, nm.kernel_k_order(k)]), jnp.asarray(block_expert),
-                jnp.asarray(nm.pack_kernel_layout(codes)), jnp.asarray(nm.pack_scales(scale, tile_k)))
+                nm.pack_k_steps(nm.pack_kernel_layout(codes), tile_k), jnp.asarray(nm.pack_scales(scale, tile_k)))
     settings = dict(block_t=block_t, tile_k=tile_k, tile_n=tile_n, shared_rows=shared_rows)
     got = np.asarray(nm.grouped_matmul(*operands, splits=splits, **settings)).sum(0) * nm.OUTPUT_FACTOR
     w = jnp.asarray(E2M1[codes] * np.repeat(scale, 16, axis=-1))
