@@ -33,8 +33,8 @@ class KernelNvfp4:
     """One projection of every expert in the kernel's layouts: `packed [E, K/tile_k, N, tile_k/2]` uint8
     (`nm.pack_kernel_layout`, `nm.pack_k_steps`), `scales [E, K/tile_k, N, tile_k/16]` bf16
     (`nm.pack_scales`), `global_scale [E, N]` fp32 per output row. `rows_in_k_order`: each
-    projection's rows are stored in `kernel_k_order` (gate/up: SwiGLU's output
-    then comes out in the K order the down GEMM takes, with no permutation in between)."""
+    projection's rows are stored in `kernel_k_order` (gate/up: SwiGLU's output then comes out in the
+    K order the down GEMM takes, with no permutation in between)."""
 
     packed: jax.Array
     scales: jax.Array
