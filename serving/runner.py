@@ -47,6 +47,11 @@ def default_min_token_bucket() -> int:
     return 1 if jax.default_backend() == "gpu" else MIN_TOKEN_BUCKET
 
 
+def _decodes_only(scheduled: Sequence[ScheduledRequest]) -> bool:
+    """Whether a step holds decodes alone (one token per sequence)."""
+    return all(item.num_tokens == 1 for item in scheduled)
+
+
 def layer_groups(pool: KVPool, num_layers: int, num_drafter_layers: int = 0) -> tuple[int, ...]:
     """Cache group of each target layer, then of each drafter layer, from the planner's layer labels
     (`L{i}`, `D{j}`)."""
@@ -191,7 +196,7 @@ class ModelRunner:
 
     def step_bucket(self, scheduled: Sequence[ScheduledRequest]) -> int:
         """The bucket `execute` runs `scheduled` in."""
-        return self.bucket(sum(s.num_tokens for s in scheduled), decodes_only=all(s.num_tokens == 1 for s in scheduled))
+        return self.bucket(sum(s.num_tokens for s in scheduled), decodes_only=_decodes_only(scheduled))
 
     def rows_for(self, token_bucket: int) -> int:
         return min(token_bucket, self.max_num_seqs)
@@ -207,7 +212,7 @@ class ModelRunner:
         With a drafter the result is a `SpecOutput` (a speculating item's drafts are the request's
         `draft_tokens[:item.num_drafts]`, computed after its last token)."""
         total = max(sum(s.num_tokens for s in scheduled), num_tokens or 0)
-        decodes_only = all(item.num_tokens == 1 for item in scheduled) if decode_only is None else decode_only
+        decodes_only = _decodes_only(scheduled) if decode_only is None else decode_only
         size = self.bucket(total, decodes_only=decodes_only)
         rows = self.rows_for(size)
         if len(scheduled) > rows:

@@ -58,18 +58,19 @@ def pack(tree) -> tuple[np.ndarray, Layout]:
     return words, Layout(treedef, tuple((a.shape, name) for a, name in zip(arrays, names)))
 
 
-def unpack(words: jax.Array, layout: Layout):
-    """In a program: the pytree `pack` flattened, from its words."""
-    leaves, at = [], 0
+def _leaf_words(words, layout: Layout):
+    """(dtype name, the leaf's words in its shape) for each leaf of `layout`, in order."""
+    at = 0
     for shape, name in layout.leaves:
         size = math.prod(shape)
-        part = words[at : at + size].reshape(shape)
+        yield name, words[at : at + size].reshape(shape)
         at += size
-        if name == "bool":
-            part = part != 0
-        elif name != "int32":
-            part = jax.lax.bitcast_convert_type(part, jnp.dtype(name))
-        leaves.append(part)
+
+
+def unpack(words: jax.Array, layout: Layout):
+    """In a program: the pytree `pack` flattened, from its words."""
+    leaves = [part != 0 if name == "bool" else part if name == "int32"
+              else jax.lax.bitcast_convert_type(part, jnp.dtype(name)) for name, part in _leaf_words(words, layout)]
     return jax.tree.unflatten(layout.treedef, leaves)
 
 
@@ -93,10 +94,5 @@ def unpack_host(words: np.ndarray, layout: Layout):
     words = np.asarray(words)
     if words.shape != (layout.size,):
         raise ValueError(f"{words.shape[0]} words for a layout of {layout.size}")
-    leaves, at = [], 0
-    for shape, name in layout.leaves:
-        size = math.prod(shape)
-        part = words[at : at + size].reshape(shape)
-        at += size
-        leaves.append(part != 0 if name == "bool" else part.view(name))
+    leaves = [part != 0 if name == "bool" else part.view(name) for name, part in _leaf_words(words, layout)]
     return jax.tree.unflatten(layout.treedef, leaves)
