@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tp", type=int, default=8, help="tensor-parallel GPUs")
     plan.add_argument("--quant", choices=["bf16", "fp8", "nvfp4", "nvfp4-mosaic"], default="nvfp4",
                       help="expert weight format; nvfp4-mosaic: NVFP4 as held on Hopper GPUs, in the Mosaic "
-                           "kernel's layout (11%% larger)")
+                           "kernel's layout (0.1%% larger)")
     plan.add_argument("--drafter", action="store_true", help="with the DFlash drafter (5 full-history layers)")
     plan.add_argument("--hbm-gb", type=float, default=186.0, help="HBM per GPU in GB (1e9 bytes); GB200: 186")
     plan.add_argument("--mem-fraction", type=float, default=0.95)

@@ -117,10 +117,10 @@ def nvfp4_matrix_bytes(out_features: int, in_features: int) -> int:
 
 def nvfp4_mosaic_matrix_bytes(out_features: int, in_features: int) -> int:
     """NVFP4 in the Mosaic kernel's layout (`pallas_kernels.nvfp4_moe_mgpu.KernelNvfp4`, made at load
-    time on Hopper): the packed values, the block scales as bf16 (the kernel converts none), and the
-    global scale as fp32 per output row. 11 % more than the checkpoint's layout."""
+    time on Hopper): the packed values, the block scales as one-byte codes, and the global scale as
+    fp32 per output row (no input scale)."""
     packed = out_features * ceil_div(in_features, 2)
-    block_scales = out_features * ceil_div(in_features, NVFP4_BLOCK) * BF16_BYTES
+    block_scales = out_features * ceil_div(in_features, NVFP4_BLOCK)
     return packed + block_scales + out_features * FP32_BYTES
 
 

@@ -127,13 +127,13 @@ def check_mesh(config: BeamConfig, mesh) -> None:
 # ---- partition specs -----------------------------------------------------------------------------
 # NVFP4 experts in the Mosaic kernel's layout (`beam_jax.quant.kernel_layout`), gate_up in its mesh
 # layout `[E, ..., 2, I, ...]`: gate/up rows split on I; down's K (the intermediate dim) split in whole
-# 64-value tiles: its packed bytes `[E, K/64, H, 32]` and scales `[E, K/64, H, 4]` on the K-tile axis.
+# 64-value tiles: its packed bytes `[E, K/64, H, 32]` and scale words `[E, K/64, H, 1]` on the K-tile axis.
 KERNEL_SPECS = {
     "gate_up.packed": P(EP, None, None, TP, None),  # [E, H/256, 2, I, 128]
-    "gate_up.scales": P(EP, None, None, TP, None),  # [E, H/256, 2, I, 16]
+    "gate_up.scales": P(EP, None, None, TP, None),  # [E, H/256, 2, I, 4]
     "gate_up.global_scale": P(EP, None, TP),  # [E, 2, I]
     "down.packed": P(EP, TP, None, None),  # [E, I/64, H, 32]
-    "down.scales": P(EP, TP, None, None),  # [E, I/64, H, 4]
+    "down.scales": P(EP, TP, None, None),  # [E, I/64, H, 1]
     "down.global_scale": P(EP, None),  # [E, H]
 }
 

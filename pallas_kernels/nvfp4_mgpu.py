@@ -16,6 +16,11 @@ kernel issues 5.1 instructions per value, RESULTS.md run I). The bits land on a 
 with the E2M1 magnitude at bits 6-8 and the sign at bit 15: value * 2^-126, subnormals included.
 A register's low half comes from the first 16-value scale block of the 32 and its high half from the
 second, so the pair `(scale[2c], scale[2c+1])` (adjacent in memory) multiplies it with no shuffle.
+The block scales are one byte each, as in the checkpoint (bf16 scales were 11 % more bytes than the
+weights' floor): a code `(E - 224) << 3 | m` of the bf16 `scale * 2^119` (exponent field E in 237..254 for
+every e4m3 value, subnormals included; m its 3 mantissa bits), so that a byte permute, a shift and an
+`or` rebuild a register of two (`pack_scales`). Zero and negative scales have no code: the packing makes
+the block's values zero or flips their signs instead (`canonical_blocks`), which represents the same weights.
 The K order this gives (`kernel_k_order`) is applied to the activations, not undone in registers:
 the contraction does not care about the order of K as long as both operands agree.
 """
@@ -44,7 +49,13 @@ _REST_MULTIPLIER = sum(1 << shift for shift in _REST_SHIFTS)
 SCALE_FACTOR = 2.0**119
 OUTPUT_FACTOR = 2.0**7
 _K_PER_WORD_GROUP = 32  # one 32-bit word per thread per row per 32 K values
-_SCALE_ROW = 64  # the kernel layout's scales fold into rows of 64
+_SCALE_ROW = 16  # the kernel layout's scale words fold into rows of 16 (64 bytes) for TMA's box limits
+# Scale codes: bf16 bits (code << 4) | _SCALE_BASE, i.e. exponent field 224 | (code >> 3), mantissa code & 7.
+_SCALE_BASE = 0x7000
+_SCALE_EXPONENT_OFFSET = 224
+_SCALES_PER_WORD = 4
+# prmt selectors: a word's scale bytes 0, 1 (or 2, 3) to bytes 0 and 2 of a register, zeros in 1 and 3.
+_SCALE_SELECTORS = (0x4140, 0x4342)
 # tile_k: a multiple of 64, so that a byte tile row is >= 32 bytes (Mosaic's smallest swizzle).
 TILE_K_QUANTUM = 64
 
@@ -112,19 +123,57 @@ def checkpoint_codes(values) -> jax.Array:
     return jnp.stack([values & 0x0F, values >> 4], axis=-1).reshape(*values.shape[:-1], -1)
 
 
+def canonical_blocks(codes, scale):
+    """E2M1 codes `[..., N, K]` and their block scales `[..., N, K/16]` -> the same weights with every scale
+    positive: a negative scale's block has its values' signs flipped (bit 3 of a code) and takes the
+    scale's magnitude; a zero scale's block has its codes zeroed (any scale then gives zeros)."""
+    blocks = jnp.repeat(jnp.asarray(scale).astype(jnp.float32), 16, axis=-1)
+    codes = jnp.where(blocks < 0, jnp.asarray(codes) ^ 8, codes)
+    return jnp.where(blocks == 0, 0, codes).astype(jnp.uint8), jnp.abs(jnp.asarray(scale))
+
+
 def pack_scales(scale, tile_k: int) -> jax.Array:
-    """Block scales `[E, N, K/16]` (e4m3 values) -> bf16 `[E, K/tile_k, N, tile_k/16]` times SCALE_FACTOR.
+    """Block scales `[E, N, K/16]` float8_e4m3fn, none negative (`canonical_blocks`) -> uint32 words
+    `[E, K/tile_k, N, tile_k/64]` of four one-byte codes each (block 4 w + j in byte j; zero scales any code).
 
     One K step's scales of every row are contiguous, so a step's tile is one TMA box whatever tile_k
-    is (the kernel folds them into rows of 64 for TMA's box limits: a `[64, tile_k/16]` box would be
-    narrower than TMA's 16 bytes for tile_k = 64). Rows (N) and K steps stay axes of their own, so a
-    mesh can split either."""
+    is (the kernel folds them into rows of 64 bytes for TMA's box limits). Rows (N) and K steps stay axes
+    of their own, so a mesh can split either."""
     e, n, blocks = scale.shape
+    if jnp.asarray(scale).dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"block scales must be float8_e4m3fn (the checkpoint's), got {jnp.asarray(scale).dtype}")
     per_step = tile_k // 16
-    if blocks % per_step:
-        raise ValueError(f"K={blocks * 16} must be a multiple of tile_k={tile_k}")
-    steps = jnp.asarray(scale).reshape(e, n, blocks // per_step, per_step).transpose(0, 2, 1, 3)
-    return (steps.astype(jnp.float32) * SCALE_FACTOR).astype(jnp.bfloat16)
+    if tile_k % TILE_K_QUANTUM or blocks % per_step:
+        raise ValueError(f"K={blocks * 16} must be a multiple of tile_k={tile_k}, itself of {TILE_K_QUANTUM}")
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(scale).astype(jnp.float32), jnp.uint32)
+    # fp32 exponent e: the bf16 of scale * 2^119 has exponent field e + 119; zeros (e = 0) get code 0.
+    exponent, mantissa = (bits >> 23) & 0xFF, (bits >> 20) & 7
+    codes = jnp.where(exponent > 0, ((exponent + 119 - _SCALE_EXPONENT_OFFSET) << 3) | mantissa, 0)
+    words = jax.lax.bitcast_convert_type(codes.astype(jnp.uint8).reshape(e, n, blocks // 4, 4), jnp.uint32)
+    return words.reshape(e, n, blocks // per_step, tile_k // 64).transpose(0, 2, 1, 3)
+
+
+def pack_weights(codes, scale, tile_k: int) -> tuple[jax.Array, jax.Array]:
+    """E2M1 codes `[E, N, K]` (original K order) and e4m3 block scales `[E, N, K/16]` -> the kernel's
+    `(packed, scales)`: `canonical_blocks`, then `pack_kernel_layout` + `pack_k_steps` and `pack_scales`."""
+    codes, scale = canonical_blocks(codes, scale)
+    return pack_k_steps(pack_kernel_layout(codes), tile_k), pack_scales(scale, tile_k)
+
+
+def decode_scale_bits(words, parity: int) -> jax.Array:
+    """Plain-jnp twin of `_scale_pair_asm`: scale words -> bf16x2 bit patterns of the pair of scales
+    (times 2^119) in bytes 2 parity and 2 parity + 1."""
+    words = jnp.asarray(words, jnp.uint32)
+    low, high = ((words >> (16 * parity + 8 * j)) & 0xFF for j in range(2))
+    return ((low << 4) | (high << 20)) | jnp.uint32(_SCALE_BASE | _SCALE_BASE << 16)
+
+
+def scale_values(words) -> jax.Array:
+    """Scale words `[..., W]` -> fp32 scales `[..., 4 W]` (without SCALE_FACTOR)."""
+    pairs = jnp.stack([decode_scale_bits(words, parity) for parity in range(2)], axis=-1)  # [..., W, 2]
+    halves = jnp.stack([pairs & 0xFFFF, pairs >> 16], axis=-1).astype(jnp.uint16)  # [..., W, 2, 2]
+    values = jax.lax.bitcast_convert_type(halves, jnp.bfloat16).astype(jnp.float32) / SCALE_FACTOR
+    return values.reshape(*values.shape[:-3], -1)
 
 
 def decode_pair_bits(words, pair: int) -> jax.Array:
@@ -138,6 +187,13 @@ def decode_pair_bits(words, pair: int) -> jax.Array:
     else:
         moved = (words & _REST_MASK) * jnp.uint32(_REST_MULTIPLIER)
     return moved & jnp.uint32(_PAIR_MASK)
+
+
+def _scale_pair_asm(parity: int) -> str:
+    """PTX: $1 = a scale word -> $0 = bf16x2 of its scales 2 parity and 2 parity + 1 (times 2^119)."""
+    return ("{ .reg .b32 t, zero; mov.b32 zero, 0; "
+            f"prmt.b32 t, $1, zero, {_SCALE_SELECTORS[parity]:#x}; shl.b32 t, t, 4; "
+            f"or.b32 $0, t, {_SCALE_BASE | _SCALE_BASE << 16:#x}; }}")
 
 
 def _decode_pair_asm(pair: int) -> str:
@@ -169,17 +225,19 @@ def _decode_tile(tile_n: int, tile_k: int):
         warp, lane = arith.divui(tid, utils.c(32, index)), arith.remui(tid, utils.c(32, index))
         row0 = arith.addi(arith.muli(warp, utils.c(16, index)), arith.divui(lane, utils.c(4, index)))
         groups = tile_k // _K_PER_WORD_GROUP
+        words_per_row = tile_k // (16 * _SCALES_PER_WORD)
         out = np.empty(fa.WGMMA_LAYOUT.registers_shape((tile_n, tile_k)), dtype=object)
         for m in range(tile_n // 64):
             for half in range(2):
                 row = arith.addi(row0, utils.c(64 * m + 8 * half, index))
-                start = arith.muli(row, utils.c(2 * groups, index))
+                start = arith.muli(row, utils.c(words_per_row, index))
                 position = [arith.divui(start, utils.c(_SCALE_ROW, index)),
                             arith.remui(start, utils.c(_SCALE_ROW, index))]
-                scale_row = vector.load(ir.VectorType.get((2 * groups,), bf16), scale_ref, position)
+                scale_row = vector.load(ir.VectorType.get((words_per_row,), i32), scale_ref, position)
                 for c in range(groups):
                     word = utils.bitcast(packed.registers[m, c, 0, 0, half, 0, 0, 0, 0], i32)
-                    scales = utils.bitcast(utils.vector_slice(scale_row, slice(2 * c, 2 * c + 2)), i32)
+                    scale_word = vector.extract(scale_row, dynamic_position=[], static_position=[c // 2])
+                    scales = llvm.inline_asm(i32, [scale_word], _scale_pair_asm(c % 2), "=r,r")
                     for pair in range(4):
                         reg = llvm.inline_asm(i32, [word, scales], _decode_pair_asm(pair), "=r,r,r")
                         out[m, 4 * c + pair, 0, 0, half, 0, 0, 0, 0] = utils.bitcast(reg, ir.VectorType.get((2,), bf16))
@@ -229,8 +287,7 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                    stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
                    row_destination=None, out_rows: int | None = None):
     """`xs [B*block_t, K]` bf16 (K in `kernel_k_order`), `block_expert [B]` int32 (-1: skip the block),
-    `packed [E, K/tile_k, N, tile_k/2]` uint8 (`pack_kernel_layout`, then `pack_k_steps`), `scales` bf16
-    (`pack_scales`) ->
+    `packed [E, K/tile_k, N, tile_k/2]` uint8 and `scales [E, K/tile_k, N, tile_k/64]` uint32 (`pack_weights`) ->
     `[splits, B*block_t, N]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
     computes `tile_n` (a multiple of 64) rows of one block and split. `shared_rows`: `xs` is one block
     `[block_t, K]` that every block multiplies (decode: each expert takes all the step's tokens).
@@ -245,7 +302,7 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     blocks = block_expert.shape[0]
     if (rows != (1 if shared_rows else blocks) * block_t or tile_n % 64 or n % tile_n
             or tile_k % TILE_K_QUANTUM or k % (tile_k * splits) or packed.shape[1:] != (k // tile_k, n, tile_k // 2)
-            or scales.shape[1:] != (k // tile_k, n, tile_k // 16)):
+            or scales.shape[1:] != (k // tile_k, n, tile_k // 64) or scales.dtype != jnp.uint32):
         raise ValueError(f"shapes: xs {xs.shape}, packed {packed.shape}, blocks {blocks}, block_t {block_t}, "
                          f"tile_n {tile_n}, tile_k {tile_k}, splits {splits}")
     scaled, scattered = global_scale is not None, row_destination is not None
@@ -254,7 +311,8 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     if scattered and (not scaled or out_rows is None or row_destination.shape != (blocks, block_t)):
         raise ValueError(f"row_destination needs global_scale, out_rows and shape {(blocks, block_t)}")
     k_steps = k // (tile_k * splits)
-    scales = scales.reshape(scales.shape[0], k // tile_k, n * tile_k // 16 // _SCALE_ROW, _SCALE_ROW)
+    scale_words = tile_n * tile_k // 64  # a step's scale words of one program
+    scales = scales.reshape(scales.shape[0], k // tile_k, n * tile_k // 64 // _SCALE_ROW, _SCALE_ROW)
     byte_swizzle = plgpu.find_swizzle(tile_k // 2 * 8, "lhs")
     x_swizzle = plgpu.find_swizzle(tile_k * 16, "rhs")
     packed_transforms = (plgpu.TilingTransform((8, byte_swizzle)), plgpu.SwizzleTransform(byte_swizzle))
@@ -291,7 +349,7 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                 in_specs=[
                     plgpu.BlockSpec((None, tile_n, tile_k // 2), lambda kk: (k0 + kk, ni, 0),
                                     transforms=packed_transforms),
-                    plgpu.BlockSpec((None, tile_n * tile_k // 16 // _SCALE_ROW, _SCALE_ROW),
+                    plgpu.BlockSpec((None, scale_words // _SCALE_ROW, _SCALE_ROW),
                                     lambda kk: (k0 + kk, ni, 0)),
                     plgpu.BlockSpec((block_t, tile_k), lambda kk: (0 if shared_rows else b, k0 + kk),
                                     transforms=x_transforms),
@@ -366,8 +424,8 @@ def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, t
             code = ((pattern >> 6) & 7) | ((pattern >> 12) & 8)
             logical = 32 * jnp.arange(k // 32)[:, None] + 8 * pair + 2 * jnp.arange(4)[None, :] + half
             values = values.at[:, :, logical].set(jnp.asarray(_E2M1_VALUES)[code])
-    block_scale = scales.reshape(e, k // tile_k, n, tile_k // 16).transpose(0, 2, 1, 3).reshape(e, n, k // 16)
-    w = values * jnp.repeat(block_scale.astype(jnp.float32) / SCALE_FACTOR, 16, axis=-1)[:, :, kernel_k_order(k)]
+    block_scale = scale_values(jnp.moveaxis(scales, 1, 2)).reshape(e, n, k // 16)
+    w = values * jnp.repeat(block_scale, 16, axis=-1)[:, :, kernel_k_order(k)]
     out = grouped_matmul_reference(xs, jnp.maximum(block_expert, 0), w, block_t=block_t, shared_rows=shared_rows)
     out = jnp.where(jnp.repeat(block_expert >= 0, block_t)[:, None], out, jnp.nan)
     if global_scale is not None:

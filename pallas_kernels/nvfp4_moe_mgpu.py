@@ -30,9 +30,9 @@ from pallas_kernels import row_gather as rg
                    meta_fields=["tile_k", "rows_in_k_order"])
 @dataclasses.dataclass(frozen=True)
 class KernelNvfp4:
-    """One projection of every expert in the kernel's layouts: `packed [E, K/tile_k, N, tile_k/2]` uint8
-    (`nm.pack_kernel_layout`, `nm.pack_k_steps`), `scales [E, K/tile_k, N, tile_k/16]` bf16
-    (`nm.pack_scales`), `global_scale [E, N]` fp32 per output row. `rows_in_k_order`: each
+    """One projection of every expert in the kernel's layouts (`nm.pack_weights`): `packed [E, K/tile_k, N,
+    tile_k/2]` uint8, `scales [E, K/tile_k, N, tile_k/64]` uint32 (four one-byte codes of block scales a
+    word), `global_scale [E, N]` fp32 per output row. `rows_in_k_order`: each
     projection's rows are stored in `kernel_k_order` (gate/up: SwiGLU's output then comes out in the
     K order the down GEMM takes, with no permutation in between)."""
 
@@ -51,18 +51,17 @@ class KernelNvfp4:
         if tile_k % nm.TILE_K_QUANTUM or k % tile_k or rows_total % 64:
             raise ValueError(f"the Mosaic NVFP4 kernel needs tile_k a multiple of {nm.TILE_K_QUANTUM} dividing "
                              f"K and rows in multiples of 64: K={k}, tile_k={tile_k}, rows={rows_total}")
-        packed, scales, global_scale = [], [], []
+        codes, scales, global_scale = [], [], []
         for w in projections:
             if w.format != "nvfp4":
                 raise ValueError(f"KernelNvfp4 takes nvfp4 weights, got {w.format}")
             rows = np.arange(w.row_offset, w.row_offset + w.num_rows)
             rows = rows[nm.kernel_k_order(w.num_rows)] if rows_in_k_order else rows
-            packed.append(nm.pack_kernel_layout(nm.checkpoint_codes(w.values[:, rows])))
-            scales.append(w.scale[:, rows].astype(jnp.float32))
+            codes.append(nm.checkpoint_codes(w.values[:, rows]))
+            scales.append(w.scale[:, rows])
             global_scale.append(jnp.broadcast_to(w.global_scale[:, None], (w.values.shape[0], w.num_rows)))
-        return cls(nm.pack_k_steps(jnp.concatenate(packed, 1), tile_k),
-                   nm.pack_scales(jnp.concatenate(scales, 1), tile_k),
-                   jnp.concatenate(global_scale, 1).astype(jnp.float32), tile_k, rows_in_k_order)
+        packed, scales = nm.pack_weights(jnp.concatenate(codes, 1), jnp.concatenate(scales, 1), tile_k)
+        return cls(packed, scales, jnp.concatenate(global_scale, 1).astype(jnp.float32), tile_k, rows_in_k_order)
 
 
 def kernel_experts(gate: mg.ExpertWeights, up: mg.ExpertWeights, down: mg.ExpertWeights, *,

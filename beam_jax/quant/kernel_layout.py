@@ -7,15 +7,15 @@ at load time in place of the checkpoint layout.
 Per sparse layer, `mlp.experts` then holds two `KernelNvfp4Linear`s instead of `gate_proj`, `up_proj`
 and `down_proj`: `gate_up` (gate rows then up rows, each in `kernel_k_order` so that SwiGLU's output
 is in down's K order; K = hidden, `tile_k` 256) and `down` (K = the expert intermediate, `tile_k`
-64), each `packed` uint8 `[E, K/tile_k, N, tile_k/2]` (`nm.pack_kernel_layout`, `nm.pack_k_steps`),
-`scales` bf16 `[E, K/tile_k, N, tile_k/16]` (`nm.pack_scales`) and `global_scale` fp32 `[E, N]`
+64), each `packed` uint8 `[E, K/tile_k, N, tile_k/2]` and `scales` uint32 `[E, K/tile_k, N, tile_k/64]`
+(one-byte block-scale codes, four a word; both `nm.pack_weights`) and `global_scale` fp32 `[E, N]`
 (the checkpoint's per-expert `weight_scale_2` on every row of that projection). The activation
 `input_scale` is not kept (W4A16 never reads it). The config says so (`BeamConfig.mosaic_experts`),
 and a model so converted cannot be saved: a checkpoint holds the producers' layout.
 
 The kernel needs K a multiple of its tile_k and rows in multiples of 64 (`layout_problems`). On a
 mesh (`beam_jax.sharding`) every device's shard is itself a valid local layout: gate_up is held as
-`[E, ..., 2, I, ...]` (packed `[E, H/256, 2, I, 128]`, scales `[E, H/256, 2, I, 16]`, global scale
+`[E, ..., 2, I, ...]` (packed `[E, H/256, 2, I, 128]`, scales `[E, H/256, 2, I, 4]`, global scale
 `[E, 2, I]`) so that TP splits gate rows and up rows alike, and each device reshapes its `[.., 2, I/tp, ..]`
 back to `[.., 2I/tp, ..]` (the row order permutes within groups of 32 rows, so a device's rows are
 the same whether it or the whole converts them); down's K is the intermediate dim, split in whole
@@ -59,7 +59,7 @@ class KernelNvfp4Linear(nnx.Module):
             raise ValueError(f"the Mosaic NVFP4 layout needs K a multiple of {tile_k} and rows a multiple of "
                              f"{ROW_QUANTUM}: K={in_features}, rows={out_features}")
         self.packed = nnx.Param(jnp.zeros((experts, in_features // tile_k, out_features, tile_k // 2), jnp.uint8))
-        self.scales = nnx.Param(jnp.zeros((experts, in_features // tile_k, out_features, tile_k // 16), jnp.bfloat16))
+        self.scales = nnx.Param(jnp.zeros((experts, in_features // tile_k, out_features, tile_k // 64), jnp.uint32))
         self.global_scale = nnx.Param(jnp.zeros((experts, out_features), jnp.float32))
 
 

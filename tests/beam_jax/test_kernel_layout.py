@@ -112,9 +112,9 @@ def test_conversion_replaces_the_checkpoint_arrays():
     assert not [n for n in flat if ".experts." in n and "_proj." in n]  # gate_proj.weight, ... are gone
     e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
     assert flat[prefix + "gate_up.packed"].shape == (e, h // 256, 2 * i, 128)
-    assert flat[prefix + "gate_up.scales"].shape == (e, h // 256, 2 * i, 16)
+    assert flat[prefix + "gate_up.scales"].shape == (e, h // 256, 2 * i, 4)
     assert flat[prefix + "down.packed"].shape == (e, i // 64, h, 32)
-    assert flat[prefix + "down.scales"].shape == (e, i // 64, h, 4)
+    assert flat[prefix + "down.scales"].shape == (e, i // 64, h, 1)
     assert flat.keys() == abstract_flat(converted_config).keys()
     # The checkpoint-layout arrays are freed, not kept beside the new ones; the rest is shared.
     experts_before = [a for n, a in old.items() if ".experts." in n]
@@ -166,8 +166,8 @@ def local_kernel_shapes(experts: int, hidden: int, inter: int) -> dict[str, tupl
     """A device's shard of each kernel array (gate_up in its mesh layout) holding `experts` experts
     and `inter` of each one's intermediate dim."""
     e, h, i = experts, hidden, inter
-    return {"gate_up.packed": (e, h // 256, 2, i, 128), "gate_up.scales": (e, h // 256, 2, i, 16),
-            "gate_up.global_scale": (e, 2, i), "down.packed": (e, i // 64, h, 32), "down.scales": (e, i // 64, h, 4),
+    return {"gate_up.packed": (e, h // 256, 2, i, 128), "gate_up.scales": (e, h // 256, 2, i, 4),
+            "gate_up.global_scale": (e, 2, i), "down.packed": (e, i // 64, h, 32), "down.scales": (e, i // 64, h, 1),
             "down.global_scale": (e, h)}
 
 

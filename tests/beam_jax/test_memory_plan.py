@@ -249,8 +249,8 @@ def test_format_plan_lists_the_figures(plans):
 
 
 def test_mosaic_layout_bytes_are_what_the_kernel_layout_holds():
-    """`nvfp4-mosaic` counts what `kernel_experts` makes of NVFP4 experts (the arrays' bytes), 11 %
-    more than the checkpoint's layout at Beam's TP8 shapes."""
+    """`nvfp4-mosaic` counts what `kernel_experts` makes of NVFP4 experts (the arrays' bytes): the
+    checkpoint's bytes and a global scale per row, 0.1 % more at Beam's TP8 shapes."""
     from pallas_kernels import nvfp4_moe_mgpu as nmm
     from tests.pallas_kernels.test_moe_gemm import random_problem
 
@@ -262,4 +262,4 @@ def test_mosaic_layout_bytes_are_what_the_kernel_layout_holds():
                          + nvfp4_mosaic_matrix_bytes(hidden, intermediate))
     assert held == planned
     ratio = nvfp4_mosaic_matrix_bytes(640, 5120) / nvfp4_matrix_bytes(640, 5120)
-    assert 1.10 < ratio < 1.12
+    assert 1.001 < ratio < 1.002

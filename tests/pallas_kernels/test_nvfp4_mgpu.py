@@ -51,32 +51,60 @@ def test_pack_k_steps_puts_a_step_of_every_row_together():
         nm.pack_k_steps(packed, tile_k=256)
 
 
-def test_pack_scales_puts_a_step_of_every_row_together():
-    rng = np.random.default_rng(1)
-    scale = rng.uniform(0.02, 4, (2, 128, 20)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    packed = np.asarray(nm.pack_scales(scale, tile_k=64)).reshape(2, 5, 128, 4).astype(np.float32)
-    np.testing.assert_array_equal(packed, scale.reshape(2, 128, 5, 4).transpose(0, 2, 1, 3) * nm.SCALE_FACTOR)
+def e4m3_scales(rng, shape, signed=False):
+    """Random e4m3 block scales over the format's whole range: subnormals (down to 2^-9), 448, zeros,
+    and negative values if `signed`."""
+    magnitude = np.exp2(rng.uniform(-9.5, 8.8, shape)).clip(0, 448)
+    magnitude = np.where(rng.random(shape) < 0.05, 0.0, magnitude)
+    sign = np.where(rng.random(shape) < 0.3, -1.0, 1.0) if signed else 1.0
+    return (sign * magnitude).astype(ml_dtypes.float8_e4m3fn)
+
+
+def test_pack_scales_codes_every_e4m3_value_and_puts_a_step_of_every_row_together():
+    # 2^-9 .. 448 (0x01 .. 0x7E), and two ones to fill the step: zero has no code (`canonical_blocks`), NaN none
+    every = np.concatenate([np.arange(1, 0x7F, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn),
+                            np.ones(2, ml_dtypes.float8_e4m3fn)])
+    words = nm.pack_scales(every.reshape(1, 1, -1), tile_k=16 * every.size)
+    np.testing.assert_array_equal(np.asarray(nm.scale_values(words)).reshape(-1), every.astype(np.float32))
+    scale = e4m3_scales(np.random.default_rng(1), (2, 128, 20))
+    scale[scale == 0] = 1.0
+    words = nm.pack_scales(scale, tile_k=64)
+    assert words.shape == (2, 5, 128, 1) and words.dtype == jnp.uint32
+    np.testing.assert_array_equal(np.asarray(nm.scale_values(words)),
+                                  scale.astype(np.float32).reshape(2, 128, 5, 4).transpose(0, 2, 1, 3))
+
+
+def test_canonical_blocks_keep_the_weights():
+    rng = np.random.default_rng(3)
+    codes = rng.integers(0, 16, (2, 8, 64), dtype=np.uint8)
+    scale = e4m3_scales(rng, (2, 8, 4), signed=True)
+    new_codes, new_scale = nm.canonical_blocks(codes, scale)
+    assert np.all(np.asarray(new_scale).astype(np.float32) >= 0)
+    weights = lambda c, s: E2M1[np.asarray(c)] * np.repeat(np.asarray(s).astype(np.float32), 16, axis=-1)
+    np.testing.assert_array_equal(weights(new_codes, new_scale), weights(codes, scale))
 
 
 def test_bad_shapes_are_rejected():
     with pytest.raises(ValueError, match="multiple of 32"):
         nm.pack_kernel_layout(np.zeros((2, 48), np.uint8))
     with pytest.raises(ValueError, match="tile_k"):
-        nm.pack_scales(np.ones((1, 64, 20), np.float32), tile_k=256)
+        nm.pack_scales(np.ones((1, 64, 20), ml_dtypes.float8_e4m3fn), tile_k=256)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        nm.pack_scales(np.ones((1, 64, 20), np.float32), tile_k=64)
     xs = jnp.zeros((16, 512), jnp.bfloat16)
     with pytest.raises(ValueError, match="shapes"):
         nm.grouped_matmul(xs, jnp.zeros((3,), jnp.int32), jnp.zeros((4, 2, 64, 128), jnp.uint8),
-                          jnp.zeros((4, 2, 64, 16), jnp.bfloat16), block_t=8)
+                          jnp.zeros((4, 2, 64, 4), jnp.uint32), block_t=8)
     with pytest.raises(ValueError, match="shapes"):  # the bytes by row, not by K step
         nm.grouped_matmul(jnp.zeros((16, 512), jnp.bfloat16), jnp.zeros((2,), jnp.int32),
-                          jnp.zeros((4, 64, 256), jnp.uint8), jnp.zeros((4, 2, 64, 16), jnp.bfloat16), block_t=8)
+                          jnp.zeros((4, 64, 256), jnp.uint8), jnp.zeros((4, 2, 64, 4), jnp.uint32), block_t=8)
 
 
 def _specs(experts, n, k, blocks, block_t, tile_k, shared_rows=False):
     spec = jax.ShapeDtypeStruct
     return (spec(((1 if shared_rows else blocks) * block_t, k), jnp.bfloat16), spec((blocks,), jnp.int32),
             spec((experts, k // tile_k, n, tile_k // 2), jnp.uint8),
-            spec((experts, k // tile_k, n, tile_k // 16), jnp.bfloat16))
+            spec((experts, k // tile_k, n, tile_k // 64), jnp.uint32))
 
 
 @pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,stages,output", [
@@ -108,14 +136,14 @@ def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits
     """The fp32 partial sums; with one split also the finished bf16 projection (`global_scale`)."""
     rng = np.random.default_rng(n + k)
     codes = rng.integers(0, 16, (experts, n, k), dtype=np.uint8)
-    scale = rng.uniform(0.02, 4, (experts, n, k // 16)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    scale = e4m3_scales(rng, (experts, n, k // 16), signed=True)
     x = rng.standard_normal(((1 if shared_rows else blocks) * block_t, k)).astype(ml_dtypes.bfloat16)
     block_expert = rng.integers(0, experts, blocks).astype(np.int32)
     operands = (jnp.asarray(x[:, nm.kernel_k_order(k)]), jnp.asarray(block_expert),
-                nm.pack_k_steps(nm.pack_kernel_layout(codes), tile_k), jnp.asarray(nm.pack_scales(scale, tile_k)))
+                *nm.pack_weights(codes, scale, tile_k))
     settings = dict(block_t=block_t, tile_k=tile_k, tile_n=tile_n, shared_rows=shared_rows)
     got = np.asarray(nm.grouped_matmul(*operands, splits=splits, **settings)).sum(0) * nm.OUTPUT_FACTOR
-    w = jnp.asarray(E2M1[codes] * np.repeat(scale, 16, axis=-1))
+    w = jnp.asarray(E2M1[codes] * np.repeat(scale.astype(np.float32), 16, axis=-1))
     want = np.asarray(nm.grouped_matmul_reference(jnp.asarray(x), jnp.asarray(block_expert), w, block_t=block_t,
                                                   shared_rows=shared_rows))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
