@@ -209,38 +209,66 @@ def _decode_pair_asm(pair: int) -> str:
 
 
 def _decode_tile(tile_n: int, tile_k: int):
-    """inline_mgpu body: bytes [tile_n, tile_k/2] (WGMMA_8BIT layout) + scale smem -> bf16 [tile_n, tile_k]
-    (WGMMA). A thread's registers: first index the 64-row tile m, second the column group; its rows
-    are 64 m + 16 warp + lane / 4 and that + 8 (the `half` index)."""
+    """inline_mgpu body: bytes [tile_n, tile_k/2] (WGMMA_8BIT layout), the step's scale words (smem) and
+    a staging buffer (smem, `tile_n * tile_k / 32` words) -> bf16 [tile_n, tile_k] (WGMMA).
+
+    First the warpgroup converts the step's scale words into bf16x2 pairs in the staging buffer, a
+    word or two per thread; then each thread reads its rows' pairs from there. Converting in each
+    thread's own registers instead took 3-6 more registers (101 for 64-row programs, 184 for 128), one
+    program fewer per SM, and was 12 % slower at T = 8 (H200, benchmarks/moe/RESULTS.md, session 16).
+    A thread's registers: first index the 64-row tile m, second the column group; its rows are
+    64 m + 16 warp + lane / 4 and that + 8 (the `half` index)."""
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, gpu, llvm, vector
+    from jax._src.lib.mlir.dialects import arith, gpu, llvm, memref, scf, vector
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils
 
-    def body(ctx, packed, scale_ref):
+    groups = tile_k // _K_PER_WORD_GROUP
+    words = tile_n * tile_k // (16 * _SCALES_PER_WORD)  # the step's scale words; pairs 2 w, 2 w + 1 from word w
+
+    def stage_scales(tid, scale_ref, staged_ref):
+        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+        utils.warpgroup_barrier()  # the previous step's decode has read the staged pairs
+        for i in range(-(-words // 128)):
+            w = arith.addi(tid, utils.c(128 * i, index))
+
+            def convert(w=w):
+                word = memref.load(scale_ref, [arith.divui(w, utils.c(_SCALE_ROW, index)),
+                                               arith.remui(w, utils.c(_SCALE_ROW, index))])
+                for parity in range(2):
+                    pair = llvm.inline_asm(i32, [word], _scale_pair_asm(parity), "=r,r")
+                    position = arith.addi(arith.muli(w, utils.c(2, index)), utils.c(parity, index))
+                    memref.store(pair, staged_ref, [position])
+
+            if 128 * (i + 1) <= words:
+                convert()
+            else:  # fewer words than threads left
+                guard = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, w, utils.c(words, index)))
+                with ir.InsertionPoint(guard.then_block):
+                    convert()
+                    scf.yield_([])
+        utils.warpgroup_barrier()
+
+    def body(ctx, packed, scale_ref, staged_ref):
         del ctx
         i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-        bf16 = ir.BF16Type.get()
+        pair_type = ir.VectorType.get((2,), ir.BF16Type.get())
         tid = arith.remui(gpu.thread_id(gpu.Dimension.x), utils.c(128, index))
         warp, lane = arith.divui(tid, utils.c(32, index)), arith.remui(tid, utils.c(32, index))
         row0 = arith.addi(arith.muli(warp, utils.c(16, index)), arith.divui(lane, utils.c(4, index)))
-        groups = tile_k // _K_PER_WORD_GROUP
-        words_per_row = tile_k // (16 * _SCALES_PER_WORD)
+        stage_scales(tid, scale_ref, staged_ref)
         out = np.empty(fa.WGMMA_LAYOUT.registers_shape((tile_n, tile_k)), dtype=object)
         for m in range(tile_n // 64):
             for half in range(2):
                 row = arith.addi(row0, utils.c(64 * m + 8 * half, index))
-                start = arith.muli(row, utils.c(words_per_row, index))
-                position = [arith.divui(start, utils.c(_SCALE_ROW, index)),
-                            arith.remui(start, utils.c(_SCALE_ROW, index))]
-                scale_row = vector.load(ir.VectorType.get((words_per_row,), i32), scale_ref, position)
+                pairs = vector.load(ir.VectorType.get((groups,), i32), staged_ref,
+                                    [arith.muli(row, utils.c(groups, index))])
                 for c in range(groups):
                     word = utils.bitcast(packed.registers[m, c, 0, 0, half, 0, 0, 0, 0], i32)
-                    scale_word = vector.extract(scale_row, dynamic_position=[], static_position=[c // 2])
-                    scales = llvm.inline_asm(i32, [scale_word], _scale_pair_asm(c % 2), "=r,r")
+                    scales = vector.extract(pairs, dynamic_position=[], static_position=[c])
                     for pair in range(4):
                         reg = llvm.inline_asm(i32, [word, scales], _decode_pair_asm(pair), "=r,r,r")
-                        out[m, 4 * c + pair, 0, 0, half, 0, 0, 0, 0] = utils.bitcast(reg, ir.VectorType.get((2,), bf16))
+                        out[m, 4 * c + pair, 0, 0, half, 0, 0, 0, 0] = utils.bitcast(reg, pair_type)
         return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
     return body
@@ -318,7 +346,7 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     packed_transforms = (plgpu.TilingTransform((8, byte_swizzle)), plgpu.SwizzleTransform(byte_swizzle))
     x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
     decode = plgpu.inline_mgpu(
-        arg_types=(plgpu.Layout.WGMMA_8BIT, plgpu.RefType()),
+        arg_types=(plgpu.Layout.WGMMA_8BIT, plgpu.RefType(), plgpu.RefType()),
         return_type=plgpu.ShapeDtypeStruct((tile_n, tile_k), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
     )(_decode_tile(tile_n, tile_k))
     store_transposed = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, *[plgpu.RefType()] * (1 + scaled)))(
@@ -328,7 +356,7 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     # Optional inputs, in this order: the global scales (scaled), the row destinations (scattered).
     optional = [a for a in (global_scale, row_destination) if a is not None]
 
-    def kernel(block_expert_gmem, xs_gmem, packed_gmem, scales_gmem, *gmem, out_smem, scale_smem=None,
+    def kernel(block_expert_gmem, xs_gmem, packed_gmem, scales_gmem, *gmem, out_smem, staged_smem, scale_smem=None,
                scale_barrier=None):
         *optional_gmem, out_gmem = gmem
         global_scale_gmem, row_destination_gmem = (*optional_gmem, None, None)[:2]
@@ -339,7 +367,7 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         def acc_scope(acc_ref):
             def step(_, w_smem, s_smem, x_smem):
                 w = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT)
-                a = decode(w, s_smem)
+                a = decode(w, s_smem, staged_smem)
                 plgpu.wgmma(acc_ref, a, x_smem.transpose((1, 0)))
                 plgpu.wgmma_wait(0)
 
@@ -381,7 +409,8 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                 plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, pl.ds(b * block_t, block_t), columns])
             plgpu.wait_smem_to_gmem(0)
 
-    scratch = dict(out_smem=plgpu.SMEM((block_t, tile_n), out_dtype))
+    scratch = dict(out_smem=plgpu.SMEM((block_t, tile_n), out_dtype),
+                   staged_smem=plgpu.SMEM((tile_n * tile_k // _K_PER_WORD_GROUP,), jnp.uint32))
     if scaled:
         scratch.update(scale_smem=plgpu.SMEM((tile_n,), jnp.float32), scale_barrier=plgpu.Barrier())
     call = plgpu.kernel(

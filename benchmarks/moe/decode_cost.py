@@ -3,7 +3,7 @@
 The kernel's decode body (`nvfp4_mgpu._decode_tile`) is swapped for cheaper ones that keep the
 kernel's memory traffic and everything else:
   full       the kernel as committed;
-  no_scales  the bit extraction and the fma, with constant scales (no shared-memory scale loads);
+  no_scales  the bit extraction and the fma, with constant scales (no scale conversion or loads);
   raw        each packed word used as the bf16 registers as it is (no decode instruction at all).
 The values are wrong in the last two; only their time matters. Shapes are the layer's defaults at
 T = 1, 8 and 64 (`nvfp4_moe_mgpu.default_config`), timed by `mgpu_probe.time_kernel` (CUPTI).
@@ -38,8 +38,8 @@ def cheap_decode(mode: str):
         from jax.experimental.mosaic.gpu import fragmented_array as fa
         from jax.experimental.mosaic.gpu import utils
 
-        def body(ctx, packed, scale_ref):
-            del ctx, scale_ref
+        def body(ctx, packed, scale_ref, staged_ref):
+            del ctx, scale_ref, staged_ref
             i32, bf16 = ir.IntegerType.get_signless(32), ir.BF16Type.get()
             out = np.empty(fa.WGMMA_LAYOUT.registers_shape((tile_n, tile_k)), dtype=object)
             ones = utils.c(0x3F803F80, i32)  # bf16x2 (1.0, 1.0) in place of the block scales
