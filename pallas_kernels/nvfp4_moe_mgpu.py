@@ -181,11 +181,13 @@ def default_config(tokens: int) -> dict:
     rows (2 % faster at T = 32, 64 and 512, 2-5 % slower with shared rows; runs Z, AA; not timed at
     prefill) and blocks of 32 rows, where an expert gets ~32 pairs or fewer (T = 512: 389.6 us against
     516.5 with 64 rows and 416.1 with 16; run AA). Down GEMM pipelines: 4 stages, never swept (its K is
-    5 steps)."""
+    5 steps). Since the one-byte scales (session 16) a 128-row gate/up program with the epilogue takes
+    175 registers, two programs per SM: up to 64 tokens programs of 64 rows (96 registers) are faster
+    (223.1 against 231.6 us at T = 64, 172.4 against 175.8 at T = 32); 65-1024 tokens are untimed since."""
     shared, small_blocks = tokens <= SHARED_ROWS_MAX_TOKENS, tokens <= 1024
     return dict(block_builder="shared" if shared else "sort",
                 block_t=8 if tokens <= 64 else 32 if small_blocks else 64, gate_up_splits=4 if tokens == 1 else 1,
-                gate_up_stages=2, gate_up_tile_n=128 if small_blocks and not shared else 64,
+                gate_up_stages=2, gate_up_tile_n=128 if 64 < tokens <= 1024 else 64,
                 down_tile_n=64 if tokens == 1 else 128, down_stages=4, kernel_epilogue=not shared)
 
 
