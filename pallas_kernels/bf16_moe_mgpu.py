@@ -26,7 +26,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import moe_gemm as mg
 from pallas_kernels import row_gather as rg
-from pallas_kernels.mgpu_tiles import smem_transforms
+from pallas_kernels.mgpu_tiles import num_sms, smem_transforms
 from pallas_kernels.nvfp4_moe_mgpu import pair_blocks, row_tokens
 
 
@@ -110,12 +110,6 @@ def grouped_matmul(xs, block_expert, w, *, block_t: int = 128, tile_n: int = 128
     return call(block_expert, xs, w)
 
 
-def _num_sms() -> int:
-    """Streaming multiprocessors of the default device (132 on an H100/H200 SXM, and when lowering on a CPU)."""
-    device = jax.devices()[0]
-    return device.core_count if device.platform == "gpu" else 132
-
-
 def persistent_matmul(xs, block_expert, w, *, block_t: int = 128, tile_n: int = 128, tile_k: int = 64,
                       stages: int = 4, swiglu: bool = False, num_programs: int | None = None, interpret: bool = False):
     """`grouped_matmul`'s contract on a persistent, warp-specialized kernel: one program per SM walks the
@@ -195,7 +189,7 @@ def persistent_matmul(xs, block_expert, w, *, block_t: int = 128, tile_n: int = 
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((rows, n_out), xs.dtype),
-        grid=(num_programs or _num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg",
+        grid=(num_programs or num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params(interpret),
     )

@@ -3,6 +3,7 @@ GPUs they are written for, and shared-memory tile layouts."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -11,6 +12,12 @@ HOPPER = "9.0"  # jax's compute_capability of the GPUs the kernels are written f
 
 def is_hopper(device) -> bool:
     return device.platform == "gpu" and getattr(device, "compute_capability", None) == HOPPER
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the default device (132 on an H100/H200 SXM, and when lowering on a CPU)."""
+    device = jax.devices()[0]
+    return device.core_count if device.platform == "gpu" else 132
 
 
 def smem_transforms(cols: int, dtype) -> tuple:

@@ -311,6 +311,88 @@ def _store_transposed(tile_n: int, block_t: int, scaled: bool):
     return body
 
 
+def _check_operands(xs, block_expert, packed, scales, *, block_t, tile_k, splits, tile_n, shared_rows, global_scale,
+                    row_destination, out_rows) -> tuple[bool, bool]:
+    """Raises on operands `grouped_matmul` cannot take; returns (scaled, scattered)."""
+    rows, k = xs.shape
+    experts, n = packed.shape[0], packed.shape[2]
+    blocks = block_expert.shape[0]
+    if (rows != (1 if shared_rows else blocks) * block_t or tile_n % 64 or n % tile_n
+            or tile_k % TILE_K_QUANTUM or k % (tile_k * splits) or packed.shape[1:] != (k // tile_k, n, tile_k // 2)
+            or scales.shape[1:] != (k // tile_k, n, tile_k // 64) or scales.dtype != jnp.uint32):
+        raise ValueError(f"shapes: xs {xs.shape}, packed {packed.shape}, blocks {blocks}, block_t {block_t}, "
+                         f"tile_n {tile_n}, tile_k {tile_k}, splits {splits}")
+    scaled, scattered = global_scale is not None, row_destination is not None
+    if scaled and (splits != 1 or global_scale.shape != (experts, n)):
+        raise ValueError(f"global_scale {global_scale.shape} needs one split and shape {(experts, n)}")
+    if scattered and (not scaled or out_rows is None or row_destination.shape != (blocks, block_t)):
+        raise ValueError(f"row_destination needs global_scale, out_rows and shape {(blocks, block_t)}")
+    return scaled, scattered
+
+
+def _fold_scales(scales, tile_k: int) -> jax.Array:
+    """Scale words `[E, K/tile_k, N, tile_k/64]` -> `[E, K/tile_k, N tile_k/64/_SCALE_ROW, _SCALE_ROW]`: a
+    program's step of scale words is then a box of whole rows."""
+    e, steps, n, per_row = scales.shape
+    return scales.reshape(e, steps, n * per_row // _SCALE_ROW, _SCALE_ROW)
+
+
+def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool):
+    """What a program of `tile_n` rows needs: `in_specs(place)` (the pipeline's BlockSpecs for the packed
+    bytes, the folded scales and the activations, from `place(step) = (expert, K step, row tile, block)`),
+    the decode and the transposed store (`inline_mgpu` ops)."""
+    byte_swizzle = plgpu.find_swizzle(tile_k // 2 * 8, "lhs")
+    x_swizzle = plgpu.find_swizzle(tile_k * 16, "rhs")
+    packed_transforms = (plgpu.TilingTransform((8, byte_swizzle)), plgpu.SwizzleTransform(byte_swizzle))
+    x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
+    scale_rows = tile_n * tile_k // 64 // _SCALE_ROW  # a step's scale words of one program, in folded rows
+
+    def in_specs(place):
+        def at(which):
+            return lambda step: which(*place(step))
+        return [plgpu.BlockSpec((None, None, tile_n, tile_k // 2), at(lambda e, kk, ni, b: (e, kk, ni, 0)),
+                                transforms=packed_transforms),
+                plgpu.BlockSpec((None, None, scale_rows, _SCALE_ROW), at(lambda e, kk, ni, b: (e, kk, ni, 0))),
+                plgpu.BlockSpec((block_t, tile_k), at(lambda e, kk, ni, b: (b, kk)), transforms=x_transforms)]
+
+    decode = plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA_8BIT, plgpu.RefType(), plgpu.RefType()),
+        return_type=plgpu.ShapeDtypeStruct((tile_n, tile_k), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+    )(_decode_tile(tile_n, tile_k))
+    store_transposed = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, *[plgpu.RefType()] * (1 + scaled)))(
+        _store_transposed(tile_n, block_t, scaled))
+    return in_specs, decode, store_transposed
+
+
+def _scratch(tile_n: int, tile_k: int, block_t: int, out_dtype, scaled: bool) -> dict:
+    """A program's shared memory besides its pipeline: the output tile, the staged scale pairs and, with
+    global scales, the tile's scales and their barrier."""
+    scratch = dict(out_smem=plgpu.SMEM((block_t, tile_n), out_dtype),
+                   staged_smem=plgpu.SMEM((tile_n * tile_k // _K_PER_WORD_GROUP,), jnp.uint32))
+    if scaled:
+        scratch.update(scale_smem=plgpu.SMEM((tile_n,), jnp.float32), scale_barrier=plgpu.Barrier())
+    return scratch
+
+
+def _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, *, block_t: int, tile_n: int, scale_smem=None,
+                row_destination_gmem=None):
+    """A finished tile (block b, rows ni, split si): the accumulator transposed into `out_smem` (times the
+    global scales if `scale_smem`), then to the output by TMA, whole or a row at a time to the rows that
+    `row_destination_gmem` names. Returns without waiting for the copies."""
+    store_transposed(acc, out_smem, *([scale_smem] if scale_smem is not None else []))
+    plgpu.commit_smem()
+    columns = pl.ds(ni * tile_n, tile_n)
+    if row_destination_gmem is None:
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, pl.ds(b * block_t, block_t), columns])
+        return
+    for r in range(block_t):
+        destination = row_destination_gmem[b, r]
+
+        @pl.when(destination >= 0)
+        def _():
+            plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(r, 1)], out_gmem.at[0, pl.ds(destination, 1), columns])
+
+
 def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
                    stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
                    row_destination=None, out_rows: int | None = None):
@@ -325,32 +407,13 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     [B, block_t]` int32 (-1: drop the row) and `out_rows` write each block row to that row of a
     `[1, out_rows, N]` output instead, one row at a time: decode blocks then write only their
     (token, expert) pairs, in pair order (rows nobody writes are left unwritten)."""
-    rows, k = xs.shape
-    experts, n = packed.shape[0], packed.shape[2]
-    blocks = block_expert.shape[0]
-    if (rows != (1 if shared_rows else blocks) * block_t or tile_n % 64 or n % tile_n
-            or tile_k % TILE_K_QUANTUM or k % (tile_k * splits) or packed.shape[1:] != (k // tile_k, n, tile_k // 2)
-            or scales.shape[1:] != (k // tile_k, n, tile_k // 64) or scales.dtype != jnp.uint32):
-        raise ValueError(f"shapes: xs {xs.shape}, packed {packed.shape}, blocks {blocks}, block_t {block_t}, "
-                         f"tile_n {tile_n}, tile_k {tile_k}, splits {splits}")
-    scaled, scattered = global_scale is not None, row_destination is not None
-    if scaled and (splits != 1 or global_scale.shape != (experts, n)):
-        raise ValueError(f"global_scale {global_scale.shape} needs one split and shape {(experts, n)}")
-    if scattered and (not scaled or out_rows is None or row_destination.shape != (blocks, block_t)):
-        raise ValueError(f"row_destination needs global_scale, out_rows and shape {(blocks, block_t)}")
+    scaled, scattered = _check_operands(xs, block_expert, packed, scales, block_t=block_t, tile_k=tile_k, splits=splits,
+                                        tile_n=tile_n, shared_rows=shared_rows, global_scale=global_scale,
+                                        row_destination=row_destination, out_rows=out_rows)
+    k, n, blocks = xs.shape[1], packed.shape[2], block_expert.shape[0]
     k_steps = k // (tile_k * splits)
-    scale_words = tile_n * tile_k // 64  # a step's scale words of one program
-    scales = scales.reshape(scales.shape[0], k // tile_k, n * tile_k // 64 // _SCALE_ROW, _SCALE_ROW)
-    byte_swizzle = plgpu.find_swizzle(tile_k // 2 * 8, "lhs")
-    x_swizzle = plgpu.find_swizzle(tile_k * 16, "rhs")
-    packed_transforms = (plgpu.TilingTransform((8, byte_swizzle)), plgpu.SwizzleTransform(byte_swizzle))
-    x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
-    decode = plgpu.inline_mgpu(
-        arg_types=(plgpu.Layout.WGMMA_8BIT, plgpu.RefType(), plgpu.RefType()),
-        return_type=plgpu.ShapeDtypeStruct((tile_n, tile_k), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-    )(_decode_tile(tile_n, tile_k))
-    store_transposed = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, *[plgpu.RefType()] * (1 + scaled)))(
-        _store_transposed(tile_n, block_t, scaled))
+    scales = _fold_scales(scales, tile_k)
+    in_specs, decode, store_transposed = _tile_programs(tile_n, tile_k, block_t, scaled)
     out_dtype = xs.dtype if scaled else jnp.float32
 
     # Optional inputs, in this order: the global scales (scaled), the row destinations (scattered).
@@ -366,24 +429,14 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
 
         def acc_scope(acc_ref):
             def step(_, w_smem, s_smem, x_smem):
-                w = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT)
-                a = decode(w, s_smem, staged_smem)
-                plgpu.wgmma(acc_ref, a, x_smem.transpose((1, 0)))
+                plgpu.wgmma(acc_ref, decode(plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT), s_smem, staged_smem),
+                            x_smem.transpose((1, 0)))
                 plgpu.wgmma_wait(0)
 
-            plgpu.emit_pipeline(
-                step,
-                grid=(k_steps,),
-                in_specs=[
-                    plgpu.BlockSpec((None, tile_n, tile_k // 2), lambda kk: (k0 + kk, ni, 0),
-                                    transforms=packed_transforms),
-                    plgpu.BlockSpec((None, scale_words // _SCALE_ROW, _SCALE_ROW),
-                                    lambda kk: (k0 + kk, ni, 0)),
-                    plgpu.BlockSpec((block_t, tile_k), lambda kk: (0 if shared_rows else b, k0 + kk),
-                                    transforms=x_transforms),
-                ],
-                max_concurrent_steps=stages,
-            )(packed_gmem.at[expert], scales_gmem.at[expert], xs_gmem)
+            # The pipeline's step kk: expert, K step k0 + kk, rows ni, block b's activations.
+            plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=in_specs(lambda kk: (
+                expert, k0 + kk, ni, 0 if shared_rows else b)), max_concurrent_steps=stages)(
+                packed_gmem, scales_gmem, xs_gmem)
             return acc_ref[...]
 
         @pl.when(expert >= 0)  # unused blocks (expert -1) are skipped; their output is left unwritten
@@ -394,31 +447,16 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
             acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, block_t)))
             if scaled:
                 plgpu.barrier_wait(scale_barrier)
-            store_transposed(acc, out_smem, *([scale_smem] if scaled else []))
-            plgpu.commit_smem()
-            columns = pl.ds(ni * tile_n, tile_n)
-            if scattered:
-                for r in range(block_t):
-                    destination = row_destination_gmem[b, r]
-
-                    @pl.when(destination >= 0)
-                    def _():
-                        target = out_gmem.at[0, pl.ds(destination, 1), columns]
-                        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(r, 1)], target)
-            else:
-                plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, pl.ds(b * block_t, block_t), columns])
+            _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, block_t=block_t, tile_n=tile_n,
+                        scale_smem=scale_smem, row_destination_gmem=row_destination_gmem)
             plgpu.wait_smem_to_gmem(0)
 
-    scratch = dict(out_smem=plgpu.SMEM((block_t, tile_n), out_dtype),
-                   staged_smem=plgpu.SMEM((tile_n * tile_k // _K_PER_WORD_GROUP,), jnp.uint32))
-    if scaled:
-        scratch.update(scale_smem=plgpu.SMEM((tile_n,), jnp.float32), scale_barrier=plgpu.Barrier())
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((splits, out_rows if scattered else blocks * block_t, n), out_dtype),
         grid=(blocks, n // tile_n, splits),
         grid_names=("b", "n", "s"),
-        scratch_types=scratch,
+        scratch_types=_scratch(tile_n, tile_k, block_t, out_dtype, scaled),
     )
     return call(block_expert, xs, packed, scales, *optional)
 

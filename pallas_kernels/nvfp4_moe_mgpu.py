@@ -195,7 +195,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
               gate_up_splits: int | None = None, gate_up_stages: int | None = None, gate_up_tile_n: int | None = None,
               down_tile_n: int | None = None, down_stages: int | None = None, block_builder: str | None = None,
               kernel_epilogue: bool | None = None, expert_offset: int | jax.Array | None = None,
-              matmul=nm.grouped_matmul):
+              matmul=nm.grouped_matmul, down_matmul=None):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
     (`_shared_blocks`; its blocks have T rows rounded up to 8, whatever `block_t` says), "sort"
@@ -203,7 +203,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     global scales and write bf16 (gate/up with one K split), and at decode the down GEMM writes each
     pair's row in pair order (`grouped_matmul(global_scale=, row_destination=)`). `expert_offset`: the
     weights are one device's experts from that index on (expert parallelism); other pairs count zero.
-    `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation)."""
+    `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation); `down_matmul`, if set, the down
+    GEMM's (e.g. `nvfp4_persistent_mgpu.grouped_matmul_persistent`)."""
     tokens, top_k = ids.shape
     config = default_config(tokens)
     block_builder = config["block_builder"] if block_builder is None else block_builder
@@ -239,7 +240,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         gu = (gu.sum(0) * nm.OUTPUT_FACTOR * gate_up.global_scale[row_expert]).astype(x.dtype)[None]
     act = mg._swiglu(gu[0, :, :intermediate], gu[0, :, intermediate:]).astype(x.dtype)
     act = act if gate_up.rows_in_k_order else nm.to_kernel_k_order(act)
-    down_gemm = functools.partial(matmul, act, block_expert, down.packed, down.scales, block_t=block_t,
+    down_gemm = functools.partial(down_matmul or matmul, act, block_expert, down.packed, down.scales, block_t=block_t,
                                   tile_k=down.tile_k, splits=1, stages=down_stages, tile_n=down_tile_n)
     if not kernel_epilogue:
         # Only the pairs' rows are scaled and weighted (rows of unused blocks and padding are not).

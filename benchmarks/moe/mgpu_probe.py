@@ -2,7 +2,8 @@
 plain jnp, then times it at Beam's TP8 expert shapes beside the Triton NVFP4 layer of `moe_gemm` in the
 same run. CUPTI device time per call; weights rotate over fresh expert ids so they come from HBM.
 
-    OUT=dir python3 -u benchmarks/moe/mgpu_probe.py [--no-check | --layers | --bf16-prefill | --table | --gather]
+    OUT=dir python3 -u benchmarks/moe/mgpu_probe.py [--no-check | --layers | --bf16-prefill | --table | --gather |
+                                                     --persistent]
 """
 
 from __future__ import annotations
@@ -51,19 +52,20 @@ def check(rng, experts, n, k, blocks, block_t, tile_k, splits):
                 splits=splits, rel_err=err, ok=err < 1e-5)
 
 
-def time_kernel(rng, n, k, blocks, block_t, tile_k, splits, stages, tile_n=64, repeats=4):
+def time_kernel(rng, n, k, blocks, block_t, tile_k, splits, stages, tile_n=64, repeats=4, matmul=nm.grouped_matmul,
+                **options):
     # Random bytes and scales made on the device: timing does not need known values.
     kp, ks = jax.random.split(jax.random.key(n * k + splits))
     packed = jax.random.bits(kp, (bench.E, k // tile_k, n, tile_k // 2), jnp.uint8)
     scales = jax.random.bits(ks, (bench.E, k // tile_k, n, tile_k // 64), jnp.uint32)  # any codes decode
     xs = jnp.asarray(rng.standard_normal((repeats, blocks * block_t, k)), jnp.bfloat16)
     ids = jnp.asarray(np.stack([rng.permutation(bench.E)[:blocks] for _ in range(repeats)]).astype(np.int32))
-    op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits, stages=stages,
-                           tile_n=tile_n)
+    op = functools.partial(matmul, block_t=block_t, tile_k=tile_k, splits=splits, stages=stages, tile_n=tile_n,
+                           **options)
     us, _, _ = bench.time_calls(op, (xs, ids), packed, scales)
     weight_bytes = blocks * n * k // 2 + blocks * n * k // 16  # values + one-byte scales (the layer's floor bytes)
     return dict(kind="time", n=n, k=k, blocks=blocks, block_t=block_t, tile_k=tile_k, splits=splits,
-                stages=stages, tile_n=tile_n, us=us, floor_us=weight_bytes / HBM_BYTES_PER_S * 1e6,
+                stages=stages, tile_n=tile_n, matmul=matmul.__name__, **options, us=us, floor_us=weight_bytes / HBM_BYTES_PER_S * 1e6,
                 pct_floor=100 * weight_bytes / HBM_BYTES_PER_S / (us * 1e-6))
 
 
@@ -76,8 +78,12 @@ def time_triton_layer(t, repeats=4):
 
 
 def variant_name(settings: dict) -> str:
-    """A Mosaic layer variant's name from its keyword arguments."""
-    return "mosaic[" + (",".join(f"{key}={value}" for key, value in settings.items()) or "default") + "]"
+    """A Mosaic layer variant's name from its keyword arguments (a GEMM by its function's name)."""
+    def show(value):
+        if isinstance(value, functools.partial):
+            return value.func.__name__ + "(" + ",".join(f"{k}={v}" for k, v in value.keywords.items()) + ")"
+        return getattr(value, "__name__", value)
+    return "mosaic[" + (",".join(f"{key}={show(value)}" for key, value in settings.items()) or "default") + "]"
 
 
 def layer_weights():
@@ -189,6 +195,7 @@ def main():
     parser.add_argument("--bf16-prefill", action="store_true", help="only the bf16 layer at prefill sizes")
     parser.add_argument("--gather", action="store_true", help="the row-gather kernel's program shapes")
     parser.add_argument("--table", action="store_true", help="both formats' layers on the model's paths, all T")
+    parser.add_argument("--persistent", action="store_true", help="the persistent down GEMM against the grid one")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows = []
@@ -213,6 +220,28 @@ def main():
         configs = [(32, 512, 4)]
         for t, block_t, k_order in ((8192, 128, False), (8192, 64, True), (4096, 64, True)):
             record(time_gathers(t, block_t, configs, k_order=k_order))
+        return
+    if args.persistent:
+        # Session 16: the down GEMM (K = 320, five steps a tile) on persistent programs that keep loads
+        # in flight across tiles, against the grid kernel, alone and in the layer.
+        from pallas_kernels.nvfp4_persistent_mgpu import grouped_matmul_persistent as persistent
+
+        for t, blocks, tile_n in ((1, 8, 64), (8, 57, 128), (64, 223, 128)):
+            record(dict(t=t, **time_kernel(rng, 5120, 320, blocks, 8, 64, 1, 4, tile_n)))
+            for programs_per_sm, stages in ((2, 8), (4, 4), (4, 8), (6, 6)):
+                try:
+                    record(dict(t=t, **time_kernel(rng, 5120, 320, blocks, 8, 64, 1, stages, tile_n, matmul=persistent,
+                                                   programs_per_sm=programs_per_sm)))
+                except Exception as e:  # noqa: BLE001
+                    record(dict(kind="time", t=t, programs_per_sm=programs_per_sm, error=repr(e)[:2000]))
+        weights = layer_weights()
+        for t in (1, 8, 16, 64):
+            variants = [{}] + [dict(down_matmul=functools.partial(persistent, programs_per_sm=p), down_stages=s)
+                               for p, s in ((4, 8), (2, 8))]
+            try:
+                record(time_layers(t, variants, weights))
+            except Exception as e:  # noqa: BLE001
+                record(dict(kind="layers", t=t, error=repr(e)[:2000]))
         return
     if args.table:
         # Issue 4's table for the paths the model takes, both formats in one run: NVFP4 (Triton against
