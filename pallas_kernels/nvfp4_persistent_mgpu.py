@@ -7,7 +7,7 @@ down GEMM reaches 55-62 % of its floor at T = 8-64 where gate/up (20 steps a pro
 accumulator were slower (run B of session 15): each still had only `stages` loads in flight.
 
 How. `programs_per_sm` programs per SM each walk the tiles `p, p + P, p + 2P, ...` (tile t is block
-t // (N/tile_n), rows t % (N/tile_n)) as ONE pipeline over all their (tile, K step) pairs, so loads for
+t // (S N/tile_n), then K split, then rows, for S splits) as ONE pipeline over all their (tile, K step) pairs, so loads for
 the next tile are in flight while this one finishes, and no pipeline drains between tiles. The
 accumulator is written out and zeroed after each tile's last K step; the output copy of one tile
 overlaps the next tile's steps. Tiles of unused blocks (expert -1) load expert 0's tile (from L2 after
@@ -54,17 +54,14 @@ def grouped_matmul_persistent(xs, block_expert, packed, scales, *, block_t: int,
                               tile_n: int = 128, splits: int = 1, programs_per_sm: int = 4,
                               num_programs: int | None = None, shared_rows: bool = False, global_scale=None,
                               row_destination=None, out_rows: int | None = None):
-    """`nm.grouped_matmul`'s contract with one K split (its output `[1, ..., N]`), on `programs_per_sm`
-    persistent programs per SM (or `num_programs` in all), each with a pipeline of `stages` (tile, K
-    step) loads."""
-    if splits != 1:
-        raise ValueError(f"the persistent NVFP4 GEMM takes one K split, not {splits}")
+    """`nm.grouped_matmul`'s contract on `programs_per_sm` persistent programs per SM (or `num_programs`
+    in all), each with a pipeline of `stages` (tile, K step) loads."""
     scaled, scattered = nm._check_operands(xs, block_expert, packed, scales, block_t=block_t, tile_k=tile_k, splits=1,
                                            tile_n=tile_n, shared_rows=shared_rows, global_scale=global_scale,
                                            row_destination=row_destination, out_rows=out_rows)
     k, n, blocks = xs.shape[1], packed.shape[2], block_expert.shape[0]
-    k_steps, n_tiles = k // tile_k, n // tile_n
-    tiles = blocks * n_tiles
+    k_steps, n_tiles = k // (tile_k * splits), n // tile_n
+    tiles = blocks * splits * n_tiles
     programs = min(tiles, num_programs or programs_per_sm * num_sms())
     in_specs, decode, store_transposed = nm._tile_programs(tile_n, tile_k, block_t, scaled)
     out_dtype = xs.dtype if scaled else jnp.float32
@@ -81,18 +78,20 @@ def grouped_matmul_persistent(xs, block_expert, packed, scales, *, block_t: int,
         my_tiles = (tiles - 1 - p) // programs + 1
 
         def place(step):
-            """A flat step -> (expert, K step, row tile, block): this program's tile step // k_steps."""
+            """A flat step -> (expert, step of the tile, K step, row tile, split, block): this program's
+            tile step // k_steps."""
             tile = p + (step // k_steps) * programs
-            b = tile // n_tiles
-            return block_smem[b], step % k_steps, tile % n_tiles, b
+            b, si, ni = tile // (splits * n_tiles), tile // n_tiles % splits, tile % n_tiles
+            kk = step % k_steps
+            return block_smem[b], kk, si * k_steps + kk, ni, si, b
 
         def fetch_place(step):  # unused blocks load expert 0's tile; `0` rows: every block shares one
-            expert, kk, ni, b = place(step)
-            return jnp.maximum(expert, 0), kk, ni, 0 if shared_rows else b
+            expert, _, k_step, ni, _, b = place(step)
+            return jnp.maximum(expert, 0), k_step, ni, 0 if shared_rows else b
 
         def acc_scope(acc_ref):
             def step(indices, w_smem, s_smem, x_smem):
-                expert, kk, ni, b = place(indices[0])
+                expert, kk, _, ni, si, b = place(indices[0])
 
                 @pl.when(expert >= 0)
                 def _():
@@ -114,7 +113,7 @@ def grouped_matmul_persistent(xs, block_expert, packed, scales, *, block_t: int,
                         if scaled:
                             plgpu.barrier_wait(scale_barrier)
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's copy has read out_smem
-                        nm._write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, 0, block_t=block_t,
+                        nm._write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, block_t=block_t,
                                        tile_n=tile_n, scale_smem=scale_smem, row_destination_gmem=row_destination_gmem)
 
             plgpu.emit_pipeline(step, grid=(my_tiles * k_steps,), in_specs=in_specs(fetch_place),
@@ -127,7 +126,7 @@ def grouped_matmul_persistent(xs, block_expert, packed, scales, *, block_t: int,
     scratch.update(block_smem=plgpu.SMEM((blocks,), jnp.int32))
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((1, out_rows if scattered else blocks * block_t, n), out_dtype),
+        out_type=jax.ShapeDtypeStruct((splits, out_rows if scattered else blocks * block_t, n), out_dtype),
         grid=(programs,),
         grid_names=("p",),
         scratch_types=scratch,

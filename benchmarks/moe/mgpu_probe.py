@@ -234,6 +234,14 @@ def main():
                                                    programs_per_sm=programs_per_sm)))
                 except Exception as e:  # noqa: BLE001
                     record(dict(kind="time", t=t, programs_per_sm=programs_per_sm, error=repr(e)[:2000]))
+        # gate/up at T = 1: 320 grid programs of 5 steps (4 K splits) against persistent ones.
+        record(dict(t=1, **time_kernel(rng, 640, 5120, 8, 8, 256, 4, 2, 64)))
+        for splits, programs_per_sm, stages in ((4, 2, 4), (4, 4, 4), (2, 2, 4)):
+            try:
+                record(dict(t=1, **time_kernel(rng, 640, 5120, 8, 8, 256, splits, stages, 64, matmul=persistent,
+                                               programs_per_sm=programs_per_sm)))
+            except Exception as e:  # noqa: BLE001
+                record(dict(kind="time", t=1, splits=splits, error=repr(e)[:2000]))
         weights = layer_weights()
         for t in (1, 8, 16, 64):
             variants = [{}] + [dict(down_matmul=functools.partial(persistent, programs_per_sm=p), down_stages=s)

@@ -26,11 +26,14 @@ def _operands(rng, experts, n, k, blocks, block_t, tile_k, shared_rows, unused):
     return (jnp.asarray(x[:, nm.kernel_k_order(k)]), jnp.asarray(block_expert), *nm.pack_weights(codes, scale, tile_k))
 
 
-@pytest.mark.parametrize("output", ["sums", "scaled", "by_pair"])
-def test_lowers_for_cuda(output):
-    """Beam's down GEMM at T = 8 (57 blocks, 40 row tiles each) lowers to Mosaic GPU on the CPU."""
+@pytest.mark.parametrize("output,n,k,blocks,tile_k,splits", [
+    ("sums", 5120, 320, 57, 64, 1), ("scaled", 5120, 320, 57, 64, 1), ("by_pair", 5120, 320, 57, 64, 1),
+    ("sums", 640, 5120, 8, 256, 4)])
+def test_lowers_for_cuda(output, n, k, blocks, tile_k, splits):
+    """Beam's down GEMM at T = 8 (57 blocks, 40 row tiles each) and its gate/up GEMM at T = 1 (four K
+    splits) lower to Mosaic GPU on the CPU."""
     spec = jax.ShapeDtypeStruct
-    blocks, block_t, n, k, tile_k = 57, 8, 5120, 320, 64
+    block_t = 8
     args = [spec((blocks * block_t, k), jnp.bfloat16), spec((blocks,), jnp.int32),
             spec((256, k // tile_k, n, tile_k // 2), jnp.uint8), spec((256, k // tile_k, n, tile_k // 64), jnp.uint32),
             spec((256, n), jnp.float32), spec((blocks, block_t), jnp.int32)]
@@ -41,34 +44,28 @@ def test_lowers_for_cuda(output):
             extra["global_scale"] = global_scale
         if output == "by_pair":
             extra.update(row_destination=row_destination, out_rows=64)
-        return grouped_matmul_persistent(xs, block_expert, packed, scales, block_t=block_t, tile_k=tile_k, **extra)
+        return grouped_matmul_persistent(xs, block_expert, packed, scales, block_t=block_t, tile_k=tile_k,
+                                         splits=splits, **extra)
 
     assert "mosaic_gpu" in jax.jit(op).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_more_than_one_split_is_rejected():
-    rng = np.random.default_rng(0)
-    operands = _operands(rng, 4, 64, 256, 2, 8, 64, False, 0)
-    with pytest.raises(ValueError, match="one K split"):
-        grouped_matmul_persistent(*operands, block_t=8, tile_k=64, tile_n=64, splits=2)
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("experts,n,k,blocks,block_t,tile_k,tile_n,programs,stages,shared_rows,unused", [
-    (16, 320, 320, 7, 8, 64, 64, 3, 8, False, 2), (16, 512, 320, 5, 16, 64, 128, 4, 4, False, 1),
-    (8, 128, 512, 3, 8, 256, 64, 1, 2, True, 0), (32, 640, 5120, 6, 8, 256, 64, 5, 3, True, 1),
-    (16, 384, 192, 9, 8, 64, 128, None, 8, False, 3)])
-def test_matches_the_grid_kernel_on_gpu(experts, n, k, blocks, block_t, tile_k, tile_n, programs, stages, shared_rows,
-                                        unused):
-    """Sums, the scaled projection and rows written by pair: the grid kernel's bits, for every used
-    block; programs walk several tiles (num_programs 1-5, uneven shares) over unused blocks (-1)."""
+@pytest.mark.parametrize("experts,n,k,blocks,block_t,tile_k,tile_n,splits,programs,stages,shared_rows,unused", [
+    (16, 320, 320, 7, 8, 64, 64, 1, 3, 8, False, 2), (16, 512, 320, 5, 16, 64, 128, 1, 4, 4, False, 1),
+    (8, 128, 512, 3, 8, 256, 64, 1, 1, 2, True, 0), (32, 640, 5120, 6, 8, 256, 64, 4, 5, 3, True, 1),
+    (16, 384, 192, 9, 8, 64, 128, 3, None, 8, False, 3)])
+def test_matches_the_grid_kernel_on_gpu(experts, n, k, blocks, block_t, tile_k, tile_n, splits, programs, stages,
+                                        shared_rows, unused):
+    """Sums (K splits too), the scaled projection and rows written by pair: the grid kernel's bits, for
+    every used block; programs walk several tiles (num_programs 1-5, uneven shares) over unused blocks (-1)."""
     rng = np.random.default_rng(n + k + blocks)
     operands = _operands(rng, experts, n, k, blocks, block_t, tile_k, shared_rows, unused)
     settings = dict(block_t=block_t, tile_k=tile_k, tile_n=tile_n, shared_rows=shared_rows)
     persistent = functools.partial(grouped_matmul_persistent, num_programs=programs, stages=stages, **settings)
     used = np.repeat(np.asarray(operands[1]) >= 0, block_t)
-    want = np.asarray(nm.grouped_matmul(*operands, **settings))[0][used]
-    np.testing.assert_array_equal(np.asarray(persistent(*operands))[0][used], want)
+    want = np.asarray(nm.grouped_matmul(*operands, splits=splits, **settings))[:, used]
+    np.testing.assert_array_equal(np.asarray(persistent(*operands, splits=splits))[:, used], want)
     global_scale = jnp.asarray(rng.uniform(0.5, 2, (experts, n)).astype(np.float32))
     want = np.asarray(nm.grouped_matmul(*operands, global_scale=global_scale, **settings), np.float32)[0]
     got = np.asarray(persistent(*operands, global_scale=global_scale), np.float32)[0]
