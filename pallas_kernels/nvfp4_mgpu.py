@@ -127,9 +127,11 @@ def canonical_blocks(codes, scale):
     """E2M1 codes `[..., N, K]` and their block scales `[..., N, K/16]` -> the same weights with every scale
     positive: a negative scale's block has its values' signs flipped (bit 3 of a code) and takes the
     scale's magnitude; a zero scale's block has its codes zeroed (any scale then gives zeros)."""
-    blocks = jnp.repeat(jnp.asarray(scale).astype(jnp.float32), 16, axis=-1)
-    codes = jnp.where(blocks < 0, jnp.asarray(codes) ^ 8, codes)
-    return jnp.where(blocks == 0, 0, codes).astype(jnp.uint8), jnp.abs(jnp.asarray(scale))
+    scale = jnp.asarray(scale)
+    value = scale.astype(jnp.float32)
+    negative, zero = (jnp.repeat(flag, 16, axis=-1) for flag in (value < 0, value == 0))
+    codes = jnp.where(negative, jnp.asarray(codes) ^ 8, codes)
+    return jnp.where(zero, 0, codes).astype(jnp.uint8), jnp.abs(scale)
 
 
 def pack_scales(scale, tile_k: int) -> jax.Array:
