@@ -216,7 +216,7 @@ def _decode_tile(tile_n: int, tile_k: int):
 
     First the warpgroup converts the step's scale words into bf16x2 pairs in the staging buffer, a
     word or two per thread; then each thread reads its rows' pairs from there. Converting in each
-    thread's own registers instead took 3-6 more registers (101 for 64-row programs, 184 for 128), one
+    thread's own registers instead took 6-17 more registers (101 for 64-row programs, 184 for 128), one
     program fewer per SM, and was 12 % slower at T = 8 (H200, benchmarks/moe/RESULTS.md, session 16).
     A thread's registers: first index the 64-row tile m, second the column group; its rows are
     64 m + 16 warp + lane / 4 and that + 8 (the `half` index)."""
