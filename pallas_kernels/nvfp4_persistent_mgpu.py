@@ -1,4 +1,4 @@
-"""A persistent variant of the NVFP4 grouped GEMM (`nvfp4_mgpu.grouped_matmul`, same contract, one K split).
+"""A persistent variant of the NVFP4 grouped GEMM (`nvfp4_mgpu.grouped_matmul`, same contract).
 
 Why. The down GEMM's K is the expert intermediate (320 per GPU under TP8): a program of the grid kernel
 runs 5 K steps of 2-4 KB and ends, so every program pays a pipeline fill and its own launch, and the
@@ -7,8 +7,9 @@ down GEMM reaches 55-62 % of its floor at T = 8-64 where gate/up (20 steps a pro
 accumulator were slower (run B of session 15): each still had only `stages` loads in flight.
 
 How. `programs_per_sm` programs per SM each walk the tiles `p, p + P, p + 2P, ...` (tile t is block
-t // (S N/tile_n), then K split, then rows, for S splits) as ONE pipeline over all their (tile, K step) pairs, so loads for
-the next tile are in flight while this one finishes, and no pipeline drains between tiles. The
+t // (S N/tile_n), then K split, then rows, for S splits) as ONE pipeline over all their (tile, K step)
+pairs, so loads for the next tile are in flight while this one finishes, and no pipeline drains between
+tiles. The
 accumulator is written out and zeroed after each tile's last K step; the output copy of one tile
 overlaps the next tile's steps. Tiles of unused blocks (expert -1) load expert 0's tile (from L2 after
 the first time) and compute nothing.

@@ -66,7 +66,8 @@ def time_kernel(rng, n, k, blocks, block_t, tile_k, splits, stages, tile_n=64, r
     weight_bytes = blocks * n * k // 2 + blocks * n * k // 16  # values + one-byte scales (the layer's floor bytes)
     return dict(kind="time", n=n, k=k, blocks=blocks, block_t=block_t, tile_k=tile_k, splits=splits,
                 stages=stages, tile_n=tile_n, matmul=matmul.__name__, **options, us=us,
-                floor_us=weight_bytes / HBM_BYTES_PER_S * 1e6, pct_floor=100 * weight_bytes / HBM_BYTES_PER_S / (us * 1e-6))
+                floor_us=weight_bytes / HBM_BYTES_PER_S * 1e6,
+                pct_floor=100 * weight_bytes / HBM_BYTES_PER_S / (us * 1e-6))
 
 
 def time_triton_layer(t, repeats=4):
