@@ -186,6 +186,20 @@ def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits
     _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
 
 
+def test_signed_and_zero_block_scales_give_the_reference_with_emulated_gemm():
+    """Block scales over e4m3's whole range, negative and zero ones too (`canonical_blocks` folds them into
+    the codes): the converted experts (`kernel_experts`, the emulated GEMM) against the reference."""
+    import dataclasses
+
+    (x, weights, ids, gate, up, down), _ = _layer_problem(8, 6, 256, 64, 16, 4, tile_k=128)
+    rng = np.random.default_rng(9)
+    gate, up, down = (dataclasses.replace(w, scale=jnp.asarray(e4m3_scales(rng, w.scale.shape, signed=True)))
+                      for w in (gate, up, down))
+    kernel_weights = nmm.kernel_experts(gate, up, down, gate_up_tile_k=128)
+    got = nmm.moe_nvfp4(x, weights, ids, *kernel_weights, matmul=nm.grouped_matmul_emulated)
+    _assert_layer_close((x, weights, ids, gate, up, down), got)
+
+
 def test_blocks_hold_every_pair_once():
     ids = jnp.asarray(np.random.default_rng(3).integers(0, 6, (11, 3)), jnp.int32)
     pair_row, block_expert, row_pair = map(np.asarray, nmm.pair_blocks(ids, 6, 4))
