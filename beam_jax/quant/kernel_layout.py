@@ -187,10 +187,15 @@ def to_kernel_layout(config: BeamConfig, params: nnx.State, mesh=None, *, delete
         convert = jax.jit(jax.shard_map(lambda arrays: _convert_experts(arrays, mesh_shaped=True), mesh=mesh,
                                         in_specs=(in_specs,), out_specs=out_specs),
                           out_shardings={name: NamedSharding(mesh, spec) for name, spec in out_specs.items()})
+    # Before any layer is converted (and its checkpoint arrays deleted): the one-byte scale codes have no NaN.
+    sparse = [layer for layer in range(config.num_hidden_layers) if config.is_sparse(layer)]
+    for layer, projection in ((layer, p) for layer in sparse for p in PROJECTIONS):
+        name = f"model.layers.{layer}.mlp.experts.{projection}.weight_scale"
+        if bool(jnp.isnan(flat[name]).any()):
+            raise ValueError(f"{name} holds NaN block scales, which the Mosaic kernel's layout cannot represent; "
+                             "load with expert_kernel='triton' to keep the checkpoint layout")
     out = {name: array for name, array in flat.items() if ".mlp.experts." not in name}
-    for layer in range(config.num_hidden_layers):
-        if not config.is_sparse(layer):
-            continue
+    for layer in sparse:
         prefix = f"model.layers.{layer}.mlp.experts."
         old = {name[len(prefix):]: a for name, a in flat.items() if name.startswith(prefix)}
         new = jax.block_until_ready(convert({name: old[name] for name in CHECKPOINT_NAMES}))

@@ -21,7 +21,7 @@ from jax.sharding import AbstractMesh
 
 from beam_jax import sharding
 from beam_jax.config import DENSE, FULL, SLIDING, SPARSE, preset
-from beam_jax.model import abstract_flat, flat_params, graphdef, init_params, jit_forward
+from beam_jax.model import abstract_flat, flat_params, graphdef, init_params, jit_forward, params_from_flat
 from beam_jax.quant.convert import quantization_config_for, quantize_params
 from beam_jax.quant.kernel_layout import KERNEL_ARRAYS, layout_problems, on_hopper, to_kernel_layout, use_mosaic
 
@@ -122,6 +122,17 @@ def test_conversion_replaces_the_checkpoint_arrays():
     assert flat["model.embed_tokens.weight"] is old["model.embed_tokens.weight"]
     with pytest.raises(ValueError, match="already"):
         to_kernel_layout(converted_config, converted)
+
+
+def test_nan_block_scales_are_refused_before_anything_is_converted():
+    config, params = nvfp4_model(1)
+    flat = flat_params(params)
+    name = "model.layers.1.mlp.experts.down_proj.weight_scale"
+    flat[name] = flat[name].at[0, 3, 1].set(jnp.nan)
+    params = params_from_flat(config, flat)
+    with pytest.raises(ValueError, match=name.replace(".", r"\.") + " holds NaN block scales.*expert_kernel='triton'"):
+        to_kernel_layout(config, params)
+    assert not any(a.is_deleted() for n, a in flat_params(params).items() if ".experts." in n)
 
 
 def test_converted_experts_refuse_the_checkpoint_view():
