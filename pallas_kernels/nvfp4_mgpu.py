@@ -136,7 +136,8 @@ def canonical_blocks(codes, scale):
 
 def pack_scales(scale, tile_k: int) -> jax.Array:
     """Block scales `[E, N, K/16]` float8_e4m3fn, none negative (`canonical_blocks`) -> uint32 words
-    `[E, K/tile_k, N, tile_k/64]` of four one-byte codes each (block 4 w + j in byte j; zero scales any code).
+    `[E, K/tile_k, N, tile_k/64]` of four one-byte codes each (block 4 w + j in byte j; zero scales any code;
+    NaN has none: `beam_jax.quant.kernel_layout` refuses checkpoints that hold one).
 
     One K step's scales of every row are contiguous, so a step's tile is one TMA box whatever tile_k
     is (the kernel folds them into rows of 64 bytes for TMA's box limits). Rows (N) and K steps stay axes
