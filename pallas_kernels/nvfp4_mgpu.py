@@ -27,6 +27,8 @@ the contraction does not care about the order of K as long as both operands agre
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -314,6 +316,35 @@ def _store_transposed(tile_n: int, block_t: int, scaled: bool):
     return body
 
 
+def _prefetch_l2(chunk_bytes: int):
+    """inline_mgpu body: one thread asks L2 to fetch the `chunk_bytes` at a GMEM ref's start
+    (`cp.async.bulk.prefetch.L2`: no shared memory, no barrier, nothing to wait for)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, gpu
+    from jax.experimental.mosaic.gpu import utils
+
+    def body(ctx, chunk):
+        del ctx
+        first = arith.cmpi(arith.CmpIPredicate.eq, gpu.thread_id(gpu.Dimension.x), utils.c(0, ir.IndexType.get()))
+        utils.inline_ptx(f"cp.async.bulk.prefetch.L2.global [$0], {chunk_bytes};", utils.memref_ptr(chunk),
+                         predicate=first)
+
+    return body
+
+
+def _l2_prefetch_plan(arrays, programs: int) -> list[tuple[int, int]]:
+    """Per array `[E, ...]`: (elements of one expert's slice, elements each of `programs` programs
+    prefetches: a share of the slice, in 16-byte multiples)."""
+    plan = []
+    for a in arrays:
+        per_expert, itemsize = math.prod(a.shape[1:]), jnp.dtype(a.dtype).itemsize
+        if per_expert * itemsize % 16:
+            raise ValueError(f"l2_prefetch: an expert's slice of {a.shape} {a.dtype} is not a multiple of 16 bytes")
+        quantum = 16 // math.gcd(16, itemsize)
+        plan.append((per_expert, -(-per_expert // (programs * quantum)) * quantum))
+    return plan
+
+
 def _check_operands(xs, block_expert, packed, scales, *, block_t, tile_k, splits, tile_n, shared_rows, global_scale,
                     row_destination, out_rows) -> tuple[bool, bool]:
     """Raises on operands `grouped_matmul` cannot take; returns (scaled, scattered)."""
@@ -398,7 +429,7 @@ def _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, *, block_t
 
 def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
                    stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
-                   row_destination=None, out_rows: int | None = None):
+                   row_destination=None, out_rows: int | None = None, l2_prefetch: tuple = ()):
     """`xs [B*block_t, K]` bf16 (K in `kernel_k_order`), `block_expert [B]` int32 (-1: skip the block),
     `packed [E, K/tile_k, N, tile_k/2]` uint8 and `scales [E, K/tile_k, N, tile_k/64]` uint32 (`pack_weights`) ->
     `[splits, B*block_t, N]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
@@ -409,7 +440,9 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     once (half the bytes to write, and nothing left for XLA to scale). With it, `row_destination
     [B, block_t]` int32 (-1: drop the row) and `out_rows` write each block row to that row of a
     `[1, out_rows, N]` output instead, one row at a time: decode blocks then write only their
-    (token, expert) pairs, in pair order (rows nobody writes are left unwritten)."""
+    (token, expert) pairs, in pair order (rows nobody writes are left unwritten). `l2_prefetch`: arrays
+    `[E, ...]` (the next GEMM's weights) whose slice of each used block's expert the block's programs ask L2
+    to fetch before their own K loop, so that the next kernel reads them from L2."""
     scaled, scattered = _check_operands(xs, block_expert, packed, scales, block_t=block_t, tile_k=tile_k, splits=splits,
                                         tile_n=tile_n, shared_rows=shared_rows, global_scale=global_scale,
                                         row_destination=row_destination, out_rows=out_rows)
@@ -421,10 +454,14 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
 
     # Optional inputs, in this order: the global scales (scaled), the row destinations (scattered).
     optional = [a for a in (global_scale, row_destination) if a is not None]
+    prefetch_plan = _l2_prefetch_plan(l2_prefetch, n // tile_n * splits)
+    prefetch = [plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_prefetch_l2(chunk * jnp.dtype(a.dtype).itemsize))
+                for a, (_, chunk) in zip(l2_prefetch, prefetch_plan)]
 
     def kernel(block_expert_gmem, xs_gmem, packed_gmem, scales_gmem, *gmem, out_smem, staged_smem, scale_smem=None,
                scale_barrier=None):
         *optional_gmem, out_gmem = gmem
+        optional_gmem, prefetch_gmem = optional_gmem[:len(optional)], optional_gmem[len(optional):]
         global_scale_gmem, row_destination_gmem = (*optional_gmem, None, None)[:2]
         b, ni, si = (jax.lax.axis_index(a) for a in ("b", "n", "s"))
         expert = block_expert_gmem[b]
@@ -444,6 +481,10 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
 
         @pl.when(expert >= 0)  # unused blocks (expert -1) are skipped; their output is left unwritten
         def _():
+            share = ni * splits + si  # this program's share of the expert's slices to prefetch
+            for fetch, flat_gmem, (per_expert, chunk) in zip(prefetch, prefetch_gmem, prefetch_plan):
+                start = jnp.minimum(expert * per_expert + share * chunk, flat_gmem.shape[0] - chunk)
+                fetch(flat_gmem.at[pl.ds(start, chunk)])
             if scaled:  # the tile's global scales arrive while the K loop runs
                 plgpu.copy_gmem_to_smem(global_scale_gmem.at[expert, pl.ds(ni * tile_n, tile_n)], scale_smem,
                                         scale_barrier)
@@ -461,7 +502,7 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         grid_names=("b", "n", "s"),
         scratch_types=_scratch(tile_n, tile_k, block_t, out_dtype, scaled),
     )
-    return call(block_expert, xs, packed, scales, *optional)
+    return call(block_expert, xs, packed, scales, *optional, *(a.reshape(-1) for a in l2_prefetch))
 
 
 def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: bool = False):
@@ -475,11 +516,12 @@ def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: 
 
 def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int = 1,
                             stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
-                            row_destination=None, out_rows: int | None = None):
+                            row_destination=None, out_rows: int | None = None, l2_prefetch: tuple = ()):
     """`grouped_matmul`'s contract in plain jnp, from the kernel layouts (for CPU tests of code that
     calls the kernel): decodes the words as the PTX does, then `grouped_matmul_reference`. Blocks
-    of expert -1 get NaN, as the kernel leaves them unwritten (any bits); one split holds the whole sum."""
-    del splits, stages, tile_n
+    of expert -1 get NaN, as the kernel leaves them unwritten (any bits); one split holds the whole sum;
+    `l2_prefetch` changes no value."""
+    del splits, stages, tile_n, l2_prefetch
     e, k_steps, n, _ = packed.shape
     k = k_steps * tile_k
     rows = jnp.moveaxis(packed, 1, 2).reshape(e, n, k // 32, 4, 4)  # back to [E, N, K/2], by 32 values and thread

@@ -195,7 +195,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
               gate_up_splits: int | None = None, gate_up_stages: int | None = None, gate_up_tile_n: int | None = None,
               down_tile_n: int | None = None, down_stages: int | None = None, block_builder: str | None = None,
               kernel_epilogue: bool | None = None, expert_offset: int | jax.Array | None = None,
-              matmul=nm.grouped_matmul, down_matmul=None):
+              matmul=nm.grouped_matmul, down_matmul=None, prefetch_down: bool = False):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
     (`_shared_blocks`; its blocks have T rows rounded up to 8, whatever `block_t` says), "sort"
@@ -204,7 +204,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     pair's row in pair order (`grouped_matmul(global_scale=, row_destination=)`). `expert_offset`: the
     weights are one device's experts from that index on (expert parallelism); other pairs count zero.
     `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation); `down_matmul`, if set, the down
-    GEMM's (e.g. `nvfp4_persistent_mgpu.grouped_matmul_persistent`)."""
+    GEMM's (e.g. `nvfp4_persistent_mgpu.grouped_matmul_persistent`). `prefetch_down`: the gate/up GEMM asks
+    L2 to fetch the down weights of its blocks' experts (`grouped_matmul(l2_prefetch=)`); not yet timed."""
     tokens, top_k = ids.shape
     config = default_config(tokens)
     block_builder = config["block_builder"] if block_builder is None else block_builder
@@ -234,7 +235,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     scaled_gate_up = kernel_epilogue and gate_up_splits == 1  # else XLA adds the splits and scales
     gu = matmul(xs, block_expert, gate_up.packed, gate_up.scales, block_t=block_t, tile_k=gate_up.tile_k,
                 splits=gate_up_splits, stages=gate_up_stages, tile_n=gate_up_tile_n, shared_rows=shared,
-                global_scale=gate_up.global_scale if scaled_gate_up else None)
+                global_scale=gate_up.global_scale if scaled_gate_up else None,
+                l2_prefetch=(down.packed, down.scales) if prefetch_down else ())
     if not scaled_gate_up:
         row_expert = jnp.maximum(jnp.repeat(block_expert, block_t), 0)  # unused rows: any expert, never read
         gu = (gu.sum(0) * nm.OUTPUT_FACTOR * gate_up.global_scale[row_expert]).astype(x.dtype)[None]

@@ -3,7 +3,7 @@ plain jnp, then times it at Beam's TP8 expert shapes beside the Triton NVFP4 lay
 same run. CUPTI device time per call; weights rotate over fresh expert ids so they come from HBM.
 
     OUT=dir python3 -u benchmarks/moe/mgpu_probe.py [--no-check | --layers | --bf16-prefill | --table | --gather |
-                                                     --persistent]
+                                                     --down-paths]
 """
 
 from __future__ import annotations
@@ -196,7 +196,8 @@ def main():
     parser.add_argument("--bf16-prefill", action="store_true", help="only the bf16 layer at prefill sizes")
     parser.add_argument("--gather", action="store_true", help="the row-gather kernel's program shapes")
     parser.add_argument("--table", action="store_true", help="both formats' layers on the model's paths, all T")
-    parser.add_argument("--persistent", action="store_true", help="the persistent down GEMM against the grid one")
+    parser.add_argument("--down-paths", action="store_true",
+                        help="the down GEMM's new paths (persistent kernel, L2 prefetch) against the defaults")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows = []
@@ -222,9 +223,10 @@ def main():
         for t, block_t, k_order in ((8192, 128, False), (8192, 64, True), (4096, 64, True)):
             record(time_gathers(t, block_t, configs, k_order=k_order))
         return
-    if args.persistent:
+    if args.down_paths:
         # Session 16: the down GEMM (K = 320, five steps a tile) on persistent programs that keep loads
-        # in flight across tiles, against the grid kernel, alone and in the layer.
+        # in flight across tiles, against the grid kernel, alone and in the layer; and the gate/up GEMM
+        # prefetching the down weights into L2.
         from pallas_kernels.nvfp4_persistent_mgpu import grouped_matmul_persistent as persistent
 
         for t, blocks, tile_n in ((1, 8, 64), (8, 57, 128), (64, 223, 128)):
@@ -245,8 +247,9 @@ def main():
                 record(dict(kind="time", t=1, splits=splits, error=repr(e)[:2000]))
         weights = layer_weights()
         for t in (1, 8, 16, 64):
-            variants = [{}] + [dict(down_matmul=functools.partial(persistent, programs_per_sm=p), down_stages=s)
-                               for p, s in ((4, 8), (2, 8))]
+            variants = [{}, dict(prefetch_down=True)] + [
+                dict(down_matmul=functools.partial(persistent, programs_per_sm=p), down_stages=s)
+                for p, s in ((4, 8), (2, 8))]
             try:
                 record(time_layers(t, variants, weights))
             except Exception as e:  # noqa: BLE001

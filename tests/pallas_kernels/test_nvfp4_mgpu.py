@@ -125,6 +125,23 @@ def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_r
     assert "mosaic_gpu" in text
 
 
+def test_l2_prefetch_lowers_and_its_shares_cover_each_expert():
+    """The gate/up GEMM at one token asking L2 for the down weights (`l2_prefetch`): it lowers, and the
+    programs of a block (40 here) prefetch 16-byte multiples that together cover the expert's slice."""
+    spec = jax.ShapeDtypeStruct
+    down = (spec((256, 5, 5120, 32), jnp.uint8), spec((256, 5, 5120, 1), jnp.uint32))
+    op = lambda xs, blocks, packed, scales, *down: nm.grouped_matmul(  # noqa: E731
+        xs, blocks, packed, scales, block_t=8, tile_k=256, splits=4, stages=2, shared_rows=True, l2_prefetch=down)
+    text = jax.jit(op).trace(*_specs(256, 640, 5120, 8, 8, 256, shared_rows=True), *down).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    for (per_expert, chunk), array in zip(nm._l2_prefetch_plan(down, 40), down):
+        itemsize = jnp.dtype(array.dtype).itemsize
+        assert chunk * itemsize % 16 == 0 and 40 * chunk >= per_expert > 39 * chunk - 16
+    with pytest.raises(ValueError, match="16 bytes"):
+        nm._l2_prefetch_plan((spec((4, 3, 5), jnp.uint8),), 2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("experts,n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows", [
     (16, 128, 512, 3, 8, 256, 1, 64, False), (16, 192, 320, 5, 16, 64, 1, 64, False),
@@ -198,6 +215,19 @@ def test_signed_and_zero_block_scales_give_the_reference_with_emulated_gemm():
     kernel_weights = nmm.kernel_experts(gate, up, down, gate_up_tile_k=128)
     got = nmm.moe_nvfp4(x, weights, ids, *kernel_weights, matmul=nm.grouped_matmul_emulated)
     _assert_layer_close((x, weights, ids, gate, up, down), got)
+
+
+def test_prefetch_down_reaches_the_gate_up_gemm():
+    """`prefetch_down` hands the down weights to the gate/up GEMM only (the emulation records the calls)."""
+    problem, (gate_up, down) = _layer_problem(2, 3, 256, 64, 16, 4, tile_k=128)
+    calls = []
+
+    def recording(*args, l2_prefetch=(), **kwargs):
+        calls.append(l2_prefetch)
+        return nm.grouped_matmul_emulated(*args, **kwargs)
+
+    nmm.moe_nvfp4(*problem[:3], gate_up, down, prefetch_down=True, matmul=recording)
+    assert [len(c) for c in calls] == [2, 0] and calls[0][0] is down.packed and calls[0][1] is down.scales
 
 
 def test_blocks_hold_every_pair_once():
@@ -283,6 +313,15 @@ def test_layer_matches_reference_on_gpu(tokens, down_tile_n, builder, epilogue):
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 5120, 320, 256, 8, tile_k=256)
     layer = functools.partial(nmm.moe_nvfp4, down_tile_n=down_tile_n, block_builder=builder,
                               kernel_epilogue=epilogue)
+    _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 40])
+def test_layer_prefetching_the_down_weights_matches_reference_on_gpu(tokens):
+    """The gate/up GEMM asks L2 for the down weights (`prefetch_down`): the layer's values are unchanged."""
+    problem, (gate_up, down) = _layer_problem(tokens, tokens, 5120, 320, 256, 8, tile_k=256)
+    layer = functools.partial(nmm.moe_nvfp4, prefetch_down=True)
     _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
 
 
