@@ -57,9 +57,10 @@ def grouped_matmul_persistent(xs, block_expert, packed, scales, *, block_t: int,
                               row_destination=None, out_rows: int | None = None):
     """`nm.grouped_matmul`'s contract on `programs_per_sm` persistent programs per SM (or `num_programs`
     in all), each with a pipeline of `stages` (tile, K step) loads."""
-    scaled, scattered = nm._check_operands(xs, block_expert, packed, scales, block_t=block_t, tile_k=tile_k, splits=1,
-                                           tile_n=tile_n, shared_rows=shared_rows, global_scale=global_scale,
-                                           row_destination=row_destination, out_rows=out_rows)
+    scaled, scattered = nm._check_operands(xs, block_expert, packed, scales, block_t=block_t, tile_k=tile_k,
+                                           splits=splits, tile_n=tile_n, shared_rows=shared_rows,
+                                           global_scale=global_scale, row_destination=row_destination,
+                                           out_rows=out_rows)
     k, n, blocks = xs.shape[1], packed.shape[2], block_expert.shape[0]
     k_steps, n_tiles = k // (tile_k * splits), n // tile_n
     tiles = blocks * splits * n_tiles

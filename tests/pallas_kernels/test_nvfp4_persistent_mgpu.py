@@ -50,6 +50,16 @@ def test_lowers_for_cuda(output, n, k, blocks, tile_k, splits):
     assert "mosaic_gpu" in jax.jit(op).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def test_bad_operands_are_rejected():
+    """The grid kernel's checks: K splits that do not divide K's steps, the global scales with splits."""
+    operands = _operands(np.random.default_rng(0), 4, 64, 320, 2, 8, 64, False, 0)
+    with pytest.raises(ValueError, match="shapes"):
+        grouped_matmul_persistent(*operands, block_t=8, tile_k=64, tile_n=64, splits=2)
+    with pytest.raises(ValueError, match="one split"):
+        grouped_matmul_persistent(*operands, block_t=8, tile_k=64, tile_n=64, splits=5,
+                                  global_scale=jnp.ones((4, 64), jnp.float32))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("experts,n,k,blocks,block_t,tile_k,tile_n,splits,programs,stages,shared_rows,unused", [
     (16, 320, 320, 7, 8, 64, 64, 1, 3, 8, False, 2), (16, 512, 320, 5, 16, 64, 128, 1, 4, 4, False, 1),
