@@ -213,6 +213,26 @@ def _decode_pair_asm(pair: int) -> str:
     return "{ .reg .b32 t, negzero; mov.b32 negzero, 0x80008000; " + extract + " fma.rn.bf16x2 $0, t, $2, negzero; }"
 
 
+def for_each_index(count: int, body) -> None:
+    """In an inline_mgpu body: `body(i)` for i in 0 .. count-1, spread over the warpgroup's 128 threads
+    (thread t takes t, t + 128, ...; a guard where fewer indices than threads are left)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, gpu, scf
+    from jax.experimental.mosaic.gpu import utils
+
+    index = ir.IndexType.get()
+    tid = arith.remui(gpu.thread_id(gpu.Dimension.x), utils.c(128, index))
+    for start in range(0, count, 128):
+        i = arith.addi(tid, utils.c(start, index))
+        if start + 128 <= count:
+            body(i)
+            continue
+        guard = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, i, utils.c(count, index)))
+        with ir.InsertionPoint(guard.then_block):
+            body(i)
+            scf.yield_([])
+
+
 def _decode_tile(tile_n: int, tile_k: int):
     """inline_mgpu body: bytes [tile_n, tile_k/2] (WGMMA_8BIT layout), the step's scale words (smem) and
     a staging buffer (smem, `tile_n * tile_k / 32` words) -> bf16 [tile_n, tile_k] (WGMMA).
@@ -224,34 +244,25 @@ def _decode_tile(tile_n: int, tile_k: int):
     A thread's registers: first index the 64-row tile m, second the column group; its rows are
     64 m + 16 warp + lane / 4 and that + 8 (the `half` index)."""
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, gpu, llvm, memref, scf, vector
+    from jax._src.lib.mlir.dialects import arith, gpu, llvm, memref, vector
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils
 
     groups = tile_k // _K_PER_WORD_GROUP
     words = tile_n * tile_k // (16 * _SCALES_PER_WORD)  # the step's scale words; pairs 2 w, 2 w + 1 from word w
 
-    def stage_scales(tid, scale_ref, staged_ref):
+    def stage_scales(scale_ref, staged_ref):
         i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
         utils.warpgroup_barrier()  # the previous step's decode has read the staged pairs
-        for i in range(-(-words // 128)):
-            w = arith.addi(tid, utils.c(128 * i, index))
 
-            def convert(w=w):
-                word = memref.load(scale_ref, [arith.divui(w, utils.c(_SCALE_ROW, index)),
-                                               arith.remui(w, utils.c(_SCALE_ROW, index))])
-                for parity in range(2):
-                    pair = llvm.inline_asm(i32, [word], _scale_pair_asm(parity), "=r,r")
-                    position = arith.addi(arith.muli(w, utils.c(2, index)), utils.c(parity, index))
-                    memref.store(pair, staged_ref, [position])
+        def convert(w):
+            word = memref.load(scale_ref, [arith.divui(w, utils.c(_SCALE_ROW, index)),
+                                           arith.remui(w, utils.c(_SCALE_ROW, index))])
+            for parity in range(2):
+                pair = llvm.inline_asm(i32, [word], _scale_pair_asm(parity), "=r,r")
+                memref.store(pair, staged_ref, [arith.addi(arith.muli(w, utils.c(2, index)), utils.c(parity, index))])
 
-            if 128 * (i + 1) <= words:
-                convert()
-            else:  # fewer words than threads left
-                guard = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, w, utils.c(words, index)))
-                with ir.InsertionPoint(guard.then_block):
-                    convert()
-                    scf.yield_([])
+        for_each_index(words, convert)
         utils.warpgroup_barrier()
 
     def body(ctx, packed, scale_ref, staged_ref):
@@ -261,7 +272,7 @@ def _decode_tile(tile_n: int, tile_k: int):
         tid = arith.remui(gpu.thread_id(gpu.Dimension.x), utils.c(128, index))
         warp, lane = arith.divui(tid, utils.c(32, index)), arith.remui(tid, utils.c(32, index))
         row0 = arith.addi(arith.muli(warp, utils.c(16, index)), arith.divui(lane, utils.c(4, index)))
-        stage_scales(tid, scale_ref, staged_ref)
+        stage_scales(scale_ref, staged_ref)
         out = np.empty(fa.WGMMA_LAYOUT.registers_shape((tile_n, tile_k)), dtype=object)
         for m in range(tile_n // 64):
             for half in range(2):

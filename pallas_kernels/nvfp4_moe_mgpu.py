@@ -32,9 +32,9 @@ from pallas_kernels import row_gather as rg
 class KernelNvfp4:
     """One projection of every expert in the kernel's layouts (`nm.pack_weights`): `packed [E, K/tile_k, N,
     tile_k/2]` uint8, `scales [E, K/tile_k, N, tile_k/64]` uint32 (four one-byte codes of block scales a
-    word), `global_scale [E, N]` fp32 per output row. `rows_in_k_order`: each
-    projection's rows are stored in `kernel_k_order` (gate/up: SwiGLU's output then comes out in the
-    K order the down GEMM takes, with no permutation in between)."""
+    word), `global_scale [E, N]` fp32 per output row. `rows_in_k_order`: each projection's rows are
+    stored in `kernel_k_order` (gate/up: SwiGLU's output then comes out in the K order the down GEMM
+    takes, with no permutation in between)."""
 
     packed: jax.Array
     scales: jax.Array

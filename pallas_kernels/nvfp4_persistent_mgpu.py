@@ -30,22 +30,14 @@ from pallas_kernels.mgpu_tiles import num_sms
 
 
 def _copy_words(count: int):
-    """inline_mgpu body: `count` 32-bit words from one ref to another, a word per thread of the
-    warpgroup at a time, then a warpgroup barrier (TMA needs 16-byte multiples; the block list is any length)."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, gpu, memref, scf
+    """inline_mgpu body: `count` 32-bit words from one ref to another, spread over the warpgroup, then a
+    warpgroup barrier (TMA needs 16-byte multiples; the block list is any length)."""
+    from jax._src.lib.mlir.dialects import memref
     from jax.experimental.mosaic.gpu import utils
 
     def body(ctx, source, target):
         del ctx
-        index = ir.IndexType.get()
-        tid = arith.remui(gpu.thread_id(gpu.Dimension.x), utils.c(128, index))
-        for start in range(0, count, 128):
-            i = arith.addi(tid, utils.c(start, index))
-            guard = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, i, utils.c(count, index)))
-            with ir.InsertionPoint(guard.then_block):
-                memref.store(memref.load(source, [i]), target, [i])
-                scf.yield_([])
+        nm.for_each_index(count, lambda i: memref.store(memref.load(source, [i]), target, [i]))
         utils.warpgroup_barrier()
 
     return body
