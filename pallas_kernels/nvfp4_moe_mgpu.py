@@ -4,7 +4,7 @@ The weights are repacked once into the kernel's layouts (`KernelNvfp4.from_exper
 does it at load time on Hopper, `beam_jax.quant.kernel_layout`). Per call, XLA builds the blocks of
 one expert each (decode: one block per distinct expert, multiplying all the step's tokens; larger
 batches: pairs sorted into blocks of `block_t` rows), and after each GEMM adds the K splits, applies
-the global scales (with `kernel_epilogue`, the GEMMs do that themselves), SwiGLU and the routing
+the global scales (with `gate_up_epilogue` / `down_epilogue`, the GEMMs do that themselves), SwiGLU and the routing
 weights. Rounding follows `moe_gemm_reference`.
 
 H200 (benchmarks/moe/RESULTS.md, runs T and U): 72.0 us at T = 8 and 117.5 at T = 16, against 105.6 and
@@ -188,24 +188,24 @@ def default_config(tokens: int) -> dict:
     return dict(block_builder="shared" if shared else "sort",
                 block_t=8 if tokens <= 64 else 32 if small_blocks else 64, gate_up_splits=4 if tokens == 1 else 1,
                 gate_up_stages=2, gate_up_tile_n=128 if 64 < tokens <= 1024 else 64,
-                down_tile_n=64 if tokens == 1 else 128, down_stages=4, kernel_epilogue=not shared)
+                down_tile_n=64 if tokens == 1 else 128, down_stages=4, gate_up_epilogue=not shared,
+                down_epilogue=not shared, mma_sync=False)
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
               gate_up_splits: int | None = None, gate_up_stages: int | None = None, gate_up_tile_n: int | None = None,
               down_tile_n: int | None = None, down_stages: int | None = None, block_builder: str | None = None,
-              kernel_epilogue: bool | None = None, expert_offset: int | jax.Array | None = None,
-              matmul=nm.grouped_matmul, down_matmul=None, prefetch_down: bool = False):
+              gate_up_epilogue: bool | None = None, down_epilogue: bool | None = None, mma_sync: bool | None = None,
+              expert_offset: int | jax.Array | None = None, matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
     (`_shared_blocks`; its blocks have T rows rounded up to 8, whatever `block_t` says), "sort"
-    (`pair_blocks`) or "compare" (`_blocks_by_comparison`). `kernel_epilogue`: the GEMMs apply the
-    global scales and write bf16 (gate/up with one K split), and at decode the down GEMM writes each
-    pair's row in pair order (`grouped_matmul(global_scale=, row_destination=)`). `expert_offset`: the
+    (`pair_blocks`) or "compare" (`_blocks_by_comparison`). `gate_up_epilogue` / `down_epilogue`: that GEMM
+    applies the global scales and writes bf16 (gate/up only with one K split; `grouped_matmul(global_scale=)`),
+    and at decode the down GEMM writes each pair's row in pair order (`row_destination=`). `expert_offset`: the
     weights are one device's experts from that index on (expert parallelism); other pairs count zero.
-    `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation); `down_matmul`, if set, the down
-    GEMM's (e.g. `nvfp4_persistent_mgpu.grouped_matmul_persistent`). `prefetch_down`: the gate/up GEMM asks
-    L2 to fetch the down weights of its blocks' experts (`grouped_matmul(l2_prefetch=)`); not yet timed."""
+    `mma_sync`: both GEMMs multiply by warp-level mma.sync, not wgmma (`nm.grouped_matmul(mma_sync=)`).
+    `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation)."""
     tokens, top_k = ids.shape
     config = default_config(tokens)
     block_builder = config["block_builder"] if block_builder is None else block_builder
@@ -215,8 +215,10 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     down_tile_n = config["down_tile_n"] if down_tile_n is None else down_tile_n
     down_stages = config["down_stages"] if down_stages is None else down_stages
     gate_up_stages = config["gate_up_stages"] if gate_up_stages is None else gate_up_stages
-    kernel_epilogue = config["kernel_epilogue"] if kernel_epilogue is None else kernel_epilogue
+    gate_up_epilogue = config["gate_up_epilogue"] if gate_up_epilogue is None else gate_up_epilogue
+    down_epilogue = config["down_epilogue"] if down_epilogue is None else down_epilogue
     gate_up_tile_n = config["gate_up_tile_n"] if gate_up_tile_n is None else gate_up_tile_n
+    mma_sync = config["mma_sync"] if mma_sync is None else mma_sync
     hidden, intermediate = x.shape[1], down.packed.shape[1] * down.tile_k
     num_experts = gate_up.packed.shape[0]
     if block_builder not in ("shared", "sort", "compare"):
@@ -232,19 +234,19 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         pair_row, block_expert, row_pair = build(local_ids, num_experts, block_t)
         xs = rg.gather_rows_on_backend(x, row_tokens(row_pair, top_k, tokens), block_expert, block_t=block_t,
                                        column_order=nm.kernel_k_order(hidden))
-    scaled_gate_up = kernel_epilogue and gate_up_splits == 1  # else XLA adds the splits and scales
+    scaled_gate_up = gate_up_epilogue and gate_up_splits == 1  # else XLA adds the splits and scales
     gu = matmul(xs, block_expert, gate_up.packed, gate_up.scales, block_t=block_t, tile_k=gate_up.tile_k,
                 splits=gate_up_splits, stages=gate_up_stages, tile_n=gate_up_tile_n, shared_rows=shared,
-                global_scale=gate_up.global_scale if scaled_gate_up else None,
-                l2_prefetch=(down.packed, down.scales) if prefetch_down else ())
+                global_scale=gate_up.global_scale if scaled_gate_up else None, mma_sync=mma_sync)
     if not scaled_gate_up:
         row_expert = jnp.maximum(jnp.repeat(block_expert, block_t), 0)  # unused rows: any expert, never read
         gu = (gu.sum(0) * nm.OUTPUT_FACTOR * gate_up.global_scale[row_expert]).astype(x.dtype)[None]
     act = mg._swiglu(gu[0, :, :intermediate], gu[0, :, intermediate:]).astype(x.dtype)
     act = act if gate_up.rows_in_k_order else nm.to_kernel_k_order(act)
-    down_gemm = functools.partial(down_matmul or matmul, act, block_expert, down.packed, down.scales, block_t=block_t,
-                                  tile_k=down.tile_k, splits=1, stages=down_stages, tile_n=down_tile_n)
-    if not kernel_epilogue:
+    down_gemm = functools.partial(matmul, act, block_expert, down.packed, down.scales, block_t=block_t,
+                                  tile_k=down.tile_k, splits=1, stages=down_stages, tile_n=down_tile_n,
+                                  mma_sync=mma_sync)
+    if not down_epilogue:
         # Only the pairs' rows are scaled and weighted (rows of unused blocks and padding are not).
         pair_expert = jnp.minimum(local_ids.reshape(-1), num_experts - 1)
         expert_out = down_gemm()[0][pair_row] * nm.OUTPUT_FACTOR * down.global_scale[pair_expert]

@@ -107,13 +107,15 @@ def _specs(experts, n, k, blocks, block_t, tile_k, shared_rows=False):
             spec((experts, k // tile_k, n, tile_k // 64), jnp.uint32))
 
 
+@pytest.mark.parametrize("mma_sync", [False, True])
 @pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,stages,output", [
     (640, 5120, 8, 8, 256, 4, 64, False, 2, "sums"), (640, 5120, 8, 8, 256, 1, 128, False, 4, "scaled"),
     (5120, 320, 5, 16, 64, 1, 256, False, 4, "by_pair"), (640, 5120, 64, 16, 256, 1, 64, True, 2, "scaled")])
-def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, stages, output):
-    """Beam's gate/up and down shapes lower to Mosaic GPU on the CPU (the PTX is built on the GPU)."""
+def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, stages, output, mma_sync):
+    """Beam's gate/up and down shapes lower to Mosaic GPU on the CPU (the PTX is built on the GPU), with
+    wgmma or mma.sync."""
     op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits, tile_n=tile_n,
-                           shared_rows=shared_rows, stages=stages)
+                           shared_rows=shared_rows, stages=stages, mma_sync=mma_sync)
     specs = _specs(256, n, k, blocks, block_t, tile_k, shared_rows)
     if output != "sums":
         spec = jax.ShapeDtypeStruct
@@ -125,23 +127,6 @@ def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_r
     assert "mosaic_gpu" in text
 
 
-def test_l2_prefetch_lowers_and_its_shares_cover_each_expert():
-    """The gate/up GEMM at one token asking L2 for the down weights (`l2_prefetch`): it lowers, and the
-    programs of a block (40 here) prefetch 16-byte multiples that together cover the expert's slice."""
-    spec = jax.ShapeDtypeStruct
-    down = (spec((256, 5, 5120, 32), jnp.uint8), spec((256, 5, 5120, 1), jnp.uint32))
-    op = lambda xs, blocks, packed, scales, *down: nm.grouped_matmul(  # noqa: E731
-        xs, blocks, packed, scales, block_t=8, tile_k=256, splits=4, stages=2, shared_rows=True, l2_prefetch=down)
-    text = jax.jit(op).trace(*_specs(256, 640, 5120, 8, 8, 256, shared_rows=True), *down).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-    for (per_expert, chunk), array in zip(nm._l2_prefetch_plan(down, 40), down):
-        itemsize = jnp.dtype(array.dtype).itemsize
-        assert chunk * itemsize % 16 == 0 and 40 * chunk >= per_expert > 39 * chunk - 16
-    with pytest.raises(ValueError, match="16 bytes"):
-        nm._l2_prefetch_plan((spec((4, 3, 5), jnp.uint8),), 2)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("experts,n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows", [
     (16, 128, 512, 3, 8, 256, 1, 64, False), (16, 192, 320, 5, 16, 64, 1, 64, False),
@@ -149,8 +134,10 @@ def test_l2_prefetch_lowers_and_its_shares_cover_each_expert():
     (16, 384, 320, 3, 8, 64, 1, 128, False), (16, 512, 320, 2, 8, 64, 1, 256, False),
     (16, 128, 512, 5, 24, 256, 2, 128, True),
 ])
-def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows):
-    """The fp32 partial sums; with one split also the finished bf16 projection (`global_scale`)."""
+@pytest.mark.parametrize("mma_sync", [False, True])
+def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, mma_sync):
+    """The fp32 partial sums; with one split also the finished bf16 projection (`global_scale`); by wgmma
+    and by mma.sync."""
     rng = np.random.default_rng(n + k)
     codes = rng.integers(0, 16, (experts, n, k), dtype=np.uint8)
     scale = e4m3_scales(rng, (experts, n, k // 16), signed=True)
@@ -158,7 +145,7 @@ def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits
     block_expert = rng.integers(0, experts, blocks).astype(np.int32)
     operands = (jnp.asarray(x[:, nm.kernel_k_order(k)]), jnp.asarray(block_expert),
                 *nm.pack_weights(codes, scale, tile_k))
-    settings = dict(block_t=block_t, tile_k=tile_k, tile_n=tile_n, shared_rows=shared_rows)
+    settings = dict(block_t=block_t, tile_k=tile_k, tile_n=tile_n, shared_rows=shared_rows, mma_sync=mma_sync)
     got = np.asarray(nm.grouped_matmul(*operands, splits=splits, **settings)).sum(0) * nm.OUTPUT_FACTOR
     w = jnp.asarray(E2M1[codes] * np.repeat(scale.astype(np.float32), 16, axis=-1))
     want = np.asarray(nm.grouped_matmul_reference(jnp.asarray(x), jnp.asarray(block_expert), w, block_t=block_t,
@@ -188,10 +175,16 @@ def _assert_layer_close(problem, got, expert_offset=None):
     assert np.abs(want).max() > 0
 
 
+def _epilogues(which: str) -> dict:
+    """`moe_nvfp4`'s epilogue settings: "none", "down" (the down GEMM's only) or "both"."""
+    return dict(gate_up_epilogue=which == "both", down_epilogue=which in ("down", "both"))
+
+
 @pytest.mark.parametrize("tokens,block_t,splits,builder,epilogue", [
-    (1, 8, 2, "sort", False), (5, 2, 2, "sort", False), (13, 2, 1, "sort", True), (13, 8, 2, "compare", True),
-    (70, None, None, "sort", False), (70, None, None, "sort", True), (1, None, 4, "shared", True),
-    (5, None, 1, "shared", False), (5, None, 1, "shared", True), (13, None, 2, None, False)])
+    (1, 8, 2, "sort", "none"), (5, 2, 2, "sort", "none"), (13, 2, 1, "sort", "both"), (13, 8, 2, "compare", "both"),
+    (70, None, None, "sort", "none"), (70, None, None, "sort", "both"), (70, None, None, "sort", "down"),
+    (1, None, 4, "shared", "both"), (5, None, 1, "shared", "none"), (5, None, 1, "shared", "both"),
+    (5, None, 1, "shared", "down"), (13, None, 2, None, "none")])
 def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits, builder, epilogue):
     """Blocks, gathers, splits, scales, SwiGLU and combine, with the GEMM emulated in plain jnp:
     experts with more pairs than a block (tails), experts picked by several tokens, unused experts,
@@ -199,7 +192,7 @@ def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits
     blocks of 8 rows up to 64, then 32); with and without the kernel's own epilogue."""
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 256, 64, 16, 4, tile_k=128)
     layer = functools.partial(nmm.moe_nvfp4, block_t=block_t, gate_up_splits=splits, block_builder=builder,
-                              kernel_epilogue=epilogue, matmul=nm.grouped_matmul_emulated)
+                              **_epilogues(epilogue), matmul=nm.grouped_matmul_emulated)
     _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
 
 
@@ -215,19 +208,6 @@ def test_signed_and_zero_block_scales_give_the_reference_with_emulated_gemm():
     kernel_weights = nmm.kernel_experts(gate, up, down, gate_up_tile_k=128)
     got = nmm.moe_nvfp4(x, weights, ids, *kernel_weights, matmul=nm.grouped_matmul_emulated)
     _assert_layer_close((x, weights, ids, gate, up, down), got)
-
-
-def test_prefetch_down_reaches_the_gate_up_gemm():
-    """`prefetch_down` hands the down weights to the gate/up GEMM only (the emulation records the calls)."""
-    problem, (gate_up, down) = _layer_problem(2, 3, 256, 64, 16, 4, tile_k=128)
-    calls = []
-
-    def recording(*args, l2_prefetch=(), **kwargs):
-        calls.append(l2_prefetch)
-        return nm.grouped_matmul_emulated(*args, **kwargs)
-
-    nmm.moe_nvfp4(*problem[:3], gate_up, down, prefetch_down=True, matmul=recording)
-    assert [len(c) for c in calls] == [2, 0] and calls[0][0] is down.packed and calls[0][1] is down.scales
 
 
 def test_blocks_hold_every_pair_once():
@@ -273,8 +253,9 @@ def test_both_block_builders_agree(tokens, top_k, experts, block_t):
         np.testing.assert_array_equal(np.asarray(by_sort), np.asarray(by_comparison))
 
 
-@pytest.mark.parametrize("tokens,builder,epilogue", [(1, "sort", False), (7, "sort", True), (7, "compare", False),
-                                                     (1, "shared", True), (7, "shared", True), (7, "shared", False)])
+@pytest.mark.parametrize("tokens,builder,epilogue", [
+    (1, "sort", "none"), (7, "sort", "both"), (7, "compare", "none"), (1, "shared", "both"), (7, "shared", "down"),
+    (7, "shared", "none")])
 def test_expert_parallel_shares_add_up(tokens, builder, epilogue):
     """Each device's share of the experts (`expert_offset`): equal to the reference on it (other
     shares' pairs count zero), and the shares add up to the whole layer."""
@@ -288,7 +269,7 @@ def test_expert_parallel_shares_add_up(tokens, builder, epilogue):
         kernel_weights = (nmm.KernelNvfp4.from_expert_weights(*share[:2], tile_k=128),
                           nmm.KernelNvfp4.from_expert_weights(share[2], tile_k=64))
         got = nmm.moe_nvfp4(x, weights, ids, *kernel_weights, expert_offset=start, block_builder=builder,
-                            kernel_epilogue=epilogue, matmul=nm.grouped_matmul_emulated)
+                            **_epilogues(epilogue), matmul=nm.grouped_matmul_emulated)
         want = mg.moe_gemm_reference(x, weights, ids, *share, expert_offset=start)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0,
                                    atol=4 * 2.0**-7 * np.abs(np.asarray(want, np.float32)).max())
@@ -305,23 +286,16 @@ def test_unknown_block_builder_is_rejected():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,down_tile_n,builder,epilogue", [
-    (1, 64, None, False), (1, 64, None, True), (8, 128, None, False), (8, 128, None, True), (8, 64, "sort", True),
-    (13, 64, None, True), (32, 64, "shared", False), (64, 256, None, True), (300, 64, None, True)])
-def test_layer_matches_reference_on_gpu(tokens, down_tile_n, builder, epilogue):
+    (1, 64, None, "none"), (1, 64, None, "both"), (8, 128, None, "none"), (8, 128, None, "both"),
+    (8, 128, None, "down"), (8, 64, "sort", "both"), (13, 64, None, "both"), (32, 64, "shared", "none"),
+    (64, 256, None, "both"), (300, 64, None, "both")])
+@pytest.mark.parametrize("mma_sync", [False, True])
+def test_layer_matches_reference_on_gpu(tokens, down_tile_n, builder, epilogue, mma_sync):
     """Beam's per-GPU TP8 expert shape on the kernel (None: `default_config`'s blocks), with and
-    without the kernel's own epilogue."""
+    without the kernel's own epilogue, by wgmma and by mma.sync."""
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 5120, 320, 256, 8, tile_k=256)
     layer = functools.partial(nmm.moe_nvfp4, down_tile_n=down_tile_n, block_builder=builder,
-                              kernel_epilogue=epilogue)
-    _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 8, 40])
-def test_layer_prefetching_the_down_weights_matches_reference_on_gpu(tokens):
-    """The gate/up GEMM asks L2 for the down weights (`prefetch_down`): the layer's values are unchanged."""
-    problem, (gate_up, down) = _layer_problem(tokens, tokens, 5120, 320, 256, 8, tile_k=256)
-    layer = functools.partial(nmm.moe_nvfp4, prefetch_down=True)
+                              **_epilogues(epilogue), mma_sync=mma_sync)
     _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
 
 
