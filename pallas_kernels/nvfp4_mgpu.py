@@ -27,8 +27,6 @@ the contraction does not care about the order of K as long as both operands agre
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -290,70 +288,6 @@ def _decode_tile(tile_n: int, tile_k: int):
     return body
 
 
-_MMA_ASM = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
-            "{$10, $11, $12, $13};")
-_X_SWIZZLE_BYTES = 128  # the activations' smem swizzle (`_tile_programs`); the mma path reads it by hand
-
-
-def _mma_tile(tile_n: int, tile_k: int, block_t: int):
-    """inline_mgpu body: decoded weights bf16 [tile_n, tile_k] (WGMMA layout), the step's activations (smem,
-    [block_t, tile_k] tiled by 8 x 64 and 128-byte swizzled, as the wgmma path reads them) and the fp32
-    accumulator [tile_n, block_t] (WGMMA layout) -> the accumulator plus weights @ activations^T, by
-    warp-level `mma.sync.m16n8k16` instead of a warpgroup wgmma.
-
-    Why. A wgmma's A operand is 64 x 16 weights whatever N is; at decode N is 8 or 16 tokens, and the
-    GEMMs take ~250 ns of the SM per K step (64 x 128 or 128 x 64 weights) whatever the programs per SM,
-    N or step bytes (H200, benchmarks/moe/RESULTS.md, sessions 15-17). mma.sync needs no warpgroup fence
-    or wait, and each warp goes on as soon as its own rows are done.
-
-    The WGMMA register layouts are, per warp, mma.sync's fragments: a warp holds 16 rows (64 m + 16 warp
-    + lane / 4, + 8 for `half`) and columns 8 c + 2 (lane % 4) (+ 1) of register [m, c, .., half, ..],
-    which are A's a0-a3 (columns 16 j .. 16 j + 15: c = 2 j, 2 j + 1) and the accumulator's c0-c3 (token
-    columns 8 c ..). B's b0, b1 for token lane / 4 are two bf16 at K 16 j + 2 (lane % 4) and that + 8."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, gpu, llvm, vector
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-    from jax.experimental.mosaic.gpu import utils
-
-    chunk_cols = _X_SWIZZLE_BYTES // 2  # bf16 columns of a swizzled row (an 8 x 64 tile)
-
-    def body(ctx, weights, x_ref, acc):
-        del ctx
-        i32, f32, index = ir.IntegerType.get_signless(32), ir.F32Type.get(), ir.IndexType.get()
-        quad = ir.Type.parse("!llvm.struct<(f32, f32, f32, f32)>")
-        lane = arith.remui(gpu.thread_id(gpu.Dimension.x), utils.c(32, index))
-        token, pair = arith.divui(lane, utils.c(4, index)), arith.remui(lane, utils.c(4, index))
-        within = arith.muli(pair, utils.c(2, index))  # the column within a 16-byte chunk
-
-        def x_word(nc, column):
-            """Token 8 nc + lane / 4's bf16 pair at `column` + 2 (lane % 4): the 16-byte chunk of a swizzled
-            128-byte row sits at chunk ^ (row % 8)."""
-            chunk = arith.xori(utils.c(column % chunk_cols // 8, index), token)
-            col = arith.addi(arith.muli(chunk, utils.c(8, index)), within)
-            pair_bf16 = vector.load(ir.VectorType.get((2,), ir.BF16Type.get()), x_ref,
-                                    [utils.c(nc, index), utils.c(column // chunk_cols, index), token, col])
-            return utils.bitcast(pair_bf16, i32)
-
-        out = np.array(acc.registers, dtype=object)
-        for j in range(tile_k // 16):
-            b = [[x_word(nc, 16 * j + 8 * h) for h in range(2)] for nc in range(block_t // 8)]
-            for m in range(tile_n // 64):
-                a = [utils.bitcast(weights.registers[m, 2 * j + c, 0, 0, half, 0, 0, 0, 0], i32)
-                     for c in range(2) for half in range(2)]
-                for nc in range(block_t // 8):
-                    c_in = [vector.extract(out[m, nc, 0, 0, half, 0, 0, 0, 0], dynamic_position=[],
-                                           static_position=[i]) for half in range(2) for i in range(2)]
-                    d = llvm.inline_asm(quad, [*a, *b[nc], *c_in], _MMA_ASM,
-                                        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
-                    values = [llvm.extractvalue(f32, d, [i]) for i in range(4)]
-                    for half in range(2):
-                        out[m, nc, 0, 0, half, 0, 0, 0, 0] = vector.from_elements(
-                            ir.VectorType.get((2,), f32), values[2 * half:2 * half + 2])
-        return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
-
-    return body
-
-
 def _store_transposed(tile_n: int, block_t: int, scaled: bool):
     """inline_mgpu body: fp32 accumulator [tile_n, block_t] (WGMMA layout) -> smem [block_t, tile_n], so
     the output is [rows, N] (a row per activation row: the layer's gathers and epilogues then read
@@ -441,12 +375,7 @@ def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool):
     )(_decode_tile(tile_n, tile_k))
     store_transposed = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, *[plgpu.RefType()] * (1 + scaled)))(
         _store_transposed(tile_n, block_t, scaled))
-    assert x_swizzle == _X_SWIZZLE_BYTES, x_swizzle
-    mma = plgpu.inline_mgpu(
-        arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(x_transforms), plgpu.Layout.WGMMA),
-        return_type=plgpu.ShapeDtypeStruct((tile_n, block_t), jnp.float32, layout=plgpu.Layout.WGMMA),
-    )(_mma_tile(tile_n, tile_k, block_t))
-    return in_specs, decode, store_transposed, mma
+    return in_specs, decode, store_transposed
 
 
 def _scratch(tile_n: int, tile_k: int, block_t: int, out_dtype, scaled: bool, scattered: bool) -> dict:
@@ -482,7 +411,7 @@ def _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, *, block_t
 
 def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
                    stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
-                   row_destination=None, out_rows: int | None = None, mma_sync: bool = False):
+                   row_destination=None, out_rows: int | None = None):
     """`xs [B*block_t, K]` bf16 (K in `kernel_k_order`), `block_expert [B]` int32 (-1: skip the block),
     `packed [E, K/tile_k, N, tile_k/2]` uint8 and `scales [E, K/tile_k, N, tile_k/64]` uint32 (`pack_weights`) ->
     `[splits, B*block_t, N]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
@@ -493,15 +422,14 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     once (half the bytes to write, and nothing left for XLA to scale). With it, `row_destination
     [B, block_t]` int32 (-1: drop the row) and `out_rows` write each block row to that row of a
     `[1, out_rows, N]` output instead, one row at a time: decode blocks then write only their
-    (token, expert) pairs, in pair order (rows nobody writes are left unwritten). `mma_sync`: multiply
-    by warp-level mma.sync instead of wgmma (`_mma_tile`)."""
+    (token, expert) pairs, in pair order (rows nobody writes are left unwritten)."""
     scaled, scattered = _check_operands(xs, block_expert, packed, scales, block_t=block_t, tile_k=tile_k, splits=splits,
                                         tile_n=tile_n, shared_rows=shared_rows, global_scale=global_scale,
                                         row_destination=row_destination, out_rows=out_rows)
     k, n, blocks = xs.shape[1], packed.shape[2], block_expert.shape[0]
     k_steps = k // (tile_k * splits)
     scales = _fold_scales(scales, tile_k)
-    in_specs, decode, store_transposed, mma = _tile_programs(tile_n, tile_k, block_t, scaled)
+    in_specs, decode, store_transposed = _tile_programs(tile_n, tile_k, block_t, scaled)
     out_dtype = xs.dtype if scaled else jnp.float32
 
     # Optional inputs, in this order: the global scales (scaled), the row destinations (scattered).
@@ -515,27 +443,17 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         expert = block_expert_gmem[b]
         k0 = si * k_steps
 
-        # The pipeline's step kk: expert, K step k0 + kk, rows ni, block b's activations.
-        pipeline = functools.partial(plgpu.emit_pipeline, grid=(k_steps,), in_specs=in_specs(lambda kk: (
-            expert, k0 + kk, ni, 0 if shared_rows else b)), max_concurrent_steps=stages)
-
-        def decoded(w_smem, s_smem):
-            return decode(plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT), s_smem, staged_smem)
-
         def acc_scope(acc_ref):
             def step(_, w_smem, s_smem, x_smem):
-                plgpu.wgmma(acc_ref, decoded(w_smem, s_smem), x_smem.transpose((1, 0)))
+                plgpu.wgmma(acc_ref, decode(plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT), s_smem, staged_smem),
+                            x_smem.transpose((1, 0)))
                 plgpu.wgmma_wait(0)
 
-            pipeline(step)(packed_gmem, scales_gmem, xs_gmem)
+            # The pipeline's step kk: expert, K step k0 + kk, rows ni, block b's activations.
+            plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=in_specs(lambda kk: (
+                expert, k0 + kk, ni, 0 if shared_rows else b)), max_concurrent_steps=stages)(
+                packed_gmem, scales_gmem, xs_gmem)
             return acc_ref[...]
-
-        def mma_sync_loop():
-            def step(_, w_smem, s_smem, x_smem, acc):
-                return mma(decoded(w_smem, s_smem), x_smem, acc)
-
-            zeros = plgpu.layout_cast(jnp.zeros((tile_n, block_t), jnp.float32), plgpu.Layout.WGMMA)
-            return pipeline(step, init_carry=zeros)(packed_gmem, scales_gmem, xs_gmem)
 
         @pl.when(expert >= 0)  # unused blocks (expert -1) are skipped; their output is left unwritten
         def _():
@@ -546,7 +464,7 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                                         scale_barrier)
             if scattered:
                 plgpu.copy_gmem_to_smem(row_destination_gmem.at[b], destination_smem, destination_barrier)
-            acc = mma_sync_loop() if mma_sync else pl.run_scoped(acc_scope, plgpu.ACC((tile_n, block_t)))
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, block_t)))
             for barrier in (scale_barrier, destination_barrier):
                 if barrier is not None:
                     plgpu.barrier_wait(barrier)
@@ -575,11 +493,11 @@ def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: 
 
 def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int = 1,
                             stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
-                            row_destination=None, out_rows: int | None = None, mma_sync: bool = False):
+                            row_destination=None, out_rows: int | None = None):
     """`grouped_matmul`'s contract in plain jnp, from the kernel layouts (for CPU tests of code that
     calls the kernel): decodes the words as the PTX does, then `grouped_matmul_reference`. Blocks
     of expert -1 get NaN, as the kernel leaves them unwritten (any bits); one split holds the whole sum."""
-    del splits, stages, tile_n, mma_sync
+    del splits, stages, tile_n
     e, k_steps, n, _ = packed.shape
     k = k_steps * tile_k
     rows = jnp.moveaxis(packed, 1, 2).reshape(e, n, k // 32, 4, 4)  # back to [E, N, K/2], by 32 values and thread

@@ -3,7 +3,7 @@ plain jnp, then times it at Beam's TP8 expert shapes beside the Triton NVFP4 lay
 same run. CUPTI device time per call; weights rotate over fresh expert ids so they come from HBM.
 
     OUT=dir python3 -u benchmarks/moe/mgpu_probe.py [--no-check | --layers | --bf16-prefill | --table | --gather |
-                                                     --epilogues | --mma-sync]
+                                                     --epilogues]
 """
 
 from __future__ import annotations
@@ -79,12 +79,8 @@ def time_triton_layer(t, repeats=4):
 
 
 def variant_name(settings: dict) -> str:
-    """A Mosaic layer variant's name from its keyword arguments (a GEMM by its function's name)."""
-    def show(value):
-        if isinstance(value, functools.partial):
-            return value.func.__name__ + "(" + ",".join(f"{k}={v}" for k, v in value.keywords.items()) + ")"
-        return getattr(value, "__name__", value)
-    return "mosaic[" + (",".join(f"{key}={show(value)}" for key, value in settings.items()) or "default") + "]"
+    """A Mosaic layer variant's name from its keyword arguments."""
+    return "mosaic[" + (",".join(f"{key}={value}" for key, value in settings.items()) or "default") + "]"
 
 
 def layer_weights():
@@ -196,7 +192,6 @@ def main():
     parser.add_argument("--bf16-prefill", action="store_true", help="only the bf16 layer at prefill sizes")
     parser.add_argument("--gather", action="store_true", help="the row-gather kernel's program shapes")
     parser.add_argument("--table", action="store_true", help="both formats' layers on the model's paths, all T")
-    parser.add_argument("--mma-sync", action="store_true", help="the GEMMs by mma.sync against wgmma")
     parser.add_argument("--epilogues", action="store_true",
                         help="the layer at decode sizes with each GEMM's own epilogue on or off")
     args = parser.parse_args()
@@ -224,27 +219,6 @@ def main():
         for t, block_t, k_order in ((8192, 128, False), (8192, 64, True), (4096, 64, True)):
             record(time_gathers(t, block_t, configs, k_order=k_order))
         return
-    if args.mma_sync:
-        # Session 17: the GEMMs multiplying by warp-level mma.sync against wgmma, alone at the layer's
-        # settings (`default_config`) and in the layer.
-        gemms = [("down T=1", 5120, 320, 8, 8, 64, 1, 4, 64), ("down T=8", 5120, 320, 57, 8, 64, 1, 4, 128),
-                 ("down T=16", 5120, 320, 100, 16, 64, 1, 4, 128), ("down T=64", 5120, 320, 223, 8, 64, 1, 4, 128),
-                 ("gate/up T=1", 640, 5120, 8, 8, 256, 4, 2, 64), ("gate/up T=8", 640, 5120, 57, 8, 256, 1, 2, 64),
-                 ("gate/up T=16", 640, 5120, 100, 16, 256, 1, 2, 64),
-                 ("gate/up T=64", 640, 5120, 223, 8, 256, 1, 2, 64)]
-        for label, *shape, stages, tile_n in gemms:
-            for mma_sync in (False, True):
-                try:
-                    record(dict(gemm=label, **time_kernel(rng, *shape, stages, tile_n, mma_sync=mma_sync)))
-                except Exception as e:  # noqa: BLE001
-                    record(dict(kind="time", gemm=label, mma_sync=mma_sync, error=repr(e)[:2000]))
-        weights = layer_weights()
-        for t in (1, 8, 16, 32, 64):
-            try:
-                record(time_layers(t, [{}, dict(mma_sync=True)], weights))
-            except Exception as e:  # noqa: BLE001
-                record(dict(kind="layers", t=t, error=repr(e)[:2000]))
-        return
     if args.epilogues:
         # Session 17: the GEMMs' own epilogues (global scales, bf16 out; the down GEMM writing pair rows) per
         # GEMM, at the decode sizes that use shared-row blocks (default: none) and sorted ones (default: both).
@@ -253,49 +227,6 @@ def main():
                                                                                  down_epilogue=True)
         for t in (1, 8, 16, 32, 64):
             variants = [{}, down_only] + ([both] if t <= 16 else [])
-            try:
-                record(time_layers(t, variants, weights))
-            except Exception as e:  # noqa: BLE001
-                record(dict(kind="layers", t=t, error=repr(e)[:2000]))
-        return
-    if args.epilogues:
-        # Session 17: the GEMMs' own epilogues (global scales, bf16 out; the down GEMM writing pair rows) per
-        # GEMM, at the decode sizes that use shared-row blocks (default: none) and sorted ones (default: both).
-        weights = layer_weights()
-        both, down_only = dict(gate_up_epilogue=True, down_epilogue=True), dict(gate_up_epilogue=False,
-                                                                                 down_epilogue=True)
-        for t in (1, 8, 16, 32, 64):
-            variants = [{}, down_only] + ([both] if t <= 16 else [])
-            try:
-                record(time_layers(t, variants, weights))
-            except Exception as e:  # noqa: BLE001
-                record(dict(kind="layers", t=t, error=repr(e)[:2000]))
-        return
-    if args.resident:
-        # Session 17 run C: the persistent GEMM with as many programs per SM as fit at once (3 of 168 registers
-        # at 128 rows, 5 of 96 at 64; run A's 4 and 6 left a trailing wave), against the grid kernel.
-        from pallas_kernels.nvfp4_persistent_mgpu import grouped_matmul_persistent as persistent
-
-        # (label, N, K, blocks, block_t, tile_k, splits, grid stages, tile_n, [(programs per SM, stages)])
-        gemms = [("down T=1", 5120, 320, 8, 8, 64, 1, 4, 64, [(5, 4), (5, 8)]),
-                 ("down T=8", 5120, 320, 57, 8, 64, 1, 4, 128, [(3, 4), (3, 6), (3, 8)]),
-                 ("down T=16", 5120, 320, 100, 16, 64, 1, 4, 128, [(3, 4), (3, 8)]),
-                 ("down T=64", 5120, 320, 223, 8, 64, 1, 4, 128, [(3, 4), (3, 8)]),
-                 ("gate/up T=1", 640, 5120, 8, 8, 256, 4, 2, 64, [(5, 2), (5, 4)]),
-                 ("gate/up T=8", 640, 5120, 57, 8, 256, 1, 2, 64, [(5, 2), (5, 4)])]
-        for label, n, k, blocks, block_t, tile_k, splits, stages, tile_n, persistent_plans in gemms:
-            shape = (rng, n, k, blocks, block_t, tile_k, splits)
-            record(dict(gemm=label, **time_kernel(*shape, stages, tile_n)))
-            for programs_per_sm, p_stages in persistent_plans:
-                try:
-                    record(dict(gemm=label, **time_kernel(*shape, p_stages, tile_n, matmul=persistent,
-                                                          programs_per_sm=programs_per_sm)))
-                except Exception as e:  # noqa: BLE001
-                    record(dict(kind="time", gemm=label, programs_per_sm=programs_per_sm, error=repr(e)[:2000]))
-        weights = layer_weights()
-        for t in (8, 16):
-            variants = [{}] + [dict(down_matmul=functools.partial(persistent, programs_per_sm=3), down_stages=s)
-                               for s in (4, 8)]
             try:
                 record(time_layers(t, variants, weights))
             except Exception as e:  # noqa: BLE001

@@ -107,15 +107,13 @@ def _specs(experts, n, k, blocks, block_t, tile_k, shared_rows=False):
             spec((experts, k // tile_k, n, tile_k // 64), jnp.uint32))
 
 
-@pytest.mark.parametrize("mma_sync", [False, True])
 @pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,stages,output", [
     (640, 5120, 8, 8, 256, 4, 64, False, 2, "sums"), (640, 5120, 8, 8, 256, 1, 128, False, 4, "scaled"),
     (5120, 320, 5, 16, 64, 1, 256, False, 4, "by_pair"), (640, 5120, 64, 16, 256, 1, 64, True, 2, "scaled")])
-def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, stages, output, mma_sync):
-    """Beam's gate/up and down shapes lower to Mosaic GPU on the CPU (the PTX is built on the GPU), with
-    wgmma or mma.sync."""
+def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, stages, output):
+    """Beam's gate/up and down shapes lower to Mosaic GPU on the CPU (the PTX is built on the GPU)."""
     op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits, tile_n=tile_n,
-                           shared_rows=shared_rows, stages=stages, mma_sync=mma_sync)
+                           shared_rows=shared_rows, stages=stages)
     specs = _specs(256, n, k, blocks, block_t, tile_k, shared_rows)
     if output != "sums":
         spec = jax.ShapeDtypeStruct
@@ -134,10 +132,8 @@ def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_r
     (16, 384, 320, 3, 8, 64, 1, 128, False), (16, 512, 320, 2, 8, 64, 1, 256, False),
     (16, 128, 512, 5, 24, 256, 2, 128, True),
 ])
-@pytest.mark.parametrize("mma_sync", [False, True])
-def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, mma_sync):
-    """The fp32 partial sums; with one split also the finished bf16 projection (`global_scale`); by wgmma
-    and by mma.sync."""
+def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows):
+    """The fp32 partial sums; with one split also the finished bf16 projection (`global_scale`)."""
     rng = np.random.default_rng(n + k)
     codes = rng.integers(0, 16, (experts, n, k), dtype=np.uint8)
     scale = e4m3_scales(rng, (experts, n, k // 16), signed=True)
@@ -145,7 +141,7 @@ def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits
     block_expert = rng.integers(0, experts, blocks).astype(np.int32)
     operands = (jnp.asarray(x[:, nm.kernel_k_order(k)]), jnp.asarray(block_expert),
                 *nm.pack_weights(codes, scale, tile_k))
-    settings = dict(block_t=block_t, tile_k=tile_k, tile_n=tile_n, shared_rows=shared_rows, mma_sync=mma_sync)
+    settings = dict(block_t=block_t, tile_k=tile_k, tile_n=tile_n, shared_rows=shared_rows)
     got = np.asarray(nm.grouped_matmul(*operands, splits=splits, **settings)).sum(0) * nm.OUTPUT_FACTOR
     w = jnp.asarray(E2M1[codes] * np.repeat(scale.astype(np.float32), 16, axis=-1))
     want = np.asarray(nm.grouped_matmul_reference(jnp.asarray(x), jnp.asarray(block_expert), w, block_t=block_t,
@@ -289,13 +285,12 @@ def test_unknown_block_builder_is_rejected():
     (1, 64, None, "none"), (1, 64, None, "both"), (8, 128, None, "none"), (8, 128, None, "both"),
     (8, 128, None, "down"), (8, 64, "sort", "both"), (13, 64, None, "both"), (32, 64, "shared", "none"),
     (64, 256, None, "both"), (300, 64, None, "both")])
-@pytest.mark.parametrize("mma_sync", [False, True])
-def test_layer_matches_reference_on_gpu(tokens, down_tile_n, builder, epilogue, mma_sync):
+def test_layer_matches_reference_on_gpu(tokens, down_tile_n, builder, epilogue):
     """Beam's per-GPU TP8 expert shape on the kernel (None: `default_config`'s blocks), with and
-    without the kernel's own epilogue, by wgmma and by mma.sync."""
+    without the kernel's own epilogue."""
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 5120, 320, 256, 8, tile_k=256)
     layer = functools.partial(nmm.moe_nvfp4, down_tile_n=down_tile_n, block_builder=builder,
-                              **_epilogues(epilogue), mma_sync=mma_sync)
+                              **_epilogues(epilogue))
     _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
 
 
