@@ -183,7 +183,10 @@ def default_config(tokens: int) -> dict:
     516.5 with 64 rows and 416.1 with 16; run AA). Down GEMM pipelines: 4 stages, never swept (its K is
     5 steps). Since the one-byte scales (session 16) a 128-row gate/up program with the epilogue takes
     175 registers, two programs per SM: up to 64 tokens programs of 64 rows (96 registers) are faster
-    (223.1 against 231.6 us at T = 64, 172.4 against 175.8 at T = 32); 65-1024 tokens are untimed since."""
+    (223.1 against 231.6 us at T = 64, 172.4 against 175.8 at T = 32); 65-1024 tokens are untimed since.
+    With shared rows the down GEMM's epilogue alone still gains nothing (session 17, run B: the combine
+    reads 16x fewer bytes, 4.6 -> 2.0 us at T = 8, but the GEMM takes 1.5-3 us longer and the row
+    destinations cost two XLA kernels)."""
     shared, small_blocks = tokens <= SHARED_ROWS_MAX_TOKENS, tokens <= 1024
     return dict(block_builder="shared" if shared else "sort",
                 block_t=8 if tokens <= 64 else 32 if small_blocks else 64, gate_up_splits=4 if tokens == 1 else 1,
