@@ -361,14 +361,11 @@ def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool):
     x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
     scale_rows = tile_n * tile_k // 64 // _SCALE_ROW  # a step's scale words of one program, in folded rows
 
-    def in_specs(place, weights_only=False):
+    def in_specs(place):
         def at(which):
             return lambda step: which(*place(step))
-        weights = plgpu.BlockSpec((None, None, tile_n, tile_k // 2), at(lambda e, kk, ni, b: (e, kk, ni, 0)),
-                                  transforms=packed_transforms)
-        if weights_only:
-            return [weights]
-        return [weights,
+        return [plgpu.BlockSpec((None, None, tile_n, tile_k // 2), at(lambda e, kk, ni, b: (e, kk, ni, 0)),
+                                transforms=packed_transforms),
                 plgpu.BlockSpec((None, None, scale_rows, _SCALE_ROW), at(lambda e, kk, ni, b: (e, kk, ni, 0))),
                 plgpu.BlockSpec((block_t, tile_k), at(lambda e, kk, ni, b: (b, kk)), transforms=x_transforms)]
 
@@ -378,7 +375,7 @@ def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool):
     )(_decode_tile(tile_n, tile_k))
     store_transposed = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, *[plgpu.RefType()] * (1 + scaled)))(
         _store_transposed(tile_n, block_t, scaled))
-    return in_specs, decode, store_transposed, x_transforms
+    return in_specs, decode, store_transposed
 
 
 def _scratch(tile_n: int, tile_k: int, block_t: int, out_dtype, scaled: bool, scattered: bool) -> dict:
@@ -414,7 +411,7 @@ def _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, *, block_t
 
 def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
                    stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
-                   row_destination=None, out_rows: int | None = None, preload: bool = False):
+                   row_destination=None, out_rows: int | None = None):
     """`xs [B*block_t, K]` bf16 (K in `kernel_k_order`), `block_expert [B]` int32 (-1: skip the block),
     `packed [E, K/tile_k, N, tile_k/2]` uint8 and `scales [E, K/tile_k, N, tile_k/64]` uint32 (`pack_weights`) ->
     `[splits, B*block_t, N]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
@@ -425,24 +422,21 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     once (half the bytes to write, and nothing left for XLA to scale). With it, `row_destination
     [B, block_t]` int32 (-1: drop the row) and `out_rows` write each block row to that row of a
     `[1, out_rows, N]` output instead, one row at a time: decode blocks then write only their
-    (token, expert) pairs, in pair order (rows nobody writes are left unwritten). `preload`: a program
-    copies its whole K range's activations and scale words into shared memory once, and pipelines only
-    the weights (one copy a step instead of three; for short K, the down GEMM's)."""
+    (token, expert) pairs, in pair order (rows nobody writes are left unwritten)."""
     scaled, scattered = _check_operands(xs, block_expert, packed, scales, block_t=block_t, tile_k=tile_k, splits=splits,
                                         tile_n=tile_n, shared_rows=shared_rows, global_scale=global_scale,
                                         row_destination=row_destination, out_rows=out_rows)
     k, n, blocks = xs.shape[1], packed.shape[2], block_expert.shape[0]
     k_steps = k // (tile_k * splits)
     scales = _fold_scales(scales, tile_k)
-    in_specs, decode, store_transposed, x_transforms = _tile_programs(tile_n, tile_k, block_t, scaled)
+    in_specs, decode, store_transposed = _tile_programs(tile_n, tile_k, block_t, scaled)
     out_dtype = xs.dtype if scaled else jnp.float32
 
     # Optional inputs, in this order: the global scales (scaled), the row destinations (scattered).
     optional = [a for a in (global_scale, row_destination) if a is not None]
 
     def kernel(block_expert_gmem, xs_gmem, packed_gmem, scales_gmem, *gmem, out_smem, staged_smem, scale_smem=None,
-               scale_barrier=None, destination_smem=None, destination_barrier=None, x_all=None, scales_all=None,
-               preload_barriers=None):
+               scale_barrier=None, destination_smem=None, destination_barrier=None):
         *optional_gmem, out_gmem = gmem
         global_scale_gmem, row_destination_gmem = (*optional_gmem, None, None)[:2]
         b, ni, si = (jax.lax.axis_index(a) for a in ("b", "n", "s"))
@@ -461,32 +455,6 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                 packed_gmem, scales_gmem, xs_gmem)
             return acc_ref[...]
 
-        def preloaded_acc_scope(acc_ref):
-            rows = pl.ds(0 if shared_rows else b * block_t, block_t)
-            plgpu.copy_gmem_to_smem(xs_gmem.at[rows, pl.ds(k0 * tile_k, k_steps * tile_k)], x_all,
-                                    preload_barriers.at[0])
-            plgpu.copy_gmem_to_smem(scales_gmem.at[expert, pl.ds(k0, k_steps), pl.ds(ni * scales_all.shape[1],
-                                                                                     scales_all.shape[1])],
-                                    scales_all, preload_barriers.at[1])
-
-            def step(indices, w_smem):
-                kk = indices[0]
-
-                @pl.when(kk == 0)  # the preloads were issued before the pipeline's first weight copies
-                def _():
-                    plgpu.barrier_wait(preload_barriers.at[0])
-                    plgpu.barrier_wait(preload_barriers.at[1])
-
-                x_smem = x_all.at[:, pl.ds(pl.multiple_of(kk * tile_k, tile_k), tile_k)]
-                weights = decode(plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT), scales_all.at[kk], staged_smem)
-                plgpu.wgmma(acc_ref, weights, x_smem.transpose((1, 0)))
-                plgpu.wgmma_wait(0)
-
-            plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=in_specs(lambda kk: (expert, k0 + kk, ni, 0),
-                                                                         weights_only=True),
-                                max_concurrent_steps=stages)(packed_gmem)
-            return acc_ref[...]
-
         @pl.when(expert >= 0)  # unused blocks (expert -1) are skipped; their output is left unwritten
         def _():
             # The tile's global scales and the block's row destinations arrive while the K loop runs (read
@@ -496,7 +464,7 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                                         scale_barrier)
             if scattered:
                 plgpu.copy_gmem_to_smem(row_destination_gmem.at[b], destination_smem, destination_barrier)
-            acc = pl.run_scoped(preloaded_acc_scope if preload else acc_scope, plgpu.ACC((tile_n, block_t)))
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, block_t)))
             for barrier in (scale_barrier, destination_barrier):
                 if barrier is not None:
                     plgpu.barrier_wait(barrier)
@@ -504,17 +472,12 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                         scale_smem=scale_smem, destination_smem=destination_smem)
             plgpu.wait_smem_to_gmem(0)
 
-    scratch = _scratch(tile_n, tile_k, block_t, out_dtype, scaled, scattered)
-    if preload:
-        scratch.update(x_all=plgpu.SMEM((block_t, k_steps * tile_k), xs.dtype, transforms=x_transforms),
-                       scales_all=plgpu.SMEM((k_steps, tile_n * tile_k // 64 // _SCALE_ROW, _SCALE_ROW), jnp.uint32),
-                       preload_barriers=plgpu.Barrier(num_barriers=2))
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((splits, out_rows if scattered else blocks * block_t, n), out_dtype),
         grid=(blocks, n // tile_n, splits),
         grid_names=("b", "n", "s"),
-        scratch_types=scratch,
+        scratch_types=_scratch(tile_n, tile_k, block_t, out_dtype, scaled, scattered),
     )
     return call(block_expert, xs, packed, scales, *optional)
 
@@ -530,11 +493,11 @@ def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: 
 
 def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int = 1,
                             stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
-                            row_destination=None, out_rows: int | None = None, preload: bool = False):
+                            row_destination=None, out_rows: int | None = None):
     """`grouped_matmul`'s contract in plain jnp, from the kernel layouts (for CPU tests of code that
     calls the kernel): decodes the words as the PTX does, then `grouped_matmul_reference`. Blocks
     of expert -1 get NaN, as the kernel leaves them unwritten (any bits); one split holds the whole sum."""
-    del splits, stages, tile_n, preload
+    del splits, stages, tile_n
     e, k_steps, n, _ = packed.shape
     k = k_steps * tile_k
     rows = jnp.moveaxis(packed, 1, 2).reshape(e, n, k // 32, 4, 4)  # back to [E, N, K/2], by 32 values and thread

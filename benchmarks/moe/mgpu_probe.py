@@ -3,7 +3,7 @@ plain jnp, then times it at Beam's TP8 expert shapes beside the Triton NVFP4 lay
 same run. CUPTI device time per call; weights rotate over fresh expert ids so they come from HBM.
 
     OUT=dir python3 -u benchmarks/moe/mgpu_probe.py [--no-check | --layers | --bf16-prefill | --table | --gather |
-                                                     --epilogues | --preload]
+                                                     --epilogues]
 """
 
 from __future__ import annotations
@@ -192,7 +192,6 @@ def main():
     parser.add_argument("--bf16-prefill", action="store_true", help="only the bf16 layer at prefill sizes")
     parser.add_argument("--gather", action="store_true", help="the row-gather kernel's program shapes")
     parser.add_argument("--table", action="store_true", help="both formats' layers on the model's paths, all T")
-    parser.add_argument("--preload", action="store_true", help="the down GEMM with its activations preloaded")
     parser.add_argument("--epilogues", action="store_true",
                         help="the layer at decode sizes with each GEMM's own epilogue on or off")
     args = parser.parse_args()
@@ -219,25 +218,6 @@ def main():
         configs = [(32, 512, 4)]
         for t, block_t, k_order in ((8192, 128, False), (8192, 64, True), (4096, 64, True)):
             record(time_gathers(t, block_t, configs, k_order=k_order))
-        return
-    if args.preload:
-        # Session 17 run F: the down GEMM's programs copying their activations and scale words once, the
-        # pipeline carrying the weights alone (one TMA copy a step instead of three), alone and in the layer.
-        gemms = [("down T=1", 8, 8, 64), ("down T=8", 57, 8, 128), ("down T=16", 100, 16, 128),
-                 ("down T=64", 223, 8, 128)]
-        for label, blocks, block_t, tile_n in gemms:
-            for preload in (False, True, False, True):
-                try:
-                    record(dict(gemm=label, **time_kernel(rng, 5120, 320, blocks, block_t, 64, 1, 4, tile_n,
-                                                          preload=preload)))
-                except Exception as e:  # noqa: BLE001
-                    record(dict(kind="time", gemm=label, preload=preload, error=repr(e)[:2000]))
-        weights = layer_weights()
-        for t in (1, 8, 16, 64):
-            try:
-                record(time_layers(t, [{}, dict(down_preload=True)], weights))
-            except Exception as e:  # noqa: BLE001
-                record(dict(kind="layers", t=t, error=repr(e)[:2000]))
         return
     if args.epilogues:
         # Session 17: the GEMMs' own epilogues (global scales, bf16 out; the down GEMM writing pair rows) per
