@@ -4,8 +4,11 @@ The kernel's decode body (`nvfp4_mgpu._decode_tile`) is swapped for cheaper ones
 kernel's memory traffic and everything else:
   full       the kernel as committed;
   no_scales  the bit extraction and the fma, with constant scales (no scale conversion or loads);
-  raw        each packed word used as the bf16 registers as it is (no decode instruction at all).
-The values are wrong in the last two; only their time matters. Shapes are the layer's defaults at
+  raw        each packed word used as the bf16 registers as it is (no decode instruction at all);
+  copy       raw, and no wgmma either: what is left is the pipeline (its copies, barriers and waits), the
+             memory side's ceiling for this kernel's access pattern (session 17: the GEMMs moved with no
+             change of their compute, so is the down GEMM's ~60 % of its floor the pattern's own limit?).
+The values are wrong in the last three; only their time matters. Shapes are the layer's defaults at
 T = 1, 8 and 64 (`nvfp4_moe_mgpu.default_config`), timed by `mgpu_probe.time_kernel` (CUPTI).
 
 Usage (GPU): OUT=dir python3 -u benchmarks/moe/decode_cost.py
@@ -13,6 +16,7 @@ Usage (GPU): OUT=dir python3 -u benchmarks/moe/decode_cost.py
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -59,20 +63,33 @@ def cheap_decode(mode: str):
     return make
 
 
-def main():
-    original, rows = nm._decode_tile, []
-    rng = np.random.default_rng(0)
+@contextlib.contextmanager
+def stand_in(mode: str):
+    """The kernel with its decode (and for "copy" its wgmma) swapped as `mode` says, within the block."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    saved = nm._decode_tile, plgpu.wgmma, plgpu.wgmma_wait
     try:
-        for label, (n, k, blocks, block_t, tile_k, splits, stages, tile_n) in SHAPES.items():
-            for mode in ("full", "no_scales", "raw", "full"):  # full twice: the run's spread
-                nm._decode_tile = original if mode == "full" else cheap_decode(mode)
+        if mode != "full":
+            nm._decode_tile = cheap_decode("raw" if mode == "copy" else mode)
+        if mode == "copy":
+            plgpu.wgmma = plgpu.wgmma_wait = lambda *args, **kwargs: None
+        yield
+    finally:
+        nm._decode_tile, plgpu.wgmma, plgpu.wgmma_wait = saved
+
+
+def main():
+    rows = []
+    rng = np.random.default_rng(0)
+    for label, (n, k, blocks, block_t, tile_k, splits, stages, tile_n) in SHAPES.items():
+        for mode in ("full", "no_scales", "raw", "copy", "full"):  # full twice: the run's spread
+            with stand_in(mode):
                 row = dict(probe.time_kernel(rng, n, k, blocks, block_t, tile_k, splits, stages, tile_n),
                            label=label, mode=mode)
-                rows.append(row)
-                print(f"{label:12s} {mode:10s} {row['us']:7.1f} us  {row['pct_floor']:5.1f} % of "
-                      f"{row['floor_us']:.1f}", flush=True)
-    finally:
-        nm._decode_tile = original
+            rows.append(row)
+            print(f"{label:12s} {mode:10s} {row['us']:7.1f} us  {row['pct_floor']:5.1f} % of "
+                  f"{row['floor_us']:.1f}", flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "decode-cost.json"), "w") as f:
         json.dump(rows, f, indent=1)
 

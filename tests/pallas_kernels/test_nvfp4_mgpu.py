@@ -332,9 +332,9 @@ def test_negative_ids_are_not_computed(builder):
     np.testing.assert_allclose(got[:4], want, rtol=0, atol=4 * 2.0**-7 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("mode", ["no_scales", "raw"])
+@pytest.mark.parametrize("mode", ["full", "no_scales", "raw", "copy"])
 def test_decode_cost_stand_ins_lower_for_cuda(mode, monkeypatch):
-    """benchmarks/moe/decode_cost.py's cheaper decode bodies build the kernel they time."""
+    """benchmarks/moe/decode_cost.py's stand-ins (cheaper decodes; "copy": no wgmma either) build the kernel."""
     import importlib.util
     from pathlib import Path
 
@@ -343,7 +343,7 @@ def test_decode_cost_stand_ins_lower_for_cuda(mode, monkeypatch):
     spec = importlib.util.spec_from_file_location("decode_cost", moe_benchmarks / "decode_cost.py")
     decode_cost = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(decode_cost)
-    monkeypatch.setattr(nm, "_decode_tile", decode_cost.cheap_decode(mode))
     op = functools.partial(nm.grouped_matmul, block_t=8, tile_k=256, splits=4, stages=2)
-    text = jax.jit(op).trace(*_specs(256, 640, 5120, 8, 8, 256)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    with decode_cost.stand_in(mode):
+        text = jax.jit(op).trace(*_specs(256, 640, 5120, 8, 8, 256)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and ("wgmma.mma_async" in text) == (mode != "copy")
