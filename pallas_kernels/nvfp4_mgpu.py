@@ -352,22 +352,20 @@ def _fold_scales(scales, tile_k: int) -> jax.Array:
 
 
 def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool):
-    """What a program of `tile_n` rows needs: `in_specs(place)` (the pipeline's BlockSpecs for the packed
-    bytes, the folded scales and the activations, from `place(step) = (expert, K step, row tile, block)`),
-    the decode and the transposed store (`inline_mgpu` ops)."""
+    """What a program of `tile_n` rows needs: `in_specs(expert, k0, ni, x_block)` (the pipeline's BlockSpecs:
+    step kk takes the expert's packed bytes and folded scales of K step k0 + kk and row tile ni, and block
+    x_block's activations), the decode and the transposed store (`inline_mgpu` ops)."""
     byte_swizzle = plgpu.find_swizzle(tile_k // 2 * 8, "lhs")
     x_swizzle = plgpu.find_swizzle(tile_k * 16, "rhs")
     packed_transforms = (plgpu.TilingTransform((8, byte_swizzle)), plgpu.SwizzleTransform(byte_swizzle))
     x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
     scale_rows = tile_n * tile_k // 64 // _SCALE_ROW  # a step's scale words of one program, in folded rows
 
-    def in_specs(place):
-        def at(which):
-            return lambda step: which(*place(step))
-        return [plgpu.BlockSpec((None, None, tile_n, tile_k // 2), at(lambda e, kk, ni, b: (e, kk, ni, 0)),
+    def in_specs(expert, k0, ni, x_block):
+        return [plgpu.BlockSpec((None, None, tile_n, tile_k // 2), lambda kk: (expert, k0 + kk, ni, 0),
                                 transforms=packed_transforms),
-                plgpu.BlockSpec((None, None, scale_rows, _SCALE_ROW), at(lambda e, kk, ni, b: (e, kk, ni, 0))),
-                plgpu.BlockSpec((block_t, tile_k), at(lambda e, kk, ni, b: (b, kk)), transforms=x_transforms)]
+                plgpu.BlockSpec((None, None, scale_rows, _SCALE_ROW), lambda kk: (expert, k0 + kk, ni, 0)),
+                plgpu.BlockSpec((block_t, tile_k), lambda kk: (x_block, k0 + kk), transforms=x_transforms)]
 
     decode = plgpu.inline_mgpu(
         arg_types=(plgpu.Layout.WGMMA_8BIT, plgpu.RefType(), plgpu.RefType()),
@@ -452,10 +450,8 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                             x_smem.transpose((1, 0)))
                 plgpu.wgmma_wait(0)
 
-            # The pipeline's step kk: expert, K step k0 + kk, rows ni, block b's activations.
-            plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=in_specs(lambda kk: (
-                expert, k0 + kk, ni, 0 if shared_rows else b)), max_concurrent_steps=stages)(
-                packed_gmem, scales_gmem, xs_gmem)
+            plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=in_specs(expert, k0, ni, 0 if shared_rows else b),
+                                max_concurrent_steps=stages)(packed_gmem, scales_gmem, xs_gmem)
             return acc_ref[...]
 
         @pl.when(expert >= 0)  # unused blocks (expert -1) are skipped; their output is left unwritten

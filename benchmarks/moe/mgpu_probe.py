@@ -52,20 +52,19 @@ def check(rng, experts, n, k, blocks, block_t, tile_k, splits):
                 splits=splits, rel_err=err, ok=err < 1e-5)
 
 
-def time_kernel(rng, n, k, blocks, block_t, tile_k, splits, stages, tile_n=64, repeats=4, matmul=nm.grouped_matmul,
-                **options):
+def time_kernel(rng, n, k, blocks, block_t, tile_k, splits, stages, tile_n=64, repeats=4, **options):
     # Random bytes and scales made on the device: timing does not need known values.
     kp, ks = jax.random.split(jax.random.key(n * k + splits))
     packed = jax.random.bits(kp, (bench.E, k // tile_k, n, tile_k // 2), jnp.uint8)
     scales = jax.random.bits(ks, (bench.E, k // tile_k, n, tile_k // 64), jnp.uint32)  # any codes decode
     xs = jnp.asarray(rng.standard_normal((repeats, blocks * block_t, k)), jnp.bfloat16)
     ids = jnp.asarray(np.stack([rng.permutation(bench.E)[:blocks] for _ in range(repeats)]).astype(np.int32))
-    op = functools.partial(matmul, block_t=block_t, tile_k=tile_k, splits=splits, stages=stages, tile_n=tile_n,
-                           **options)
+    op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits, stages=stages,
+                           tile_n=tile_n, **options)
     us, _, _ = bench.time_calls(op, (xs, ids), packed, scales)
     weight_bytes = blocks * n * k // 2 + blocks * n * k // 16  # values + one-byte scales (the layer's floor bytes)
     return dict(kind="time", n=n, k=k, blocks=blocks, block_t=block_t, tile_k=tile_k, splits=splits,
-                stages=stages, tile_n=tile_n, matmul=matmul.__name__, **options, us=us,
+                stages=stages, tile_n=tile_n, **options, us=us,
                 floor_us=weight_bytes / HBM_BYTES_PER_S * 1e6,
                 pct_floor=100 * weight_bytes / HBM_BYTES_PER_S / (us * 1e-6))
 
