@@ -3,7 +3,7 @@ plain jnp, then times it at Beam's TP8 expert shapes beside the Triton NVFP4 lay
 same run. CUPTI device time per call; weights rotate over fresh expert ids so they come from HBM.
 
     OUT=dir python3 -u benchmarks/moe/mgpu_probe.py [--no-check | --layers | --bf16-prefill | --table | --gather |
-                                                     --epilogues | --grid-order]
+                                                     --epilogues]
 """
 
 from __future__ import annotations
@@ -191,7 +191,6 @@ def main():
     parser.add_argument("--bf16-prefill", action="store_true", help="only the bf16 layer at prefill sizes")
     parser.add_argument("--gather", action="store_true", help="the row-gather kernel's program shapes")
     parser.add_argument("--table", action="store_true", help="both formats' layers on the model's paths, all T")
-    parser.add_argument("--grid-order", action="store_true", help="programs launched row tile first or block first")
     parser.add_argument("--epilogues", action="store_true",
                         help="the layer at decode sizes with each GEMM's own epilogue on or off")
     args = parser.parse_args()
@@ -218,25 +217,6 @@ def main():
         configs = [(32, 512, 4)]
         for t, block_t, k_order in ((8192, 128, False), (8192, 64, True), (4096, 64, True)):
             record(time_gathers(t, block_t, configs, k_order=k_order))
-        return
-    if args.grid_order:
-        # Session 17 run G: programs launched row tile first (one expert's neighbouring rows together)
-        # against block first (one row tile of many experts), the GEMMs alone and the layer.
-        gemms = [("down T=1", 5120, 320, 8, 8, 64, 1, 4, 64), ("down T=8", 5120, 320, 57, 8, 64, 1, 4, 128),
-                 ("down T=64", 5120, 320, 223, 8, 64, 1, 4, 128), ("gate/up T=1", 640, 5120, 8, 8, 256, 4, 2, 64),
-                 ("gate/up T=8", 640, 5120, 57, 8, 256, 1, 2, 64), ("gate/up T=64", 640, 5120, 223, 8, 256, 1, 2, 64)]
-        for label, *shape, stages, tile_n in gemms:
-            for rows_first in (False, True, False, True):
-                try:
-                    record(dict(gemm=label, **time_kernel(rng, *shape, stages, tile_n, rows_first=rows_first)))
-                except Exception as e:  # noqa: BLE001
-                    record(dict(kind="time", gemm=label, rows_first=rows_first, error=repr(e)[:2000]))
-        weights = layer_weights()
-        for t in (1, 8, 16, 64):
-            try:
-                record(time_layers(t, [{}, dict(rows_first=True)], weights))
-            except Exception as e:  # noqa: BLE001
-                record(dict(kind="layers", t=t, error=repr(e)[:2000]))
         return
     if args.epilogues:
         # Session 17: the GEMMs' own epilogues (global scales, bf16 out; the down GEMM writing pair rows) per
