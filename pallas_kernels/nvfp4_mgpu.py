@@ -409,7 +409,7 @@ def _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, *, block_t
 
 def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
                    stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
-                   row_destination=None, out_rows: int | None = None):
+                   row_destination=None, out_rows: int | None = None, warp_specialized: bool = False):
     """`xs [B*block_t, K]` bf16 (K in `kernel_k_order`), `block_expert [B]` int32 (-1: skip the block),
     `packed [E, K/tile_k, N, tile_k/2]` uint8 and `scales [E, K/tile_k, N, tile_k/64]` uint32 (`pack_weights`) ->
     `[splits, B*block_t, N]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
@@ -420,7 +420,9 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     once (half the bytes to write, and nothing left for XLA to scale). With it, `row_destination
     [B, block_t]` int32 (-1: drop the row) and `out_rows` write each block row to that row of a
     `[1, out_rows, N]` output instead, one row at a time: decode blocks then write only their
-    (token, expert) pairs, in pair order (rows nobody writes are left unwritten)."""
+    (token, expert) pairs, in pair order (rows nobody writes are left unwritten). `warp_specialized`: a
+    second warpgroup of the program only issues the copies (`emit_pipeline_warp_specialized`), so the
+    warpgroup that decodes and multiplies never issues or re-arms a copy itself."""
     scaled, scattered = _check_operands(xs, block_expert, packed, scales, block_t=block_t, tile_k=tile_k, splits=splits,
                                         tile_n=tile_n, shared_rows=shared_rows, global_scale=global_scale,
                                         row_destination=row_destination, out_rows=out_rows)
@@ -441,18 +443,15 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         expert = block_expert_gmem[b]
         k0 = si * k_steps
 
-        def acc_scope(acc_ref):
-            def step(_, w_smem, s_smem, x_smem):
-                plgpu.wgmma(acc_ref, decode(plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT), s_smem, staged_smem),
-                            x_smem.transpose((1, 0)))
-                plgpu.wgmma_wait(0)
+        specs = in_specs(expert, k0, ni, 0 if shared_rows else b)
 
-            plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=in_specs(expert, k0, ni, 0 if shared_rows else b),
-                                max_concurrent_steps=stages)(packed_gmem, scales_gmem, xs_gmem)
-            return acc_ref[...]
+        def multiply(w_smem, s_smem, x_smem, acc_ref):
+            plgpu.wgmma(acc_ref, decode(plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT), s_smem, staged_smem),
+                        x_smem.transpose((1, 0)))
+            plgpu.wgmma_wait(0)
 
-        @pl.when(expert >= 0)  # unused blocks (expert -1) are skipped; their output is left unwritten
-        def _():
+        def finish(run_k_loop):
+            """Starts the epilogue's copies, runs the K loop into an accumulator, writes the tile."""
             # The tile's global scales and the block's row destinations arrive while the K loop runs (read
             # from global memory after it, each destination cost a load's latency at the program's end).
             if scaled:
@@ -460,6 +459,11 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                                         scale_barrier)
             if scattered:
                 plgpu.copy_gmem_to_smem(row_destination_gmem.at[b], destination_smem, destination_barrier)
+
+            def acc_scope(acc_ref):
+                run_k_loop(acc_ref)
+                return acc_ref[...]
+
             acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, block_t)))
             for barrier in (scale_barrier, destination_barrier):
                 if barrier is not None:
@@ -468,12 +472,29 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                         scale_smem=scale_smem, destination_smem=destination_smem)
             plgpu.wait_smem_to_gmem(0)
 
+        @pl.when(expert >= 0)  # unused blocks (expert -1) are skipped; their output is left unwritten
+        def _():
+            if not warp_specialized:
+                finish(lambda acc_ref: plgpu.emit_pipeline(
+                    lambda _, *refs: multiply(*refs, acc_ref), grid=(k_steps,), in_specs=specs,
+                    max_concurrent_steps=stages)(packed_gmem, scales_gmem, xs_gmem))
+                return
+
+            def step(_, w_smem, s_smem, x_smem, acc_ref):
+                multiply(w_smem, s_smem, x_smem, acc_ref)
+                return acc_ref
+
+            plgpu.emit_pipeline_warp_specialized(
+                step, grid=(k_steps,), memory_registers=40, in_specs=specs, max_concurrent_steps=stages,
+                wg_axis="wg", num_compute_wgs=1, compute_context=finish)(packed_gmem, scales_gmem, xs_gmem)
+
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((splits, out_rows if scattered else blocks * block_t, n), out_dtype),
         grid=(blocks, n // tile_n, splits),
         grid_names=("b", "n", "s"),
         scratch_types=_scratch(tile_n, tile_k, block_t, out_dtype, scaled, scattered),
+        **(dict(num_threads=2, thread_name="wg") if warp_specialized else {}),
     )
     return call(block_expert, xs, packed, scales, *optional)
 
@@ -489,11 +510,11 @@ def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: 
 
 def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int = 1,
                             stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
-                            row_destination=None, out_rows: int | None = None):
+                            row_destination=None, out_rows: int | None = None, warp_specialized: bool = False):
     """`grouped_matmul`'s contract in plain jnp, from the kernel layouts (for CPU tests of code that
     calls the kernel): decodes the words as the PTX does, then `grouped_matmul_reference`. Blocks
     of expert -1 get NaN, as the kernel leaves them unwritten (any bits); one split holds the whole sum."""
-    del splits, stages, tile_n
+    del splits, stages, tile_n, warp_specialized
     e, k_steps, n, _ = packed.shape
     k = k_steps * tile_k
     rows = jnp.moveaxis(packed, 1, 2).reshape(e, n, k // 32, 4, 4)  # back to [E, N, K/2], by 32 values and thread

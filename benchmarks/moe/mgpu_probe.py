@@ -3,7 +3,7 @@ plain jnp, then times it at Beam's TP8 expert shapes beside the Triton NVFP4 lay
 same run. CUPTI device time per call; weights rotate over fresh expert ids so they come from HBM.
 
     OUT=dir python3 -u benchmarks/moe/mgpu_probe.py [--no-check | --layers | --bf16-prefill | --table | --gather |
-                                                     --epilogues]
+                                                     --epilogues | --warp-specialized]
 """
 
 from __future__ import annotations
@@ -193,6 +193,8 @@ def main():
     parser.add_argument("--table", action="store_true", help="both formats' layers on the model's paths, all T")
     parser.add_argument("--epilogues", action="store_true",
                         help="the layer at decode sizes with each GEMM's own epilogue on or off")
+    parser.add_argument("--warp-specialized", action="store_true",
+                        help="the decode GEMMs alone, with a copy warpgroup or without")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows = []
@@ -230,6 +232,19 @@ def main():
                 record(time_layers(t, variants, weights))
             except Exception as e:  # noqa: BLE001
                 record(dict(kind="layers", t=t, error=repr(e)[:2000]))
+        return
+    if args.warp_specialized:
+        # Session 18: a second warpgroup issues the copies (`grouped_matmul(warp_specialized=True)`), the
+        # decode GEMMs at the layer's shapes alone, alternating, twice each way.
+        gemms = [("down T=1", 5120, 320, 8, 8, 64, 1, 4, 64), ("down T=8", 5120, 320, 57, 8, 64, 1, 4, 128),
+                 ("down T=64", 5120, 320, 223, 8, 64, 1, 4, 128), ("gate/up T=1", 640, 5120, 8, 8, 256, 4, 2, 64),
+                 ("gate/up T=8", 640, 5120, 57, 8, 256, 1, 2, 64), ("gate/up T=64", 640, 5120, 223, 8, 256, 1, 2, 64)]
+        for label, *shape, stages, tile_n in gemms:
+            for ws, ws_stages in ((False, stages), (True, stages), (True, 2 * stages)) * 2:
+                try:
+                    record(dict(gemm=label, **time_kernel(rng, *shape, ws_stages, tile_n, warp_specialized=ws)))
+                except Exception as e:  # noqa: BLE001
+                    record(dict(kind="time", gemm=label, warp_specialized=ws, error=repr(e)[:2000]))
         return
     if args.table:
         # Issue 4's table for the paths the model takes, both formats in one run: NVFP4 (Triton against
