@@ -245,6 +245,12 @@ def main():
                     record(dict(gemm=label, **time_kernel(rng, *shape, ws_stages, tile_n, warp_specialized=ws)))
                 except Exception as e:  # noqa: BLE001
                     record(dict(kind="time", gemm=label, warp_specialized=ws, error=repr(e)[:2000]))
+        weights = layer_weights()
+        for t in (1, 8, 16, 64):
+            try:
+                record(time_layers(t, [{}, dict(warp_specialized=True)], weights))
+            except Exception as e:  # noqa: BLE001
+                record(dict(kind="layers", t=t, error=repr(e)[:2000]))
         return
     if args.table:
         # Issue 4's table for the paths the model takes, both formats in one run: NVFP4 (Triton against
