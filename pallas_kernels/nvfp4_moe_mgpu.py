@@ -32,7 +32,8 @@ from pallas_kernels import row_gather as rg
 class KernelNvfp4:
     """One projection of every expert in the kernel's layouts (`nm.pack_weights`): `packed [E, K/tile_k, N,
     tile_k/2]` uint8, `scales [E, K/tile_k, N, tile_k/64]` uint32 (four one-byte codes of block scales a
-    word), `global_scale [E, N]` fp32 per output row. `rows_in_k_order`: each projection's rows are
+    word), `global_scale [E, N]` fp32 per output row: one value per expert and projection, repeated over the
+    projection's rows (the layer's XLA epilogues read each projection's first row only). `rows_in_k_order`: each projection's rows are
     stored in `kernel_k_order` (gate/up: SwiGLU's output then comes out in the K order the down GEMM
     takes, with no permutation in between)."""
 
@@ -244,7 +245,10 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
                 global_scale=gate_up.global_scale if scaled_gate_up else None, warp_specialized=warp_specialized)
     if not scaled_gate_up:
         row_expert = jnp.maximum(jnp.repeat(block_expert, block_t), 0)  # unused rows: any expert, never read
-        gu = (gu.sum(0) * nm.OUTPUT_FACTOR * gate_up.global_scale[row_expert]).astype(x.dtype)[None]
+        # One global scale per projection (gate, up): [rows, 2] gathered, not a row of N scales per row.
+        projection_scale = gate_up.global_scale[:, ::intermediate][row_expert]
+        gu = gu.sum(0).reshape(-1, 2, intermediate) * nm.OUTPUT_FACTOR * projection_scale[:, :, None]
+        gu = gu.reshape(1, -1, 2 * intermediate).astype(x.dtype)
     act = mg._swiglu(gu[0, :, :intermediate], gu[0, :, intermediate:]).astype(x.dtype)
     act = act if gate_up.rows_in_k_order else nm.to_kernel_k_order(act)
     down_gemm = functools.partial(matmul, act, block_expert, down.packed, down.scales, block_t=block_t,
@@ -253,7 +257,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     if not down_epilogue:
         # Only the pairs' rows are scaled and weighted (rows of unused blocks and padding are not).
         pair_expert = jnp.minimum(local_ids.reshape(-1), num_experts - 1)
-        expert_out = down_gemm()[0][pair_row] * nm.OUTPUT_FACTOR * down.global_scale[pair_expert]
+        expert_out = down_gemm()[0][pair_row] * nm.OUTPUT_FACTOR * down.global_scale[pair_expert, :1]
     elif block_t <= PAIR_ORDER_MAX_BLOCK_T:
         # Decode blocks write each pair's row straight to its place, [pairs, H] in pair order: no more
         # rows than pairs (shared-row blocks hold a row for every token) and no gather after.
