@@ -50,6 +50,7 @@ SCALE_FACTOR = 2.0**119
 OUTPUT_FACTOR = 2.0**7
 _K_PER_WORD_GROUP = 32  # one 32-bit word per thread per row per 32 K values
 _SCALE_ROW = 16  # the kernel layout's scale words fold into rows of 16 (64 bytes) for TMA's box limits
+_LINE = 128  # bytes of a line of `grouped_matmul(line_box=True)`'s weight boxes
 # Scale codes: bf16 bits (code << 4) | _SCALE_BASE, i.e. exponent field 224 | (code >> 3), mantissa code & 7.
 _SCALE_BASE = 0x7000
 _SCALE_EXPONENT_OFFSET = 224
@@ -231,9 +232,10 @@ def for_each_index(count: int, body) -> None:
             scf.yield_([])
 
 
-def _decode_tile(tile_n: int, tile_k: int):
-    """inline_mgpu body: bytes [tile_n, tile_k/2] (WGMMA_8BIT layout), the step's scale words (smem) and
-    a staging buffer (smem, `tile_n * tile_k / 32` words) -> bf16 [tile_n, tile_k] (WGMMA).
+def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False):
+    """inline_mgpu body: bytes [tile_n, tile_k/2] (WGMMA_8BIT layout; with `line_box` the step's smem
+    tile itself, its rows one after another, which each thread reads its words from), the step's scale
+    words (smem) and a staging buffer (smem, `tile_n * tile_k / 32` words) -> bf16 [tile_n, tile_k] (WGMMA).
 
     First the warpgroup converts the step's scale words into bf16x2 pairs in the staging buffer, a
     word or two per thread; then each thread reads its rows' pairs from there. Converting in each
@@ -270,6 +272,19 @@ def _decode_tile(tile_n: int, tile_k: int):
         tid = arith.remui(gpu.thread_id(gpu.Dimension.x), utils.c(128, index))
         warp, lane = arith.divui(tid, utils.c(32, index)), arith.remui(tid, utils.c(32, index))
         row0 = arith.addi(arith.muli(warp, utils.c(16, index)), arith.divui(lane, utils.c(4, index)))
+        if line_box:  # the WGMMA_8BIT word (m, c, half): row 64 m + row0 + 8 half, bytes 16 c + 4 (lane % 4)
+            i8 = ir.IntegerType.get_signless(8)
+            base = utils.memref_ptr(packed)
+            thread_byte = arith.index_cast(i32, arith.addi(arith.muli(row0, utils.c(tile_k // 2, index)),
+                                                           arith.muli(arith.remui(lane, utils.c(4, index)),
+                                                                      utils.c(4, index))))
+
+            def word_at(m, c, half):
+                offset = arith.addi(thread_byte, utils.c((64 * m + 8 * half) * (tile_k // 2) + 16 * c, i32))
+                return llvm.load(i32, utils.getelementptr(base, [offset], i8))
+        else:
+            def word_at(m, c, half):
+                return utils.bitcast(packed.registers[m, c, 0, 0, half, 0, 0, 0, 0], i32)
         stage_scales(scale_ref, staged_ref)
         out = np.empty(fa.WGMMA_LAYOUT.registers_shape((tile_n, tile_k)), dtype=object)
         for m in range(tile_n // 64):
@@ -278,7 +293,7 @@ def _decode_tile(tile_n: int, tile_k: int):
                 pairs = vector.load(ir.VectorType.get((groups,), i32), staged_ref,
                                     [arith.muli(row, utils.c(groups, index))])
                 for c in range(groups):
-                    word = utils.bitcast(packed.registers[m, c, 0, 0, half, 0, 0, 0, 0], i32)
+                    word = word_at(m, c, half)
                     scales = vector.extract(pairs, dynamic_position=[], static_position=[c])
                     for pair in range(4):
                         reg = llvm.inline_asm(i32, [word, scales], _decode_pair_asm(pair), "=r,r,r")
@@ -351,26 +366,31 @@ def _fold_scales(scales, tile_k: int) -> jax.Array:
     return scales.reshape(e, steps, n * per_row // _SCALE_ROW, _SCALE_ROW)
 
 
-def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool):
+def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool, line_box: bool):
     """What a program of `tile_n` rows needs: `in_specs(expert, k0, ni, x_block)` (the pipeline's BlockSpecs:
     step kk takes the expert's packed bytes and folded scales of K step k0 + kk and row tile ni, and block
-    x_block's activations), the decode and the transposed store (`inline_mgpu` ops)."""
+    x_block's activations), the decode and the transposed store (`inline_mgpu` ops). `line_box`: the
+    packed bytes come as `_LINE`-byte lines, unswizzled, a box of `tile_n * tile_k / 2 / _LINE` lines."""
     byte_swizzle = plgpu.find_swizzle(tile_k // 2 * 8, "lhs")
     x_swizzle = plgpu.find_swizzle(tile_k * 16, "rhs")
-    packed_transforms = (plgpu.TilingTransform((8, byte_swizzle)), plgpu.SwizzleTransform(byte_swizzle))
+    if line_box:
+        packed_block, packed_transforms = (tile_n * tile_k // 2 // _LINE, _LINE), ()
+    else:
+        packed_block = (tile_n, tile_k // 2)
+        packed_transforms = (plgpu.TilingTransform((8, byte_swizzle)), plgpu.SwizzleTransform(byte_swizzle))
     x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
     scale_rows = tile_n * tile_k // 64 // _SCALE_ROW  # a step's scale words of one program, in folded rows
 
     def in_specs(expert, k0, ni, x_block):
-        return [plgpu.BlockSpec((None, None, tile_n, tile_k // 2), lambda kk: (expert, k0 + kk, ni, 0),
+        return [plgpu.BlockSpec((None, None, *packed_block), lambda kk: (expert, k0 + kk, ni, 0),
                                 transforms=packed_transforms),
                 plgpu.BlockSpec((None, None, scale_rows, _SCALE_ROW), lambda kk: (expert, k0 + kk, ni, 0)),
                 plgpu.BlockSpec((block_t, tile_k), lambda kk: (x_block, k0 + kk), transforms=x_transforms)]
 
     decode = plgpu.inline_mgpu(
-        arg_types=(plgpu.Layout.WGMMA_8BIT, plgpu.RefType(), plgpu.RefType()),
+        arg_types=(plgpu.RefType() if line_box else plgpu.Layout.WGMMA_8BIT, plgpu.RefType(), plgpu.RefType()),
         return_type=plgpu.ShapeDtypeStruct((tile_n, tile_k), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-    )(_decode_tile(tile_n, tile_k))
+    )(_decode_tile(tile_n, tile_k, line_box))
     store_transposed = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, *[plgpu.RefType()] * (1 + scaled)))(
         _store_transposed(tile_n, block_t, scaled))
     return in_specs, decode, store_transposed
@@ -409,7 +429,8 @@ def _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, *, block_t
 
 def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
                    stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
-                   row_destination=None, out_rows: int | None = None, warp_specialized: bool = False):
+                   row_destination=None, out_rows: int | None = None, warp_specialized: bool = False,
+                   line_box: bool = False):
     """`xs [B*block_t, K]` bf16 (K in `kernel_k_order`), `block_expert [B]` int32 (-1: skip the block),
     `packed [E, K/tile_k, N, tile_k/2]` uint8 and `scales [E, K/tile_k, N, tile_k/64]` uint32 (`pack_weights`) ->
     `[splits, B*block_t, N]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
@@ -422,14 +443,21 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     `[1, out_rows, N]` output instead, one row at a time: decode blocks then write only their
     (token, expert) pairs, in pair order (rows nobody writes are left unwritten). `warp_specialized`: a
     second warpgroup of the program only issues the copies (`emit_pipeline_warp_specialized`), so the
-    warpgroup that decodes and multiplies never issues or re-arms a copy itself."""
+    warpgroup that decodes and multiplies never issues or re-arms a copy itself. `line_box`: each step's
+    weight tile (contiguous in the K-step-major layout) is copied as 128-byte lines, unswizzled, and the
+    decode reads its words from shared memory itself: for tile_k 64 one box of 32 lines, not 128 rows
+    of 32 bytes (tile_n * tile_k / 256 must be whole lines)."""
+    if line_box and (tile_n * tile_k // 2) % _LINE:
+        raise ValueError(f"line_box needs tile_n * tile_k / 2 a multiple of {_LINE}: tile_n {tile_n}, tile_k {tile_k}")
     scaled, scattered = _check_operands(xs, block_expert, packed, scales, block_t=block_t, tile_k=tile_k, splits=splits,
                                         tile_n=tile_n, shared_rows=shared_rows, global_scale=global_scale,
                                         row_destination=row_destination, out_rows=out_rows)
     k, n, blocks = xs.shape[1], packed.shape[2], block_expert.shape[0]
     k_steps = k // (tile_k * splits)
     scales = _fold_scales(scales, tile_k)
-    in_specs, decode, store_transposed = _tile_programs(tile_n, tile_k, block_t, scaled)
+    if line_box:  # a K step's tile of rows is contiguous (`pack_k_steps`): the same bytes as lines
+        packed = packed.reshape(*packed.shape[:2], -1, _LINE)
+    in_specs, decode, store_transposed = _tile_programs(tile_n, tile_k, block_t, scaled, line_box)
     out_dtype = xs.dtype if scaled else jnp.float32
 
     # Optional inputs, in this order: the global scales (scaled), the row destinations (scattered).
@@ -446,8 +474,8 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         specs = in_specs(expert, k0, ni, 0 if shared_rows else b)
 
         def multiply(w_smem, s_smem, x_smem, acc_ref):
-            plgpu.wgmma(acc_ref, decode(plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT), s_smem, staged_smem),
-                        x_smem.transpose((1, 0)))
+            weights = w_smem if line_box else plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT)
+            plgpu.wgmma(acc_ref, decode(weights, s_smem, staged_smem), x_smem.transpose((1, 0)))
             plgpu.wgmma_wait(0)
 
         def finish(run_k_loop):
@@ -510,11 +538,12 @@ def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: 
 
 def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int = 1,
                             stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
-                            row_destination=None, out_rows: int | None = None, warp_specialized: bool = False):
+                            row_destination=None, out_rows: int | None = None, warp_specialized: bool = False,
+                            line_box: bool = False):
     """`grouped_matmul`'s contract in plain jnp, from the kernel layouts (for CPU tests of code that
     calls the kernel): decodes the words as the PTX does, then `grouped_matmul_reference`. Blocks
     of expert -1 get NaN, as the kernel leaves them unwritten (any bits); one split holds the whole sum."""
-    del splits, stages, tile_n, warp_specialized
+    del splits, stages, tile_n, warp_specialized, line_box
     e, k_steps, n, _ = packed.shape
     k = k_steps * tile_k
     rows = jnp.moveaxis(packed, 1, 2).reshape(e, n, k // 32, 4, 4)  # back to [E, N, K/2], by 32 values and thread

@@ -194,7 +194,7 @@ def main():
     parser.add_argument("--epilogues", action="store_true",
                         help="the layer at decode sizes with each GEMM's own epilogue on or off")
     parser.add_argument("--warp-specialized", action="store_true",
-                        help="the decode GEMMs alone, with a copy warpgroup or without")
+                        help="the decode GEMMs alone and the layer, with a copy warpgroup or line boxes or neither")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows = []
@@ -234,21 +234,25 @@ def main():
                 record(dict(kind="layers", t=t, error=repr(e)[:2000]))
         return
     if args.warp_specialized:
-        # Session 18: a second warpgroup issues the copies (`grouped_matmul(warp_specialized=True)`), the
-        # decode GEMMs at the layer's shapes alone, alternating, twice each way.
+        # Session 18: a second warpgroup issues the copies (`grouped_matmul(warp_specialized=True)`), and the
+        # down GEMM's weight tiles as 128-byte lines (`line_box=True`); the decode GEMMs at the layer's shapes
+        # alone, alternating, twice each, then the layer.
         gemms = [("down T=1", 5120, 320, 8, 8, 64, 1, 4, 64), ("down T=8", 5120, 320, 57, 8, 64, 1, 4, 128),
                  ("down T=64", 5120, 320, 223, 8, 64, 1, 4, 128), ("gate/up T=1", 640, 5120, 8, 8, 256, 4, 2, 64),
                  ("gate/up T=8", 640, 5120, 57, 8, 256, 1, 2, 64), ("gate/up T=64", 640, 5120, 223, 8, 256, 1, 2, 64)]
         for label, *shape, stages, tile_n in gemms:
-            for ws, ws_stages in ((False, stages), (True, stages), (True, 2 * stages)) * 2:
+            variants = [({}, stages), (dict(warp_specialized=True), stages), (dict(warp_specialized=True), 2 * stages)]
+            if label.startswith("down"):
+                variants += [(dict(line_box=True), stages), (dict(line_box=True, warp_specialized=True), stages)]
+            for options, variant_stages in variants * 2:
                 try:
-                    record(dict(gemm=label, **time_kernel(rng, *shape, ws_stages, tile_n, warp_specialized=ws)))
+                    record(dict(gemm=label, **time_kernel(rng, *shape, variant_stages, tile_n, **options)))
                 except Exception as e:  # noqa: BLE001
-                    record(dict(kind="time", gemm=label, warp_specialized=ws, error=repr(e)[:2000]))
+                    record(dict(kind="time", gemm=label, **options, error=repr(e)[:2000]))
         weights = layer_weights()
         for t in (1, 8, 16, 64):
             try:
-                record(time_layers(t, [{}, dict(warp_specialized=True)], weights))
+                record(time_layers(t, [{}, dict(warp_specialized=True), dict(down_line_box=True)], weights))
             except Exception as e:  # noqa: BLE001
                 record(dict(kind="layers", t=t, error=repr(e)[:2000]))
         return
