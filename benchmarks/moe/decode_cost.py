@@ -36,7 +36,9 @@ SHAPES = {  # label: (N, K, blocks, block_t, tile_k, splits, stages, tile_n)
 def cheap_decode(mode: str):
     """A stand-in for `nm._decode_tile` (same signature): "no_scales" or "raw" (see the module doc)."""
 
-    def make(tile_n: int, tile_k: int):
+    def make(tile_n: int, tile_k: int, line_box: bool = False):
+        if line_box:
+            raise NotImplementedError("the stand-ins take the weights in registers (line_box=False)")
         from jax._src.lib.mlir import ir
         from jax._src.lib.mlir.dialects import llvm
         from jax.experimental.mosaic.gpu import fragmented_array as fa
