@@ -14,15 +14,16 @@ needs one `and` (pair 0), a rotate and an `and` (pairs 1, 2), or an `and`, a mul
 (pair 3), then one `fma.rn.bf16x2` by the block scales: 1 integer operation per value (the Triton
 kernel issues 5.1 instructions per value, RESULTS.md run I). The bits land on a bf16 bit pattern
 with the E2M1 magnitude at bits 6-8 and the sign at bit 15: value * 2^-126, subnormals included.
-A register's low half comes from the first 16-value scale block of the 32 and its high half from the
-second, so the pair `(scale[2c], scale[2c+1])` (adjacent in memory) multiplies it with no shuffle.
+The words hold K in its own order: register pair p of thread t holds values 8 p + 2 t and the next of
+the 32, both in scale block p // 2, so a byte permute of the staged pair `(scale[2c], scale[2c+1])`
+(adjacent in memory) gives the register's scales. (Until session 18 each register held one value of
+each block, at the price of a permuted K for the activations: an XLA transpose before every decode
+GEMM and a permuting row gather at prefill.)
 The block scales are one byte each, as in the checkpoint (bf16 scales were 11 % more bytes than the
 weights' floor): a code `(E - 224) << 3 | m` of the bf16 `scale * 2^119` (exponent field E in 237..254 for
 every e4m3 value, subnormals included; m its 3 mantissa bits), so that a byte permute, a shift and an
 `or` rebuild a register of two (`pack_scales`). Zero and negative scales have no code: the packing makes
 the block's values zero or flips their signs instead (`canonical_blocks`), which represents the same weights.
-The K order this gives (`kernel_k_order`) is applied to the activations, not undone in registers:
-the contraction does not care about the order of K as long as both operands agree.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ _SCALE_EXPONENT_OFFSET = 224
 _SCALES_PER_WORD = 4
 # prmt selectors: a word's scale bytes 0, 1 (or 2, 3) to bytes 0 and 2 of a register, zeros in 1 and 3.
 _SCALE_SELECTORS = (0x4140, 0x4342)
+# prmt selectors: a bf16x2 register's low (high) half into both halves.
+_BROADCAST_SELECTORS = (0x1010, 0x3232)
 # tile_k: a multiple of 64, so that a byte tile row is >= 32 bytes (Mosaic's smallest swizzle).
 TILE_K_QUANTUM = 64
 
@@ -70,34 +73,13 @@ def _stored_position(pair: int, target: int) -> int:
     return sources[0]
 
 
-def kernel_k_order(k: int) -> np.ndarray:
-    """`order[L]` = the original K index that logical (wgmma) column L holds."""
-    if k % _K_PER_WORD_GROUP:
-        raise ValueError(f"K={k} must be a multiple of {_K_PER_WORD_GROUP}")
-    logical = np.arange(k)
-    block, within = np.divmod(logical, _K_PER_WORD_GROUP)
-    pair, rest = np.divmod(within, 8)
-    thread, half = np.divmod(rest, 2)
-    return block * _K_PER_WORD_GROUP + 16 * half + 4 * thread + pair
-
-
-def to_kernel_k_order(x) -> jax.Array:
-    """`x[..., kernel_k_order(K)]` as a reshape and transpose, for a few rows (decode): a gather by an
-    index array is a kernel of its own (2 us for 8 x 5120 values, H200 run T). XLA's transpose of many
-    rows is slow (789 us for 8192 x 5120, run W): sorted blocks permute in `row_gather` instead."""
-    *lead, k = x.shape
-    if k % _K_PER_WORD_GROUP:
-        raise ValueError(f"K={k} must be a multiple of {_K_PER_WORD_GROUP}")
-    grouped = x.reshape(*lead, k // 32, 2, 4, 4)  # [.., c, half, thread, pair] of the original order
-    return jnp.moveaxis(grouped, (-3, -2, -1), (-1, -2, -3)).reshape(*lead, k)
-
-
 def pack_kernel_layout(codes) -> jax.Array:
-    """E2M1 codes `[..., K]` (one code per value, original K order) -> bytes `[..., K/2]` (jnp)."""
+    """E2M1 codes `[..., K]` (one code per value) -> bytes `[..., K/2]` (jnp)."""
     k = codes.shape[-1]
     if k % _K_PER_WORD_GROUP:
         raise ValueError(f"K={k} must be a multiple of {_K_PER_WORD_GROUP}")
-    codes = jnp.asarray(codes, jnp.uint32).reshape(*codes.shape[:-1], k // 32, 2, 4, 4)  # [.., c, half, thread, pair]
+    codes = jnp.asarray(codes, jnp.uint32).reshape(*codes.shape[:-1], k // 32, 4, 4, 2)  # [.., c, pair, thread, half]
+    codes = jnp.moveaxis(codes, (-3, -1), (-1, -3))  # [.., c, half, thread, pair]: value 8 pair + 2 thread + half
     words = jnp.zeros(codes.shape[:-3] + (4,), jnp.uint32)  # [.., c, thread]
     for pair in range(4):
         for half in range(2):
@@ -158,7 +140,7 @@ def pack_scales(scale, tile_k: int) -> jax.Array:
 
 
 def pack_weights(codes, scale, tile_k: int) -> tuple[jax.Array, jax.Array]:
-    """E2M1 codes `[E, N, K]` (original K order) and e4m3 block scales `[E, N, K/16]` -> the kernel's
+    """E2M1 codes `[E, N, K]` and e4m3 block scales `[E, N, K/16]` -> the kernel's
     `(packed, scales)`: `canonical_blocks`, then `pack_kernel_layout` + `pack_k_steps` and `pack_scales`."""
     codes, scale = canonical_blocks(codes, scale)
     return pack_k_steps(pack_kernel_layout(codes), tile_k), pack_scales(scale, tile_k)
@@ -295,8 +277,12 @@ def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False):
                 for c in range(groups):
                     word = word_at(m, c, half)
                     scales = vector.extract(pairs, dynamic_position=[], static_position=[c])
+                    # Pairs 0-1 are in the first scale block, 2-3 in the second: each scale in both halves.
+                    block_scales = [llvm.inline_asm(i32, [scales], f"prmt.b32 $0, $1, 0, {selector:#x};", "=r,r")
+                                    for selector in _BROADCAST_SELECTORS]
                     for pair in range(4):
-                        reg = llvm.inline_asm(i32, [word, scales], _decode_pair_asm(pair), "=r,r,r")
+                        reg = llvm.inline_asm(i32, [word, block_scales[pair // 2]], _decode_pair_asm(pair),
+                                              "=r,r,r")
                         out[m, 4 * c + pair, 0, 0, half, 0, 0, 0, 0] = utils.bitcast(reg, pair_type)
         return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
@@ -346,7 +332,9 @@ def _check_operands(xs, block_expert, packed, scales, *, block_t, tile_k, splits
     rows, k = xs.shape
     experts, n = packed.shape[0], packed.shape[2]
     blocks = block_expert.shape[0]
-    if (rows != (1 if shared_rows else blocks) * block_t or tile_n % 64 or n % tile_n
+    # Shared rows: a whole block, or fewer than 8 (TMA's row tiling allows a box past the end of those only).
+    shared_ok = rows == block_t or 0 < rows < min(8, block_t + 1)
+    if (not (shared_ok if shared_rows else rows == blocks * block_t) or tile_n % 64 or n % tile_n
             or tile_k % TILE_K_QUANTUM or k % (tile_k * splits) or packed.shape[1:] != (k // tile_k, n, tile_k // 2)
             or scales.shape[1:] != (k // tile_k, n, tile_k // 64) or scales.dtype != jnp.uint32):
         raise ValueError(f"shapes: xs {xs.shape}, packed {packed.shape}, blocks {blocks}, block_t {block_t}, "
@@ -431,11 +419,12 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                    stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
                    row_destination=None, out_rows: int | None = None, warp_specialized: bool = False,
                    line_box: bool = False):
-    """`xs [B*block_t, K]` bf16 (K in `kernel_k_order`), `block_expert [B]` int32 (-1: skip the block),
+    """`xs [B*block_t, K]` bf16, `block_expert [B]` int32 (-1: skip the block),
     `packed [E, K/tile_k, N, tile_k/2]` uint8 and `scales [E, K/tile_k, N, tile_k/64]` uint32 (`pack_weights`) ->
     `[splits, B*block_t, N]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
     computes `tile_n` (a multiple of 64) rows of one block and split. `shared_rows`: `xs` is one block
-    `[block_t, K]` that every block multiplies (decode: each expert takes all the step's tokens).
+    `[block_t, K]` that every block multiplies (decode: each expert takes all the step's tokens), or
+    fewer than 8 rows, the rest of the block then read as zeros (the TMA box fills them: no pad).
     `global_scale [E, N]` (one split only): the output is instead the finished projection,
     `[1, B*block_t, N]` in the activations' dtype (bf16): the sums times the global scales, rounded
     once (half the bytes to write, and nothing left for XLA to scale). With it, `row_destination
@@ -528,9 +517,9 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
 
 
 def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: bool = False):
-    """Plain jnp: `w [E, N, K]` dequantized weights (original K order), `xs` in original K order."""
-    if shared_rows:
-        xs = jnp.tile(xs, (block_expert.shape[0], 1))
+    """Plain jnp: `w [E, N, K]` dequantized weights."""
+    if shared_rows:  # rows past the shared block's end read as zeros (the kernel's TMA fills them so)
+        xs = jnp.tile(jnp.pad(xs, ((0, block_t - xs.shape[0]), (0, 0))), (block_expert.shape[0], 1))
     x = xs.reshape(block_expert.shape[0], block_t, -1).astype(jnp.float32)
     w = w[block_expert].astype(jnp.float32)
     return jnp.einsum("btk,bnk->btn", x, w, precision=jax.lax.Precision.HIGHEST).reshape(-1, w.shape[1])
@@ -559,7 +548,7 @@ def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, t
             logical = 32 * jnp.arange(k // 32)[:, None] + 8 * pair + 2 * jnp.arange(4)[None, :] + half
             values = values.at[:, :, logical].set(jnp.asarray(_E2M1_VALUES)[code])
     block_scale = scale_values(jnp.moveaxis(scales, 1, 2)).reshape(e, n, k // 16)
-    w = values * jnp.repeat(block_scale, 16, axis=-1)[:, :, kernel_k_order(k)]
+    w = values * jnp.repeat(block_scale, 16, axis=-1)
     out = grouped_matmul_reference(xs, jnp.maximum(block_expert, 0), w, block_t=block_t, shared_rows=shared_rows)
     out = jnp.where(jnp.repeat(block_expert >= 0, block_t)[:, None], out, jnp.nan)
     if global_scale is not None:

@@ -27,25 +27,21 @@ from pallas_kernels import row_gather as rg
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["packed", "scales", "global_scale"],
-                   meta_fields=["tile_k", "rows_in_k_order"])
+                   meta_fields=["tile_k"])
 @dataclasses.dataclass(frozen=True)
 class KernelNvfp4:
     """One projection of every expert in the kernel's layouts (`nm.pack_weights`): `packed [E, K/tile_k, N,
     tile_k/2]` uint8, `scales [E, K/tile_k, N, tile_k/64]` uint32 (four one-byte codes of block scales a
     word), `global_scale [E, N]` fp32 per output row: one value per expert and projection, repeated over the
-    projection's rows (the layer's XLA epilogues read each projection's first row only). `rows_in_k_order`: each projection's rows are
-    stored in `kernel_k_order` (gate/up: SwiGLU's output then comes out in the K order the down GEMM
-    takes, with no permutation in between)."""
+    projection's rows (the layer's XLA epilogues read each projection's first row only)."""
 
     packed: jax.Array
     scales: jax.Array
     global_scale: jax.Array
     tile_k: int
-    rows_in_k_order: bool = False
 
     @classmethod
-    def from_expert_weights(cls, *projections: mg.ExpertWeights, tile_k: int,
-                            rows_in_k_order: bool = False) -> KernelNvfp4:
+    def from_expert_weights(cls, *projections: mg.ExpertWeights, tile_k: int) -> KernelNvfp4:
         """NVFP4 `ExpertWeights` with the same K, their used rows stacked (gate then up for gate/up).
         The kernel needs tile_k a multiple of 64 dividing K, and rows in multiples of 64."""
         k, rows_total = projections[0].in_features, sum(w.num_rows for w in projections)
@@ -56,19 +52,18 @@ class KernelNvfp4:
         for w in projections:
             if w.format != "nvfp4":
                 raise ValueError(f"KernelNvfp4 takes nvfp4 weights, got {w.format}")
-            rows = np.arange(w.row_offset, w.row_offset + w.num_rows)
-            rows = rows[nm.kernel_k_order(w.num_rows)] if rows_in_k_order else rows
+            rows = slice(w.row_offset, w.row_offset + w.num_rows)
             codes.append(nm.checkpoint_codes(w.values[:, rows]))
             scales.append(w.scale[:, rows])
             global_scale.append(jnp.broadcast_to(w.global_scale[:, None], (w.values.shape[0], w.num_rows)))
         packed, scales = nm.pack_weights(jnp.concatenate(codes, 1), jnp.concatenate(scales, 1), tile_k)
-        return cls(packed, scales, jnp.concatenate(global_scale, 1).astype(jnp.float32), tile_k, rows_in_k_order)
+        return cls(packed, scales, jnp.concatenate(global_scale, 1).astype(jnp.float32), tile_k)
 
 
 def kernel_experts(gate: mg.ExpertWeights, up: mg.ExpertWeights, down: mg.ExpertWeights, *,
                    gate_up_tile_k: int = 256, down_tile_k: int = 64) -> tuple[KernelNvfp4, KernelNvfp4]:
-    """gate/up (rows in `kernel_k_order`) and down in the kernel's layouts, as `moe_nvfp4` takes them."""
-    return (KernelNvfp4.from_expert_weights(gate, up, tile_k=gate_up_tile_k, rows_in_k_order=True),
+    """gate/up and down in the kernel's layouts, as `moe_nvfp4` takes them."""
+    return (KernelNvfp4.from_expert_weights(gate, up, tile_k=gate_up_tile_k),
             KernelNvfp4.from_expert_weights(down, tile_k=down_tile_k))
 
 
@@ -235,12 +230,11 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     if shared:
         block_t = -(-tokens // 8) * 8
         pair_row, block_expert, row_pair = _shared_blocks(local_ids, num_experts, block_t)
-        xs = nm.to_kernel_k_order(jnp.pad(x, ((0, block_t - tokens), (0, 0))))
+        xs = x if tokens < 8 else jnp.pad(x, ((0, block_t - tokens), (0, 0)))  # under 8 rows the GEMM pads
     else:
         build = _blocks_by_comparison if block_builder == "compare" and tokens > 1 else pair_blocks
         pair_row, block_expert, row_pair = build(local_ids, num_experts, block_t)
-        xs = rg.gather_rows_on_backend(x, row_tokens(row_pair, top_k, tokens), block_expert, block_t=block_t,
-                                       column_order=nm.kernel_k_order(hidden))
+        xs = rg.gather_rows_on_backend(x, row_tokens(row_pair, top_k, tokens), block_expert, block_t=block_t)
     scaled_gate_up = gate_up_epilogue and gate_up_splits == 1  # else XLA adds the splits and scales
     gu = matmul(xs, block_expert, gate_up.packed, gate_up.scales, block_t=block_t, tile_k=gate_up.tile_k,
                 splits=gate_up_splits, stages=gate_up_stages, tile_n=gate_up_tile_n, shared_rows=shared,
@@ -252,7 +246,6 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         gu = gu.sum(0).reshape(-1, 2, intermediate) * nm.OUTPUT_FACTOR * projection_scale[:, :, None]
         gu = gu.reshape(1, -1, 2 * intermediate).astype(x.dtype)
     act = mg._swiglu(gu[0, :, :intermediate], gu[0, :, intermediate:]).astype(x.dtype)
-    act = act if gate_up.rows_in_k_order else nm.to_kernel_k_order(act)
     down_gemm = functools.partial(matmul, act, block_expert, down.packed, down.scales, block_t=block_t,
                                   tile_k=down.tile_k, splits=1, stages=down_stages, tile_n=down_tile_n,
                                   warp_specialized=warp_specialized, line_box=down_line_box)

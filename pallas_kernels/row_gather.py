@@ -5,9 +5,7 @@ The grouped GEMMs (`nvfp4_moe_mgpu`, `bf16_moe_mgpu`) read their activations as 
 rows of one expert, so the tokens' rows are first copied into that order. XLA's gather wrote every
 row of the static block bound, unused blocks included, and ran at 0.3-2 TB/s (H200 run W: 563 us at
 T = 8192, 14.8 us at T = 32). This kernel copies the tokens' rows, writes nothing for unused blocks
-(nor, where that is faster, for padding rows: their outputs are never read) and can permute each
-row's columns on the way
-(`nvfp4_mgpu.kernel_k_order`, which the NVFP4 GEMM's K order needs).
+(nor, unless asked, for padding rows: their outputs are never read).
 """
 
 from __future__ import annotations
@@ -21,8 +19,8 @@ from jax.experimental.pallas import triton as plgpu
 
 
 def _gather_kernel(row_token_ref, block_expert_ref, *refs, block_t: int, tokens: int, rows_per_program: int,
-                   columns_per_program: int, permuted: bool, zero_padding: bool):
-    column_ref, x_ref, out_ref = refs if permuted else (None, *refs)
+                   columns_per_program: int, zero_padding: bool):
+    x_ref, out_ref = refs
     rows = pl.program_id(0) * rows_per_program + jnp.arange(rows_per_program)
     cols = pl.program_id(1) * columns_per_program + jnp.arange(columns_per_program)
     num_rows, num_cols = out_ref.shape
@@ -30,25 +28,22 @@ def _gather_kernel(row_token_ref, block_expert_ref, *refs, block_t: int, tokens:
     in_cols = cols < num_cols
     used = plgpu.load(block_expert_ref.at[rows // block_t], mask=in_rows, other=-1) >= 0
     token = plgpu.load(row_token_ref.at[rows], mask=in_rows, other=tokens)
-    # Without a permutation the columns are a contiguous range, which Triton loads 16 bytes at a time.
-    source_cols = cols if column_ref is None else plgpu.load(column_ref.at[cols], mask=in_cols, other=0)
     real = used & (token < tokens)
-    values = plgpu.load(x_ref.at[jnp.minimum(token, tokens - 1)[:, None], source_cols[None, :]],
+    values = plgpu.load(x_ref.at[jnp.minimum(token, tokens - 1)[:, None], cols[None, :]],
                         mask=real[:, None] & in_cols[None, :], other=0)
     written = used if zero_padding else real
     plgpu.store(out_ref.at[rows[:, None], cols[None, :]], values, mask=written[:, None] & in_cols[None, :])
 
 
-def gather_rows(x, row_token, block_expert, *, block_t: int, column_order=None, zero_padding: bool | None = None,
+def gather_rows(x, row_token, block_expert, *, block_t: int, zero_padding: bool = False,
                 rows_per_program: int = 32, columns_per_program: int = 512, num_warps: int = 4,
                 interpret: bool = False):
-    """`out[r] = x[row_token[r]][column_order]` for the rows of blocks with `block_expert >= 0`; rows
-    of unused blocks (`block_expert < 0`) are left unwritten, and so are rows whose token is `T`
-    (padding) unless `zero_padding`: no GEMM output of a padding row is read, as a GEMM row depends on
-    its own activations only. `zero_padding` defaults to whichever was faster on the H200 (run AH):
-    zeros with a permutation (295 against 339 us at T = 8192, blocks of 64), unwritten without (219
-    against 265, blocks of 128). `x [T, K]`, `row_token [blocks * block_t]`, `column_order [K]`
-    (default: identity). A program copies `rows_per_program` x `columns_per_program` values."""
+    """`out[r] = x[row_token[r]]` for the rows of blocks with `block_expert >= 0`; rows of unused blocks
+    (`block_expert < 0`) are left unwritten, and so are rows whose token is `T` (padding) unless
+    `zero_padding`: no GEMM output of a padding row is read, as a GEMM row depends on its own
+    activations only (unwritten was the faster on the H200, run AH: 219 against 265 us at T = 8192,
+    blocks of 128). `x [T, K]`, `row_token [blocks * block_t]`. A program copies `rows_per_program` x
+    `columns_per_program` values."""
     tokens, k = x.shape
     num_rows = row_token.shape[0]
     if num_rows != block_expert.shape[0] * block_t:
@@ -56,11 +51,8 @@ def gather_rows(x, row_token, block_expert, *, block_t: int, column_order=None, 
     if tokens == 0 or num_rows == 0:
         return jnp.zeros((num_rows, k), x.dtype)
     kernel = functools.partial(_gather_kernel, block_t=block_t, tokens=tokens, rows_per_program=rows_per_program,
-                               columns_per_program=columns_per_program, permuted=column_order is not None,
-                               zero_padding=column_order is not None if zero_padding is None else zero_padding)
+                               columns_per_program=columns_per_program, zero_padding=zero_padding)
     operands = [row_token.astype(jnp.int32), block_expert.astype(jnp.int32), x]
-    if column_order is not None:
-        operands.insert(2, jnp.asarray(column_order, jnp.int32))
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_rows, k), x.dtype),
@@ -70,16 +62,15 @@ def gather_rows(x, row_token, block_expert, *, block_t: int, column_order=None, 
     )(*operands)
 
 
-def gather_rows_reference(x, row_token, block_expert, *, block_t: int, column_order=None):
+def gather_rows_reference(x, row_token, block_expert, *, block_t: int):
     """Plain jnp; padding rows and rows of unused blocks are zeros here (the kernel may leave them unwritten)."""
     tokens = x.shape[0]
-    ordered = x if column_order is None else x[:, jnp.asarray(column_order)]
-    rows = jnp.concatenate([ordered, jnp.zeros((1, x.shape[1]), x.dtype)])[jnp.minimum(row_token, tokens)]
+    rows = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[jnp.minimum(row_token, tokens)]
     used = jnp.repeat(block_expert >= 0, block_t)
     return jnp.where(used[:, None], rows, 0)
 
 
-def gather_rows_on_backend(x, row_token, block_expert, *, block_t: int, column_order=None):
+def gather_rows_on_backend(x, row_token, block_expert, *, block_t: int):
     """The kernel on a GPU, the reference elsewhere (the kernel is Triton's)."""
     gather = gather_rows if jax.default_backend() == "gpu" else gather_rows_reference
-    return gather(x, row_token, block_expert, block_t=block_t, column_order=column_order)
+    return gather(x, row_token, block_expert, block_t=block_t)

@@ -5,8 +5,7 @@ at load time in place of the checkpoint layout.
     beam = beam_jax.load(path, expert_kernel="mosaic")               # the same, inside load
 
 Per sparse layer, `mlp.experts` then holds two `KernelNvfp4Linear`s instead of `gate_proj`, `up_proj`
-and `down_proj`: `gate_up` (gate rows then up rows, each in `kernel_k_order` so that SwiGLU's output
-is in down's K order; K = hidden, `tile_k` 256) and `down` (K = the expert intermediate, `tile_k`
+and `down_proj`: `gate_up` (gate rows then up rows; K = hidden, `tile_k` 256) and `down` (K = the expert intermediate, `tile_k`
 64), each `packed` uint8 `[E, K/tile_k, N, tile_k/2]` and `scales` uint32 `[E, K/tile_k, N, tile_k/64]`
 (one-byte block-scale codes, four a word; both `nm.pack_weights`) and `global_scale` fp32 `[E, N]`
 (the checkpoint's per-expert `weight_scale_2` on every row of that projection). The activation
@@ -17,8 +16,7 @@ The kernel needs K a multiple of its tile_k and rows in multiples of 64 (`layout
 mesh (`beam_jax.sharding`) every device's shard is itself a valid local layout: gate_up is held as
 `[E, ..., 2, I, ...]` (packed `[E, H/256, 2, I, 128]`, scales `[E, H/256, 2, I, 4]`, global scale
 `[E, 2, I]`) so that TP splits gate rows and up rows alike, and each device reshapes its `[.., 2, I/tp, ..]`
-back to `[.., 2I/tp, ..]` (the row order permutes within groups of 32 rows, so a device's rows are
-the same whether it or the whole converts them); down's K is the intermediate dim, split in whole
+back to `[.., 2I/tp, ..]`; down's K is the intermediate dim, split in whole
 64-value tiles (packed bytes and scales on their K/tile_k axis). Packing works per row and per 32 K
 values, so converting each device's checkpoint shard gives exactly its shard of the global layout:
 the conversion runs per device under `shard_map`, one layer at a time.
@@ -154,8 +152,7 @@ def kernel_shaped(name: str, array: jax.Array) -> jax.Array:
 def kernel_weights(arrays: dict[str, jax.Array]) -> tuple[KernelNvfp4, KernelNvfp4]:
     """gate_up and down as `moe_nvfp4` takes them, from `Experts.arrays()` (or one device's slices)."""
     gate_up, down = (
-        KernelNvfp4(*(kernel_shaped(f"{p}.{f}", arrays[f"{p}.{f}"]) for f in KERNEL_FIELDS), tile_k=tile_k,
-                    rows_in_k_order=p == "gate_up")
+        KernelNvfp4(*(kernel_shaped(f"{p}.{f}", arrays[f"{p}.{f}"]) for f in KERNEL_FIELDS), tile_k=tile_k)
         for p, tile_k in zip(KERNEL_PROJECTIONS, (GATE_UP_TILE_K, DOWN_TILE_K))
     )
     return gate_up, down

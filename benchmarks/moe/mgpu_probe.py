@@ -42,7 +42,7 @@ def check(rng, experts, n, k, blocks, block_t, tile_k, splits):
     packed, scales, dequant = make_expert_weights(rng, experts, n, k, tile_k)
     x = rng.standard_normal((blocks * block_t, k)).astype(ml_dtypes.bfloat16)
     block_expert = rng.integers(0, experts, blocks).astype(np.int32)
-    out = nm.grouped_matmul(jnp.asarray(x[:, nm.kernel_k_order(k)]), jnp.asarray(block_expert), packed, scales,
+    out = nm.grouped_matmul(jnp.asarray(x), jnp.asarray(block_expert), packed, scales,
                             block_t=block_t, tile_k=tile_k, splits=splits)
     got = np.asarray(out).sum(0) * nm.OUTPUT_FACTOR
     want = np.einsum("btk,bnk->btn", x.astype(np.float32).reshape(blocks, block_t, k),
@@ -157,7 +157,7 @@ def time_bf16_layers(t, variants, weights, repeats=2):
     return row
 
 
-def time_gathers(t, block_t, configs, *, k_order: bool, repeats=2):
+def time_gathers(t, block_t, configs, repeats=2):
     """`row_gather.gather_rows` alone for T tokens' sorted blocks of `block_t` rows, per program shape
     (rows, columns, warps) and `zero_padding` (z1: padding rows written as zeros, z0: left alone): µs per
     call (with the block building) and the gather kernel's own µs."""
@@ -165,13 +165,12 @@ def time_gathers(t, block_t, configs, *, k_order: bool, repeats=2):
     from pallas_kernels import row_gather as rg
 
     x, _, ids = bench.make_tokens(t, repeats, jax.random.key(t))
-    order = nm.kernel_k_order(bench.H) if k_order else None
-    row = dict(kind="gather", t=t, block_t=block_t, k_order=k_order)
+    row = dict(kind="gather", t=t, block_t=block_t)
     for (rows, cols, warps), zeros in itertools.product(configs, (False, True)):
         def gather(x, ids, rows=rows, cols=cols, warps=warps, zeros=zeros):
             _, block_expert, row_pair = nmm.pair_blocks(ids, bench.E, block_t)
             return rg.gather_rows(x, nmm.row_tokens(row_pair, bench.TOP_K, t), block_expert, block_t=block_t,
-                                  column_order=order, zero_padding=zeros, rows_per_program=rows,
+                                  zero_padding=zeros, rows_per_program=rows,
                                   columns_per_program=cols, num_warps=warps)
         name = f"r{rows}c{cols}w{warps}z{int(zeros)}"
         try:
@@ -217,8 +216,8 @@ def main():
     if args.gather:
         # Run AA chose the default program shape; run AH (session 11) the padding rows' writes per path.
         configs = [(32, 512, 4)]
-        for t, block_t, k_order in ((8192, 128, False), (8192, 64, True), (4096, 64, True)):
-            record(time_gathers(t, block_t, configs, k_order=k_order))
+        for t, block_t in ((8192, 128), (8192, 64), (4096, 64)):
+            record(time_gathers(t, block_t, configs))
         return
     if args.epilogues:
         # Session 17: the GEMMs' own epilogues (global scales, bf16 out; the down GEMM writing pair rows) per

@@ -20,7 +20,7 @@ E2M1 = mg._E2M1_VALUES
 
 
 @pytest.mark.parametrize("k", [32, 96, 320, 5120])
-def test_packed_words_decode_to_the_codes_in_kernel_k_order(k):
+def test_packed_words_decode_to_the_codes_in_k_order(k):
     rng = np.random.default_rng(k)
     codes = rng.integers(0, 16, (5, k), dtype=np.uint8)
     words = np.asarray(nm.pack_kernel_layout(codes)).view("<u4").reshape(5, k // 32, 4)  # [row, 32-block, thread]
@@ -32,14 +32,7 @@ def test_packed_words_decode_to_the_codes_in_kernel_k_order(k):
             # wgmma column of this register half: 32c + 8 * pair + 2 * thread + half
             columns = 32 * np.arange(k // 32)[:, None] + 8 * pair + 2 * np.arange(4)[None, :] + half
             got[:, columns] = pattern.astype(np.float32) * 2.0**126
-    np.testing.assert_array_equal(got, E2M1[codes][:, nm.kernel_k_order(k)])
-
-
-def test_kernel_k_order_keeps_scale_blocks_and_halves():
-    order = nm.kernel_k_order(64)
-    assert sorted(order) == list(range(64))
-    # A register's low half comes from the first 16-value scale block of its 32, the high half from the second.
-    assert np.all(order[0::2] % 32 < 16) and np.all(order[1::2] % 32 >= 16)
+    np.testing.assert_array_equal(got, E2M1[codes])
 
 
 def test_pack_k_steps_puts_a_step_of_every_row_together():
@@ -98,11 +91,22 @@ def test_bad_shapes_are_rejected():
     with pytest.raises(ValueError, match="shapes"):  # the bytes by row, not by K step
         nm.grouped_matmul(jnp.zeros((16, 512), jnp.bfloat16), jnp.zeros((2,), jnp.int32),
                           jnp.zeros((4, 64, 256), jnp.uint8), jnp.zeros((4, 2, 64, 4), jnp.uint32), block_t=8)
+    for rows in (9, 17):  # shared rows: a whole block of 16 or fewer than 8
+        with pytest.raises(ValueError, match="shapes"):
+            nm.grouped_matmul(jnp.zeros((rows, 512), jnp.bfloat16), jnp.zeros((2,), jnp.int32),
+                              jnp.zeros((4, 2, 64, 128), jnp.uint8), jnp.zeros((4, 2, 64, 4), jnp.uint32), block_t=16,
+                              shared_rows=True)
+
+
+def _shared_x_rows(block_t: int) -> int:
+    """Shared rows as the layer passes them: a whole block, or under 8 rows (the rest must read as zeros)."""
+    return 5 if block_t == 8 else block_t
 
 
 def _specs(experts, n, k, blocks, block_t, tile_k, shared_rows=False):
     spec = jax.ShapeDtypeStruct
-    return (spec(((1 if shared_rows else blocks) * block_t, k), jnp.bfloat16), spec((blocks,), jnp.int32),
+    return (spec((_shared_x_rows(block_t) if shared_rows else blocks * block_t, k), jnp.bfloat16),
+            spec((blocks,), jnp.int32),
             spec((experts, k // tile_k, n, tile_k // 2), jnp.uint8),
             spec((experts, k // tile_k, n, tile_k // 64), jnp.uint32))
 
@@ -134,7 +138,7 @@ def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_r
     (16, 128, 512, 3, 8, 256, 1, 64, False), (16, 192, 320, 5, 16, 64, 1, 64, False),
     (8, 64, 1024, 2, 8, 256, 2, 64, False), (32, 640, 5120, 4, 8, 256, 4, 64, False),
     (16, 384, 320, 3, 8, 64, 1, 128, False), (16, 512, 320, 2, 8, 64, 1, 256, False),
-    (16, 128, 512, 5, 24, 256, 2, 128, True),
+    (16, 128, 512, 5, 24, 256, 2, 128, True), (8, 192, 320, 4, 8, 64, 1, 64, True),
 ])
 @pytest.mark.parametrize("options", [{}, dict(warp_specialized=True), dict(line_box=True)], ids=["plain", "ws", "lines"])
 def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, options):
@@ -142,9 +146,10 @@ def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits
     rng = np.random.default_rng(n + k)
     codes = rng.integers(0, 16, (experts, n, k), dtype=np.uint8)
     scale = e4m3_scales(rng, (experts, n, k // 16), signed=True)
-    x = rng.standard_normal(((1 if shared_rows else blocks) * block_t, k)).astype(ml_dtypes.bfloat16)
+    x = rng.standard_normal((_shared_x_rows(block_t) if shared_rows else blocks * block_t, k))
+    x = x.astype(ml_dtypes.bfloat16)
     block_expert = rng.integers(0, experts, blocks).astype(np.int32)
-    operands = (jnp.asarray(x[:, nm.kernel_k_order(k)]), jnp.asarray(block_expert),
+    operands = (jnp.asarray(x), jnp.asarray(block_expert),
                 *nm.pack_weights(codes, scale, tile_k))
     settings = dict(block_t=block_t, tile_k=tile_k, tile_n=tile_n, shared_rows=shared_rows, **options)
     got = np.asarray(nm.grouped_matmul(*operands, splits=splits, **settings)).sum(0) * nm.OUTPUT_FACTOR
@@ -312,11 +317,6 @@ def test_expert_parallel_share_on_gpu(tokens):
                       nmm.KernelNvfp4.from_expert_weights(share[2], tile_k=64))
     got = jax.jit(functools.partial(nmm.moe_nvfp4, expert_offset=128))(x, weights, ids, *kernel_weights)
     _assert_layer_close((x, weights, ids, *share), got, expert_offset=128)
-
-
-def test_k_order_by_transpose_equals_the_gather():
-    x = np.random.default_rng(0).standard_normal((3, 5, 96)).astype(np.float32)
-    np.testing.assert_array_equal(np.asarray(nm.to_kernel_k_order(jnp.asarray(x))), x[..., nm.kernel_k_order(96)])
 
 
 @pytest.mark.parametrize("builder", ["shared", "sort", "compare"])

@@ -4,7 +4,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import nvfp4_mgpu as nm
 from pallas_kernels import row_gather as rg
 from pallas_kernels.nvfp4_moe_mgpu import pair_blocks, row_tokens
 
@@ -17,11 +16,10 @@ def _case(tokens, k, block_t, seed, top_k=3, num_experts=7):
     return x, row_tokens(row_pair, top_k, tokens), block_expert
 
 
-def _check(x, row_token, block_expert, block_t, order, interpret, zero_padding=None, **program):
-    got = np.asarray(rg.gather_rows(x, row_token, block_expert, block_t=block_t, column_order=order,
-                                    zero_padding=zero_padding, interpret=interpret, **program), np.float32)
-    want = np.asarray(rg.gather_rows_reference(x, row_token, block_expert, block_t=block_t, column_order=order),
-                      np.float32)
+def _check(x, row_token, block_expert, block_t, interpret, zero_padding=False, **program):
+    got = np.asarray(rg.gather_rows(x, row_token, block_expert, block_t=block_t, zero_padding=zero_padding,
+                                    interpret=interpret, **program), np.float32)
+    want = np.asarray(rg.gather_rows_reference(x, row_token, block_expert, block_t=block_t), np.float32)
     used = np.repeat(np.asarray(block_expert) >= 0, block_t)
     token = np.asarray(row_token)
     real = used & (token < x.shape[0])
@@ -29,7 +27,7 @@ def _check(x, row_token, block_expert, block_t, order, interpret, zero_padding=N
     assert real.any() and not used.all() and (used & ~real).any()
     np.testing.assert_array_equal(got[real], want[real])
     assert set(token[real]) == set(range(x.shape[0]))  # every token's row lands somewhere
-    if order is not None if zero_padding is None else zero_padding:
+    if zero_padding:
         assert not got[used & ~real].any()
 
 
@@ -41,31 +39,21 @@ PROGRAM_SHAPES = [{}, dict(rows_per_program=16, columns_per_program=256),
 
 
 @pytest.mark.parametrize("tokens,k,block_t", CASES)
-@pytest.mark.parametrize("k_order", [False, True])
-def test_gather_matches_reference_interpret(tokens, k, block_t, k_order):
+def test_gather_matches_reference_interpret(tokens, k, block_t):
     x, row_token, block_expert = _case(tokens, k, block_t, seed=tokens + k)
-    _check(x, row_token, block_expert, block_t, nm.kernel_k_order(k) if k_order else None, interpret=True)
+    _check(x, row_token, block_expert, block_t, interpret=True)
 
 
-@pytest.mark.parametrize("k_order", [False, True])
 @pytest.mark.parametrize("zero_padding", [False, True])
-def test_padding_rows_are_zeros_when_asked_interpret(k_order, zero_padding):
+def test_padding_rows_are_zeros_when_asked_interpret(zero_padding):
     x, row_token, block_expert = _case(37, 160, 64, seed=11)
-    _check(x, row_token, block_expert, 64, nm.kernel_k_order(160) if k_order else None, interpret=True,
-           zero_padding=zero_padding)
+    _check(x, row_token, block_expert, 64, interpret=True, zero_padding=zero_padding)
 
 
 @pytest.mark.parametrize("program", PROGRAM_SHAPES[1:])
 def test_program_shapes_gather_the_same_rows_interpret(program):
     x, row_token, block_expert = _case(37, 1056, 64, seed=5)
-    _check(x, row_token, block_expert, 64, nm.kernel_k_order(1056), interpret=True, **program)
-
-
-def test_k_order_gather_equals_the_models_permutation():
-    x, row_token, block_expert = _case(9, 128, 8, seed=3)
-    got = rg.gather_rows_reference(x, row_token, block_expert, block_t=8, column_order=nm.kernel_k_order(128))
-    want = rg.gather_rows_reference(nm.to_kernel_k_order(x), row_token, block_expert, block_t=8)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    _check(x, row_token, block_expert, 64, interpret=True, **program)
 
 
 def test_rows_must_fill_whole_blocks():
@@ -76,9 +64,8 @@ def test_rows_must_fill_whole_blocks():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("program", PROGRAM_SHAPES)
-@pytest.mark.parametrize("tokens,k,block_t,k_order", [case + (True,) for case in CASES] + [
-    (8192, 5120, 64, True), (37, 1056, 64, False), (8192, 5120, 128, False)])
-def test_gather_matches_reference_on_gpu(tokens, k, block_t, k_order, program):
+@pytest.mark.parametrize("tokens,k,block_t", CASES + [(8192, 5120, 64), (8192, 5120, 128)])
+def test_gather_matches_reference_on_gpu(tokens, k, block_t, program):
     experts = 256 if tokens > 100 else 9
     x, row_token, block_expert = _case(tokens, k, block_t, seed=tokens, top_k=8, num_experts=experts)
-    _check(x, row_token, block_expert, block_t, nm.kernel_k_order(k) if k_order else None, interpret=False, **program)
+    _check(x, row_token, block_expert, block_t, interpret=False, **program)
