@@ -15,10 +15,11 @@ needs one `and` (pair 0), a rotate and an `and` (pairs 1, 2), or an `and`, a mul
 kernel issues 5.1 instructions per value, RESULTS.md run I). The bits land on a bf16 bit pattern
 with the E2M1 magnitude at bits 6-8 and the sign at bit 15: value * 2^-126, subnormals included.
 The words hold K in its own order: register pair p of thread t holds values 8 p + 2 t and the next of
-the 32, both in scale block p // 2, so a byte permute of the staged pair `(scale[2c], scale[2c+1])`
-(adjacent in memory) gives the register's scales. (Until session 18 each register held one value of
-each block, at the price of a permuted K for the activations: an XLA transpose before every decode
-GEMM and a permuting row gather at prefill.)
+the 32, both in scale block p // 2, so the warpgroup stages each block scale in both halves of a
+register and that register multiplies the pair with no shuffle. (Until session 18 each register held
+one value of each block, at the price of a permuted K for the activations: an XLA transpose before
+every decode GEMM and a permuting row gather at prefill. A byte permute per register pair in the
+decode instead of the staged copies cost gate/up 15 % at T = 8, H200 session 18.)
 The block scales are one byte each, as in the checkpoint (bf16 scales were 11 % more bytes than the
 weights' floor): a code `(E - 224) << 3 | m` of the bf16 `scale * 2^119` (exponent field E in 237..254 for
 every e4m3 value, subnormals included; m its 3 mantissa bits), so that a byte permute, a shift and an
@@ -51,15 +52,13 @@ SCALE_FACTOR = 2.0**119
 OUTPUT_FACTOR = 2.0**7
 _K_PER_WORD_GROUP = 32  # one 32-bit word per thread per row per 32 K values
 _SCALE_ROW = 16  # the kernel layout's scale words fold into rows of 16 (64 bytes) for TMA's box limits
-_LINE = 128  # bytes of a line of `grouped_matmul(line_box=True)`'s weight boxes
+_LINE = 128  # bytes of a line of the weight boxes of short rows (`grouped_matmul`)
 # Scale codes: bf16 bits (code << 4) | _SCALE_BASE, i.e. exponent field 224 | (code >> 3), mantissa code & 7.
 _SCALE_BASE = 0x7000
 _SCALE_EXPONENT_OFFSET = 224
 _SCALES_PER_WORD = 4
-# prmt selectors: a word's scale bytes 0, 1 (or 2, 3) to bytes 0 and 2 of a register, zeros in 1 and 3.
-_SCALE_SELECTORS = (0x4140, 0x4342)
-# prmt selectors: a bf16x2 register's low (high) half into both halves.
-_BROADCAST_SELECTORS = (0x1010, 0x3232)
+# prmt selector: a word's scale byte j to bytes 0 and 2 of a register, zeros in 1 and 3 (plus j * 0x101).
+_SCALE_SELECTOR = 0x4040
 # tile_k: a multiple of 64, so that a byte tile row is >= 32 bytes (Mosaic's smallest swizzle).
 TILE_K_QUANTUM = 64
 
@@ -146,20 +145,18 @@ def pack_weights(codes, scale, tile_k: int) -> tuple[jax.Array, jax.Array]:
     return pack_k_steps(pack_kernel_layout(codes), tile_k), pack_scales(scale, tile_k)
 
 
-def decode_scale_bits(words, parity: int) -> jax.Array:
-    """Plain-jnp twin of `_scale_pair_asm`: scale words -> bf16x2 bit patterns of the pair of scales
-    (times 2^119) in bytes 2 parity and 2 parity + 1."""
-    words = jnp.asarray(words, jnp.uint32)
-    low, high = ((words >> (16 * parity + 8 * j)) & 0xFF for j in range(2))
-    return ((low << 4) | (high << 20)) | jnp.uint32(_SCALE_BASE | _SCALE_BASE << 16)
+def decode_scale_bits(words, j: int) -> jax.Array:
+    """Plain-jnp twin of `_scale_asm`: scale words -> bf16x2 bit patterns with scale j of the word
+    (byte j, times 2^119) in both halves."""
+    code = (jnp.asarray(words, jnp.uint32) >> (8 * j)) & 0xFF
+    return ((code << 4) | (code << 20)) | jnp.uint32(_SCALE_BASE | _SCALE_BASE << 16)
 
 
 def scale_values(words) -> jax.Array:
     """Scale words `[..., W]` -> fp32 scales `[..., 4 W]` (without SCALE_FACTOR)."""
-    pairs = jnp.stack([decode_scale_bits(words, parity) for parity in range(2)], axis=-1)  # [..., W, 2]
-    halves = jnp.stack([pairs & 0xFFFF, pairs >> 16], axis=-1).astype(jnp.uint16)  # [..., W, 2, 2]
-    values = jax.lax.bitcast_convert_type(halves, jnp.bfloat16).astype(jnp.float32) / SCALE_FACTOR
-    return values.reshape(*values.shape[:-3], -1)
+    low_halves = jnp.stack([decode_scale_bits(words, j) & 0xFFFF for j in range(_SCALES_PER_WORD)], axis=-1)
+    values = jax.lax.bitcast_convert_type(low_halves.astype(jnp.uint16), jnp.bfloat16).astype(jnp.float32)
+    return (values / SCALE_FACTOR).reshape(*values.shape[:-2], -1)
 
 
 def decode_pair_bits(words, pair: int) -> jax.Array:
@@ -175,10 +172,10 @@ def decode_pair_bits(words, pair: int) -> jax.Array:
     return moved & jnp.uint32(_PAIR_MASK)
 
 
-def _scale_pair_asm(parity: int) -> str:
-    """PTX: $1 = a scale word -> $0 = bf16x2 of its scales 2 parity and 2 parity + 1 (times 2^119)."""
+def _scale_asm(j: int) -> str:
+    """PTX: $1 = a scale word -> $0 = bf16x2 with its scale j (times 2^119) in both halves."""
     return ("{ .reg .b32 t, zero; mov.b32 zero, 0; "
-            f"prmt.b32 t, $1, zero, {_SCALE_SELECTORS[parity]:#x}; shl.b32 t, t, 4; "
+            f"prmt.b32 t, $1, zero, {_SCALE_SELECTOR + 0x101 * j:#x}; shl.b32 t, t, 4; "
             f"or.b32 $0, t, {_SCALE_BASE | _SCALE_BASE << 16:#x}; }}")
 
 
@@ -214,13 +211,40 @@ def for_each_index(count: int, body) -> None:
             scf.yield_([])
 
 
+def weight_words(packed, tile_k: int, line_box: bool):
+    """In an inline_mgpu body: `word_at(m, c, half)`, this thread's packed word of 64-row tile m, 32-value
+    group c and row half (WGMMA_8BIT's register [m, c, .., half, ..]: row 64 m + 16 warp + lane / 4 + 8 half,
+    bytes 16 c + 4 (lane % 4) .. + 3), from `packed`'s registers or, with `line_box`, from its smem lines."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, gpu, llvm
+    from jax.experimental.mosaic.gpu import utils
+
+    i32 = ir.IntegerType.get_signless(32)
+    if not line_box:
+        return lambda m, c, half: utils.bitcast(packed.registers[m, c, 0, 0, half, 0, 0, 0, 0], i32)
+    index, row_bytes = ir.IndexType.get(), tile_k // 2
+    tid = arith.remui(gpu.thread_id(gpu.Dimension.x), utils.c(128, index))
+    warp, lane = arith.divui(tid, utils.c(32, index)), arith.remui(tid, utils.c(32, index))
+    row0 = arith.addi(arith.muli(warp, utils.c(16, index)), arith.divui(lane, utils.c(4, index)))
+    thread_byte = arith.index_cast(i32, arith.addi(arith.muli(row0, utils.c(row_bytes, index)),
+                                                   arith.muli(arith.remui(lane, utils.c(4, index)), utils.c(4, index))))
+    base = utils.memref_ptr(packed)
+
+    def word_at(m, c, half):
+        offset = arith.addi(thread_byte, utils.c((64 * m + 8 * half) * row_bytes + 16 * c, i32))
+        return llvm.load(i32, utils.getelementptr(base, [offset], ir.IntegerType.get_signless(8)))
+
+    return word_at
+
+
 def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False):
     """inline_mgpu body: bytes [tile_n, tile_k/2] (WGMMA_8BIT layout; with `line_box` the step's smem
     tile itself, its rows one after another, which each thread reads its words from), the step's scale
-    words (smem) and a staging buffer (smem, `tile_n * tile_k / 32` words) -> bf16 [tile_n, tile_k] (WGMMA).
+    words (smem) and a staging buffer (smem, `tile_n * tile_k / 16` words) -> bf16 [tile_n, tile_k] (WGMMA).
 
-    First the warpgroup converts the step's scale words into bf16x2 pairs in the staging buffer, a
-    word or two per thread; then each thread reads its rows' pairs from there. Converting in each
+    First the warpgroup converts the step's scale words into one bf16x2 register per block scale (the
+    scale in both halves) in the staging buffer, a word or two of scales per thread; then each thread
+    reads its rows' scales from there. Converting in each
     thread's own registers instead took 6-17 more registers (101 for 64-row programs, 184 for 128), one
     program fewer per SM, and was 12 % slower at T = 8 (H200, benchmarks/moe/RESULTS.md, session 16).
     A thread's registers: first index the 64-row tile m, second the column group; its rows are
@@ -231,18 +255,18 @@ def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False):
     from jax.experimental.mosaic.gpu import utils
 
     groups = tile_k // _K_PER_WORD_GROUP
-    words = tile_n * tile_k // (16 * _SCALES_PER_WORD)  # the step's scale words; pairs 2 w, 2 w + 1 from word w
+    words = tile_n * tile_k // (16 * _SCALES_PER_WORD)  # the step's scale words; staged 4 w .. 4 w + 3 from word w
 
     def stage_scales(scale_ref, staged_ref):
         i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-        utils.warpgroup_barrier()  # the previous step's decode has read the staged pairs
+        utils.warpgroup_barrier()  # the previous step's decode has read the staged scales
 
         def convert(w):
             word = memref.load(scale_ref, [arith.divui(w, utils.c(_SCALE_ROW, index)),
                                            arith.remui(w, utils.c(_SCALE_ROW, index))])
-            for parity in range(2):
-                pair = llvm.inline_asm(i32, [word], _scale_pair_asm(parity), "=r,r")
-                memref.store(pair, staged_ref, [arith.addi(arith.muli(w, utils.c(2, index)), utils.c(parity, index))])
+            staged = [llvm.inline_asm(i32, [word], _scale_asm(j), "=r,r") for j in range(_SCALES_PER_WORD)]
+            vector.store(vector.from_elements(ir.VectorType.get((_SCALES_PER_WORD,), i32), staged), staged_ref,
+                         [arith.muli(w, utils.c(_SCALES_PER_WORD, index))])
 
         for_each_index(words, convert)
         utils.warpgroup_barrier()
@@ -254,35 +278,21 @@ def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False):
         tid = arith.remui(gpu.thread_id(gpu.Dimension.x), utils.c(128, index))
         warp, lane = arith.divui(tid, utils.c(32, index)), arith.remui(tid, utils.c(32, index))
         row0 = arith.addi(arith.muli(warp, utils.c(16, index)), arith.divui(lane, utils.c(4, index)))
-        if line_box:  # the WGMMA_8BIT word (m, c, half): row 64 m + row0 + 8 half, bytes 16 c + 4 (lane % 4)
-            i8 = ir.IntegerType.get_signless(8)
-            base = utils.memref_ptr(packed)
-            thread_byte = arith.index_cast(i32, arith.addi(arith.muli(row0, utils.c(tile_k // 2, index)),
-                                                           arith.muli(arith.remui(lane, utils.c(4, index)),
-                                                                      utils.c(4, index))))
-
-            def word_at(m, c, half):
-                offset = arith.addi(thread_byte, utils.c((64 * m + 8 * half) * (tile_k // 2) + 16 * c, i32))
-                return llvm.load(i32, utils.getelementptr(base, [offset], i8))
-        else:
-            def word_at(m, c, half):
-                return utils.bitcast(packed.registers[m, c, 0, 0, half, 0, 0, 0, 0], i32)
+        word_at = weight_words(packed, tile_k, line_box)
         stage_scales(scale_ref, staged_ref)
         out = np.empty(fa.WGMMA_LAYOUT.registers_shape((tile_n, tile_k)), dtype=object)
         for m in range(tile_n // 64):
             for half in range(2):
                 row = arith.addi(row0, utils.c(64 * m + 8 * half, index))
-                pairs = vector.load(ir.VectorType.get((groups,), i32), staged_ref,
-                                    [arith.muli(row, utils.c(groups, index))])
+                row_scales = arith.muli(row, utils.c(2 * groups, index))  # the row's staged block scales
                 for c in range(groups):
                     word = word_at(m, c, half)
-                    scales = vector.extract(pairs, dynamic_position=[], static_position=[c])
-                    # Pairs 0-1 are in the first scale block, 2-3 in the second: each scale in both halves.
-                    block_scales = [llvm.inline_asm(i32, [scales], f"prmt.b32 $0, $1, 0, {selector:#x};", "=r,r")
-                                    for selector in _BROADCAST_SELECTORS]
+                    # Pairs 0-1 are in the group's first scale block, 2-3 in its second.
+                    scales = vector.load(ir.VectorType.get((2,), i32), staged_ref,
+                                         [arith.addi(row_scales, utils.c(2 * c, index))])
                     for pair in range(4):
-                        reg = llvm.inline_asm(i32, [word, block_scales[pair // 2]], _decode_pair_asm(pair),
-                                              "=r,r,r")
+                        block_scale = vector.extract(scales, dynamic_position=[], static_position=[pair // 2])
+                        reg = llvm.inline_asm(i32, [word, block_scale], _decode_pair_asm(pair), "=r,r,r")
                         out[m, 4 * c + pair, 0, 0, half, 0, 0, 0, 0] = utils.bitcast(reg, pair_type)
         return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
@@ -385,10 +395,10 @@ def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool, line_bo
 
 
 def _scratch(tile_n: int, tile_k: int, block_t: int, out_dtype, scaled: bool, scattered: bool) -> dict:
-    """A program's shared memory besides its pipeline: the output tile, the staged scale pairs and, with
+    """A program's shared memory besides its pipeline: the output tile, the staged block scales and, with
     global scales, the tile's scales and their barrier; with row destinations, the block's and theirs."""
     scratch = dict(out_smem=plgpu.SMEM((block_t, tile_n), out_dtype),
-                   staged_smem=plgpu.SMEM((tile_n * tile_k // _K_PER_WORD_GROUP,), jnp.uint32))
+                   staged_smem=plgpu.SMEM((tile_n * tile_k // 16,), jnp.uint32))  # a word per block scale
     if scaled:
         scratch.update(scale_smem=plgpu.SMEM((tile_n,), jnp.float32), scale_barrier=plgpu.Barrier())
     if scattered:
@@ -417,8 +427,7 @@ def _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, *, block_t
 
 def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
                    stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
-                   row_destination=None, out_rows: int | None = None, warp_specialized: bool = False,
-                   line_box: bool = False):
+                   row_destination=None, out_rows: int | None = None):
     """`xs [B*block_t, K]` bf16, `block_expert [B]` int32 (-1: skip the block),
     `packed [E, K/tile_k, N, tile_k/2]` uint8 and `scales [E, K/tile_k, N, tile_k/64]` uint32 (`pack_weights`) ->
     `[splits, B*block_t, N]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
@@ -430,20 +439,17 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     once (half the bytes to write, and nothing left for XLA to scale). With it, `row_destination
     [B, block_t]` int32 (-1: drop the row) and `out_rows` write each block row to that row of a
     `[1, out_rows, N]` output instead, one row at a time: decode blocks then write only their
-    (token, expert) pairs, in pair order (rows nobody writes are left unwritten). `warp_specialized`: a
-    second warpgroup of the program only issues the copies (`emit_pipeline_warp_specialized`), so the
-    warpgroup that decodes and multiplies never issues or re-arms a copy itself. `line_box`: each step's
-    weight tile (contiguous in the K-step-major layout) is copied as 128-byte lines, unswizzled, and the
-    decode reads its words from shared memory itself: for tile_k 64 one box of 32 lines, not 128 rows
-    of 32 bytes (tile_n * tile_k / 256 must be whole lines)."""
-    if line_box and (tile_n * tile_k // 2) % _LINE:
-        raise ValueError(f"line_box needs tile_n * tile_k / 2 a multiple of {_LINE}: tile_n {tile_n}, tile_k {tile_k}")
+    (token, expert) pairs, in pair order (rows nobody writes are left unwritten). Weight rows shorter
+    than 128 bytes (tile_k < 256) are copied as 128-byte lines (their K step's tile is contiguous),
+    unswizzled, and the decode loads its words from shared memory itself: for the down GEMM's tile_k 64
+    one box of 32 lines, not 128 rows of 32 bytes, was 5-7 % faster (H200, session 18)."""
     scaled, scattered = _check_operands(xs, block_expert, packed, scales, block_t=block_t, tile_k=tile_k, splits=splits,
                                         tile_n=tile_n, shared_rows=shared_rows, global_scale=global_scale,
                                         row_destination=row_destination, out_rows=out_rows)
     k, n, blocks = xs.shape[1], packed.shape[2], block_expert.shape[0]
     k_steps = k // (tile_k * splits)
     scales = _fold_scales(scales, tile_k)
+    line_box = tile_k // 2 < _LINE
     if line_box:  # a K step's tile of rows is contiguous (`pack_k_steps`): the same bytes as lines
         packed = packed.reshape(*packed.shape[:2], -1, _LINE)
     in_specs, decode, store_transposed = _tile_programs(tile_n, tile_k, block_t, scaled, line_box)
@@ -460,15 +466,18 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         expert = block_expert_gmem[b]
         k0 = si * k_steps
 
-        specs = in_specs(expert, k0, ni, 0 if shared_rows else b)
+        def acc_scope(acc_ref):
+            def step(_, w_smem, s_smem, x_smem):
+                weights = w_smem if line_box else plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT)
+                plgpu.wgmma(acc_ref, decode(weights, s_smem, staged_smem), x_smem.transpose((1, 0)))
+                plgpu.wgmma_wait(0)
 
-        def multiply(w_smem, s_smem, x_smem, acc_ref):
-            weights = w_smem if line_box else plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT)
-            plgpu.wgmma(acc_ref, decode(weights, s_smem, staged_smem), x_smem.transpose((1, 0)))
-            plgpu.wgmma_wait(0)
+            plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=in_specs(expert, k0, ni, 0 if shared_rows else b),
+                                max_concurrent_steps=stages)(packed_gmem, scales_gmem, xs_gmem)
+            return acc_ref[...]
 
-        def finish(run_k_loop):
-            """Starts the epilogue's copies, runs the K loop into an accumulator, writes the tile."""
+        @pl.when(expert >= 0)  # unused blocks (expert -1) are skipped; their output is left unwritten
+        def _():
             # The tile's global scales and the block's row destinations arrive while the K loop runs (read
             # from global memory after it, each destination cost a load's latency at the program's end).
             if scaled:
@@ -476,11 +485,6 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                                         scale_barrier)
             if scattered:
                 plgpu.copy_gmem_to_smem(row_destination_gmem.at[b], destination_smem, destination_barrier)
-
-            def acc_scope(acc_ref):
-                run_k_loop(acc_ref)
-                return acc_ref[...]
-
             acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, block_t)))
             for barrier in (scale_barrier, destination_barrier):
                 if barrier is not None:
@@ -489,29 +493,12 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                         scale_smem=scale_smem, destination_smem=destination_smem)
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(expert >= 0)  # unused blocks (expert -1) are skipped; their output is left unwritten
-        def _():
-            if not warp_specialized:
-                finish(lambda acc_ref: plgpu.emit_pipeline(
-                    lambda _, *refs: multiply(*refs, acc_ref), grid=(k_steps,), in_specs=specs,
-                    max_concurrent_steps=stages)(packed_gmem, scales_gmem, xs_gmem))
-                return
-
-            def step(_, w_smem, s_smem, x_smem, acc_ref):
-                multiply(w_smem, s_smem, x_smem, acc_ref)
-                return acc_ref
-
-            plgpu.emit_pipeline_warp_specialized(
-                step, grid=(k_steps,), memory_registers=40, in_specs=specs, max_concurrent_steps=stages,
-                wg_axis="wg", num_compute_wgs=1, compute_context=finish)(packed_gmem, scales_gmem, xs_gmem)
-
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((splits, out_rows if scattered else blocks * block_t, n), out_dtype),
         grid=(blocks, n // tile_n, splits),
         grid_names=("b", "n", "s"),
         scratch_types=_scratch(tile_n, tile_k, block_t, out_dtype, scaled, scattered),
-        **(dict(num_threads=2, thread_name="wg") if warp_specialized else {}),
     )
     return call(block_expert, xs, packed, scales, *optional)
 
@@ -527,12 +514,11 @@ def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: 
 
 def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int = 1,
                             stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
-                            row_destination=None, out_rows: int | None = None, warp_specialized: bool = False,
-                            line_box: bool = False):
+                            row_destination=None, out_rows: int | None = None):
     """`grouped_matmul`'s contract in plain jnp, from the kernel layouts (for CPU tests of code that
     calls the kernel): decodes the words as the PTX does, then `grouped_matmul_reference`. Blocks
     of expert -1 get NaN, as the kernel leaves them unwritten (any bits); one split holds the whole sum."""
-    del splits, stages, tile_n, warp_specialized, line_box
+    del splits, stages, tile_n
     e, k_steps, n, _ = packed.shape
     k = k_steps * tile_k
     rows = jnp.moveaxis(packed, 1, 2).reshape(e, n, k // 32, 4, 4)  # back to [E, N, K/2], by 32 values and thread

@@ -188,14 +188,13 @@ def default_config(tokens: int) -> dict:
                 block_t=8 if tokens <= 64 else 32 if small_blocks else 64, gate_up_splits=4 if tokens == 1 else 1,
                 gate_up_stages=2, gate_up_tile_n=128 if 64 < tokens <= 1024 else 64,
                 down_tile_n=64 if tokens == 1 else 128, down_stages=4, gate_up_epilogue=not shared,
-                down_epilogue=not shared, warp_specialized=False, down_line_box=False)
+                down_epilogue=not shared)
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
               gate_up_splits: int | None = None, gate_up_stages: int | None = None, gate_up_tile_n: int | None = None,
               down_tile_n: int | None = None, down_stages: int | None = None, block_builder: str | None = None,
               gate_up_epilogue: bool | None = None, down_epilogue: bool | None = None,
-              warp_specialized: bool | None = None, down_line_box: bool | None = None,
               expert_offset: int | jax.Array | None = None, matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
@@ -204,8 +203,6 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     applies the global scales and writes bf16 (gate/up only with one K split; `grouped_matmul(global_scale=)`),
     and at decode the down GEMM writes each pair's row in pair order (`row_destination=`). `expert_offset`: the
     weights are one device's experts from that index on (expert parallelism); other pairs count zero.
-    `warp_specialized`: both GEMMs' copies come from a warpgroup of their own (`grouped_matmul(warp_specialized=)`).
-    `down_line_box`: the down GEMM's weight tiles are copied as 128-byte lines (`grouped_matmul(line_box=)`).
     `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation)."""
     tokens, top_k = ids.shape
     config = default_config(tokens)
@@ -219,8 +216,6 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     gate_up_epilogue = config["gate_up_epilogue"] if gate_up_epilogue is None else gate_up_epilogue
     down_epilogue = config["down_epilogue"] if down_epilogue is None else down_epilogue
     gate_up_tile_n = config["gate_up_tile_n"] if gate_up_tile_n is None else gate_up_tile_n
-    warp_specialized = config["warp_specialized"] if warp_specialized is None else warp_specialized
-    down_line_box = config["down_line_box"] if down_line_box is None else down_line_box
     hidden, intermediate = x.shape[1], down.packed.shape[1] * down.tile_k
     num_experts = gate_up.packed.shape[0]
     if block_builder not in ("shared", "sort", "compare"):
@@ -238,7 +233,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     scaled_gate_up = gate_up_epilogue and gate_up_splits == 1  # else XLA adds the splits and scales
     gu = matmul(xs, block_expert, gate_up.packed, gate_up.scales, block_t=block_t, tile_k=gate_up.tile_k,
                 splits=gate_up_splits, stages=gate_up_stages, tile_n=gate_up_tile_n, shared_rows=shared,
-                global_scale=gate_up.global_scale if scaled_gate_up else None, warp_specialized=warp_specialized)
+                global_scale=gate_up.global_scale if scaled_gate_up else None)
     if not scaled_gate_up:
         row_expert = jnp.maximum(jnp.repeat(block_expert, block_t), 0)  # unused rows: any expert, never read
         # One global scale per projection (gate, up): [rows, 2] gathered, not a row of N scales per row.
@@ -247,8 +242,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         gu = gu.reshape(1, -1, 2 * intermediate).astype(x.dtype)
     act = mg._swiglu(gu[0, :, :intermediate], gu[0, :, intermediate:]).astype(x.dtype)
     down_gemm = functools.partial(matmul, act, block_expert, down.packed, down.scales, block_t=block_t,
-                                  tile_k=down.tile_k, splits=1, stages=down_stages, tile_n=down_tile_n,
-                                  warp_specialized=warp_specialized, line_box=down_line_box)
+                                  tile_k=down.tile_k, splits=1, stages=down_stages, tile_n=down_tile_n)
     if not down_epilogue:
         # Only the pairs' rows are scaled and weighted (rows of unused blocks and padding are not).
         pair_expert = jnp.minimum(local_ids.reshape(-1), num_experts - 1)

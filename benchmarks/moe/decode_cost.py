@@ -37,8 +37,6 @@ def cheap_decode(mode: str):
     """A stand-in for `nm._decode_tile` (same signature): "no_scales" or "raw" (see the module doc)."""
 
     def make(tile_n: int, tile_k: int, line_box: bool = False):
-        if line_box:
-            raise NotImplementedError("the stand-ins take the weights in registers (line_box=False)")
         from jax._src.lib.mlir import ir
         from jax._src.lib.mlir.dialects import llvm
         from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -49,10 +47,11 @@ def cheap_decode(mode: str):
             i32, bf16 = ir.IntegerType.get_signless(32), ir.BF16Type.get()
             out = np.empty(fa.WGMMA_LAYOUT.registers_shape((tile_n, tile_k)), dtype=object)
             ones = utils.c(0x3F803F80, i32)  # bf16x2 (1.0, 1.0) in place of the block scales
+            word_at = nm.weight_words(packed, tile_k, line_box)
             for m in range(tile_n // 64):
                 for half in range(2):
                     for c in range(tile_k // 32):
-                        word = utils.bitcast(packed.registers[m, c, 0, 0, half, 0, 0, 0, 0], i32)
+                        word = word_at(m, c, half)
                         for pair in range(4):
                             reg = word if mode == "raw" else llvm.inline_asm(
                                 i32, [word, ones], nm._decode_pair_asm(pair), "=r,r,r")

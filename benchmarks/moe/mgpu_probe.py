@@ -3,7 +3,7 @@ plain jnp, then times it at Beam's TP8 expert shapes beside the Triton NVFP4 lay
 same run. CUPTI device time per call; weights rotate over fresh expert ids so they come from HBM.
 
     OUT=dir python3 -u benchmarks/moe/mgpu_probe.py [--no-check | --layers | --bf16-prefill | --table | --gather |
-                                                     --epilogues | --warp-specialized]
+                                                     --epilogues]
 """
 
 from __future__ import annotations
@@ -192,8 +192,6 @@ def main():
     parser.add_argument("--table", action="store_true", help="both formats' layers on the model's paths, all T")
     parser.add_argument("--epilogues", action="store_true",
                         help="the layer at decode sizes with each GEMM's own epilogue on or off")
-    parser.add_argument("--warp-specialized", action="store_true",
-                        help="the decode GEMMs alone and the layer, with a copy warpgroup or line boxes or neither")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows = []
@@ -229,29 +227,6 @@ def main():
             variants = [{}, down_only] + ([both] if t <= 16 else [])
             try:
                 record(time_layers(t, variants, weights))
-            except Exception as e:  # noqa: BLE001
-                record(dict(kind="layers", t=t, error=repr(e)[:2000]))
-        return
-    if args.warp_specialized:
-        # Session 18: a second warpgroup issues the copies (`grouped_matmul(warp_specialized=True)`), and the
-        # down GEMM's weight tiles as 128-byte lines (`line_box=True`); the decode GEMMs at the layer's shapes
-        # alone, alternating, twice each, then the layer.
-        gemms = [("down T=1", 5120, 320, 8, 8, 64, 1, 4, 64), ("down T=8", 5120, 320, 57, 8, 64, 1, 4, 128),
-                 ("down T=64", 5120, 320, 223, 8, 64, 1, 4, 128), ("gate/up T=1", 640, 5120, 8, 8, 256, 4, 2, 64),
-                 ("gate/up T=8", 640, 5120, 57, 8, 256, 1, 2, 64), ("gate/up T=64", 640, 5120, 223, 8, 256, 1, 2, 64)]
-        for label, *shape, stages, tile_n in gemms:
-            variants = [({}, stages), (dict(warp_specialized=True), stages), (dict(warp_specialized=True), 2 * stages)]
-            if label.startswith("down"):
-                variants += [(dict(line_box=True), stages), (dict(line_box=True, warp_specialized=True), stages)]
-            for options, variant_stages in variants * 2:
-                try:
-                    record(dict(gemm=label, **time_kernel(rng, *shape, variant_stages, tile_n, **options)))
-                except Exception as e:  # noqa: BLE001
-                    record(dict(kind="time", gemm=label, **options, error=repr(e)[:2000]))
-        weights = layer_weights()
-        for t in (1, 8, 16, 64):
-            try:
-                record(time_layers(t, [{}, dict(warp_specialized=True), dict(down_line_box=True)], weights))
             except Exception as e:  # noqa: BLE001
                 record(dict(kind="layers", t=t, error=repr(e)[:2000]))
         return
