@@ -343,7 +343,7 @@ def _check_operands(xs, block_expert, packed, scales, *, block_t, tile_k, splits
     experts, n = packed.shape[0], packed.shape[2]
     blocks = block_expert.shape[0]
     # Shared rows: a whole block, or fewer than 8 (TMA's row tiling allows a box past the end of those only).
-    shared_ok = rows == block_t or 0 < rows < min(8, block_t + 1)
+    shared_ok = rows == block_t or 0 < rows < min(8, block_t)
     if (not (shared_ok if shared_rows else rows == blocks * block_t) or tile_n % 64 or n % tile_n
             or tile_k % TILE_K_QUANTUM or k % (tile_k * splits) or packed.shape[1:] != (k // tile_k, n, tile_k // 2)
             or scales.shape[1:] != (k // tile_k, n, tile_k // 64) or scales.dtype != jnp.uint32):

@@ -329,18 +329,36 @@ def test_negative_ids_are_not_computed(builder):
     np.testing.assert_allclose(got[:4], want, rtol=0, atol=4 * 2.0**-7 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("mode", ["full", "no_scales", "raw", "copy"])
-def test_decode_cost_stand_ins_lower_for_cuda(mode, monkeypatch):
-    """benchmarks/moe/decode_cost.py's stand-ins (cheaper decodes; "copy": no wgmma either) build the kernel."""
+def _moe_benchmark(name: str, monkeypatch):
+    """A script of benchmarks/moe as a module (its directory on the path, as when it runs)."""
     import importlib.util
     from pathlib import Path
 
     moe_benchmarks = Path(__file__).parents[2] / "benchmarks/moe"
     monkeypatch.syspath_prepend(str(moe_benchmarks))
-    spec = importlib.util.spec_from_file_location("decode_cost", moe_benchmarks / "decode_cost.py")
-    decode_cost = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(decode_cost)
-    op = functools.partial(nm.grouped_matmul, block_t=8, tile_k=256, splits=4, stages=2)
+    spec = importlib.util.spec_from_file_location(name, moe_benchmarks / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("mode", ["full", "no_scales", "raw", "copy"])
+@pytest.mark.parametrize("n,k,tile_k,splits,tile_n", [(640, 5120, 256, 4, 64), (5120, 320, 64, 1, 128)],
+                         ids=["gate_up", "down"])
+def test_decode_cost_stand_ins_lower_for_cuda(mode, n, k, tile_k, splits, tile_n, monkeypatch):
+    """benchmarks/moe/decode_cost.py's stand-ins (cheaper decodes; "copy": no wgmma either) build the kernel,
+    with weights in registers (gate/up) and from smem lines (down)."""
+    decode_cost = _moe_benchmark("decode_cost", monkeypatch)
+    op = functools.partial(nm.grouped_matmul, block_t=8, tile_k=tile_k, splits=splits, stages=2, tile_n=tile_n)
     with decode_cost.stand_in(mode):
-        text = jax.jit(op).trace(*_specs(256, 640, 5120, 8, 8, 256)).lower(lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(op).trace(*_specs(256, n, k, 8, 8, tile_k)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and ("wgmma.mma_async" in text) == (mode != "copy")
+
+
+def test_copy_ceiling_kernels_lower_for_cuda(monkeypatch):
+    """benchmarks/moe/copy_ceiling.py's copy-only pipelines build for every configuration it times."""
+    copy_ceiling = _moe_benchmark("copy_ceiling", monkeypatch)
+    for rows, cols, steps, stages, variant in copy_ceiling.CONFIGS:
+        kernel = copy_ceiling.copy_kernel(10, steps, rows, cols, stages, variant)
+        specs = (jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((40, steps, rows, cols), jnp.uint8))
+        assert "mosaic_gpu" in jax.jit(kernel).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
