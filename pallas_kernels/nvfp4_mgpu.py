@@ -211,21 +211,32 @@ def for_each_index(count: int, body) -> None:
             scf.yield_([])
 
 
+def _thread_place():
+    """In an inline_mgpu body: (row0, lane) of this thread in its warpgroup's WGMMA layouts, where row0 =
+    16 warp + lane / 4 is its first row of every 64-row tile (the second is row0 + 8)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, gpu
+    from jax.experimental.mosaic.gpu import utils
+
+    index = ir.IndexType.get()
+    tid = arith.remui(gpu.thread_id(gpu.Dimension.x), utils.c(128, index))
+    warp, lane = arith.divui(tid, utils.c(32, index)), arith.remui(tid, utils.c(32, index))
+    return arith.addi(arith.muli(warp, utils.c(16, index)), arith.divui(lane, utils.c(4, index))), lane
+
+
 def weight_words(packed, tile_k: int, line_box: bool):
     """In an inline_mgpu body: `word_at(m, c, half)`, this thread's packed word of 64-row tile m, 32-value
     group c and row half (WGMMA_8BIT's register [m, c, .., half, ..]: row 64 m + 16 warp + lane / 4 + 8 half,
     bytes 16 c + 4 (lane % 4) .. + 3), from `packed`'s registers or, with `line_box`, from its smem lines."""
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, gpu, llvm
+    from jax._src.lib.mlir.dialects import arith, llvm
     from jax.experimental.mosaic.gpu import utils
 
     i32 = ir.IntegerType.get_signless(32)
     if not line_box:
         return lambda m, c, half: utils.bitcast(packed.registers[m, c, 0, 0, half, 0, 0, 0, 0], i32)
     index, row_bytes = ir.IndexType.get(), tile_k // 2
-    tid = arith.remui(gpu.thread_id(gpu.Dimension.x), utils.c(128, index))
-    warp, lane = arith.divui(tid, utils.c(32, index)), arith.remui(tid, utils.c(32, index))
-    row0 = arith.addi(arith.muli(warp, utils.c(16, index)), arith.divui(lane, utils.c(4, index)))
+    row0, lane = _thread_place()
     thread_byte = arith.index_cast(i32, arith.addi(arith.muli(row0, utils.c(row_bytes, index)),
                                                    arith.muli(arith.remui(lane, utils.c(4, index)), utils.c(4, index))))
     base = utils.memref_ptr(packed)
@@ -250,7 +261,7 @@ def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False):
     A thread's registers: first index the 64-row tile m, second the column group; its rows are
     64 m + 16 warp + lane / 4 and that + 8 (the `half` index)."""
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, gpu, llvm, memref, vector
+    from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils
 
@@ -275,9 +286,7 @@ def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False):
         del ctx
         i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
         pair_type = ir.VectorType.get((2,), ir.BF16Type.get())
-        tid = arith.remui(gpu.thread_id(gpu.Dimension.x), utils.c(128, index))
-        warp, lane = arith.divui(tid, utils.c(32, index)), arith.remui(tid, utils.c(32, index))
-        row0 = arith.addi(arith.muli(warp, utils.c(16, index)), arith.divui(lane, utils.c(4, index)))
+        row0, lane = _thread_place()
         word_at = weight_words(packed, tile_k, line_box)
         stage_scales(scale_ref, staged_ref)
         out = np.empty(fa.WGMMA_LAYOUT.registers_shape((tile_n, tile_k)), dtype=object)
@@ -308,16 +317,14 @@ def _store_transposed(tile_n: int, block_t: int, scaled: bool):
     OUTPUT_FACTOR and its row's scale and rounded to the output's dtype (bf16), as the layer's
     reference rounds the projections."""
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, gpu, memref, vector
+    from jax._src.lib.mlir.dialects import arith, memref, vector
     from jax.experimental.mosaic.gpu import utils
 
     def body(ctx, acc, out_ref, scale_ref=None):
         del ctx
         index, f32 = ir.IndexType.get(), ir.F32Type.get()
         out_type = ir.MemRefType(out_ref.type).element_type
-        tid = arith.remui(gpu.thread_id(gpu.Dimension.x), utils.c(128, index))
-        warp, lane = arith.divui(tid, utils.c(32, index)), arith.remui(tid, utils.c(32, index))
-        row0 = arith.addi(arith.muli(warp, utils.c(16, index)), arith.divui(lane, utils.c(4, index)))
+        row0, lane = _thread_place()
         col0 = arith.muli(arith.remui(lane, utils.c(4, index)), utils.c(2, index))
         for m in range(tile_n // 64):
             for half in range(2):

@@ -216,7 +216,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     gate_up_epilogue = config["gate_up_epilogue"] if gate_up_epilogue is None else gate_up_epilogue
     down_epilogue = config["down_epilogue"] if down_epilogue is None else down_epilogue
     gate_up_tile_n = config["gate_up_tile_n"] if gate_up_tile_n is None else gate_up_tile_n
-    hidden, intermediate = x.shape[1], down.packed.shape[1] * down.tile_k
+    intermediate = down.packed.shape[1] * down.tile_k
     num_experts = gate_up.packed.shape[0]
     if block_builder not in ("shared", "sort", "compare"):
         raise ValueError(f"block_builder must be 'shared', 'sort' or 'compare', got {block_builder!r}")
