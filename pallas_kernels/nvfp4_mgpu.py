@@ -248,27 +248,20 @@ def weight_words(packed, tile_k: int, line_box: bool):
     return word_at
 
 
-def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False):
-    """inline_mgpu body: bytes [tile_n, tile_k/2] (WGMMA_8BIT layout; with `line_box` the step's smem
-    tile itself, its rows one after another, which each thread reads its words from), the step's scale
-    words (smem) and a staging buffer (smem, `tile_n * tile_k / 16` words) -> bf16 [tile_n, tile_k] (WGMMA).
-
-    First the warpgroup converts the step's scale words into one bf16x2 register per block scale (the
-    scale in both halves) in the staging buffer, a word or two of scales per thread; then each thread
-    reads its rows' scales from there. Converting in each
+def _stage_scales(tile_n: int, tile_k: int):
+    """inline_mgpu body: the step's scale words (smem) -> a staging buffer (smem, `tile_n * tile_k / 16` words):
+    the warpgroup converts them into one bf16x2 register per block scale (the scale in both halves), a word
+    or two of scales per thread, for `_decode_tile` to read its rows' scales from. Converting in each
     thread's own registers instead took 6-17 more registers (101 for 64-row programs, 184 for 128), one
-    program fewer per SM, and was 12 % slower at T = 8 (H200, benchmarks/moe/RESULTS.md, session 16).
-    A thread's registers: first index the 64-row tile m, second the column group; its rows are
-    64 m + 16 warp + lane / 4 and that + 8 (the `half` index)."""
+    program fewer per SM, and was 12 % slower at T = 8 (H200, benchmarks/moe/RESULTS.md, session 16)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils
 
-    groups = tile_k // _K_PER_WORD_GROUP
     words = tile_n * tile_k // (16 * _SCALES_PER_WORD)  # the step's scale words; staged 4 w .. 4 w + 3 from word w
 
-    def stage_scales(scale_ref, staged_ref):
+    def body(ctx, scale_ref, staged_ref):
+        del ctx
         i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
         utils.warpgroup_barrier()  # the previous step's decode has read the staged scales
 
@@ -282,19 +275,35 @@ def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False):
         for_each_index(words, convert)
         utils.warpgroup_barrier()
 
-    def body(ctx, packed, scale_ref, staged_ref):
+    return body
+
+
+def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False, chunk: int = 0, chunks: int = 1):
+    """inline_mgpu body: bytes [tile_n, tile_k/2] (WGMMA_8BIT layout; with `line_box` the step's smem
+    tile itself, its rows one after another, which each thread reads its words from) and the step's staged
+    block scales (`_stage_scales`) -> bf16 [tile_n, tile_k / chunks] (WGMMA): the step's K chunk `chunk` of
+    `chunks`. A thread's registers: first index the 64-row tile m, second the column group; its rows are
+    64 m + 16 warp + lane / 4 and that + 8 (the `half` index)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, vector
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils
+
+    groups = tile_k // _K_PER_WORD_GROUP
+    chunk_groups = range(chunk * groups // chunks, (chunk + 1) * groups // chunks)
+
+    def body(ctx, packed, staged_ref):
         del ctx
         i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
         pair_type = ir.VectorType.get((2,), ir.BF16Type.get())
-        row0, lane = _thread_place()
+        row0, _ = _thread_place()
         word_at = weight_words(packed, tile_k, line_box)
-        stage_scales(scale_ref, staged_ref)
-        out = np.empty(fa.WGMMA_LAYOUT.registers_shape((tile_n, tile_k)), dtype=object)
+        out = np.empty(fa.WGMMA_LAYOUT.registers_shape((tile_n, tile_k // chunks)), dtype=object)
         for m in range(tile_n // 64):
             for half in range(2):
                 row = arith.addi(row0, utils.c(64 * m + 8 * half, index))
                 row_scales = arith.muli(row, utils.c(2 * groups, index))  # the row's staged block scales
-                for c in range(groups):
+                for c in chunk_groups:
                     word = word_at(m, c, half)
                     # Pairs 0-1 are in the group's first scale block, 2-3 in its second.
                     scales = vector.load(ir.VectorType.get((2,), i32), staged_ref,
@@ -302,7 +311,8 @@ def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False):
                     for pair in range(4):
                         block_scale = vector.extract(scales, dynamic_position=[], static_position=[pair // 2])
                         reg = llvm.inline_asm(i32, [word, block_scale], _decode_pair_asm(pair), "=r,r,r")
-                        out[m, 4 * c + pair, 0, 0, half, 0, 0, 0, 0] = utils.bitcast(reg, pair_type)
+                        out[m, 4 * (c - chunk_groups[0]) + pair, 0, 0, half, 0, 0, 0, 0] = utils.bitcast(reg,
+                                                                                                      pair_type)
         return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
     return body
@@ -371,11 +381,12 @@ def _fold_scales(scales, tile_k: int) -> jax.Array:
     return scales.reshape(e, steps, n * per_row // _SCALE_ROW, _SCALE_ROW)
 
 
-def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool, line_box: bool):
+def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool, line_box: bool, chunks: int):
     """What a program of `tile_n` rows needs: `in_specs(expert, k0, ni, x_block)` (the pipeline's BlockSpecs:
     step kk takes the expert's packed bytes and folded scales of K step k0 + kk and row tile ni, and block
-    x_block's activations), the decode and the transposed store (`inline_mgpu` ops). `line_box`: the
-    packed bytes come as `_LINE`-byte lines, unswizzled, a box of `tile_n * tile_k / 2 / _LINE` lines."""
+    x_block's activations), the scale staging, the decode of each of the step's `chunks` K chunks and the
+    transposed store (`inline_mgpu` ops). `line_box`: the packed bytes come as `_LINE`-byte lines,
+    unswizzled, a box of `tile_n * tile_k / 2 / _LINE` lines."""
     byte_swizzle = plgpu.find_swizzle(tile_k // 2 * 8, "lhs")
     x_swizzle = plgpu.find_swizzle(tile_k * 16, "rhs")
     if line_box:
@@ -392,13 +403,14 @@ def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool, line_bo
                 plgpu.BlockSpec((None, None, scale_rows, _SCALE_ROW), lambda kk: (expert, k0 + kk, ni, 0)),
                 plgpu.BlockSpec((block_t, tile_k), lambda kk: (x_block, k0 + kk), transforms=x_transforms)]
 
-    decode = plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType() if line_box else plgpu.Layout.WGMMA_8BIT, plgpu.RefType(), plgpu.RefType()),
-        return_type=plgpu.ShapeDtypeStruct((tile_n, tile_k), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-    )(_decode_tile(tile_n, tile_k, line_box))
+    stage = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))(_stage_scales(tile_n, tile_k))
+    decodes = [plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType() if line_box else plgpu.Layout.WGMMA_8BIT, plgpu.RefType()),
+        return_type=plgpu.ShapeDtypeStruct((tile_n, tile_k // chunks), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+    )(_decode_tile(tile_n, tile_k, line_box, chunk, chunks)) for chunk in range(chunks)]
     store_transposed = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, *[plgpu.RefType()] * (1 + scaled)))(
         _store_transposed(tile_n, block_t, scaled))
-    return in_specs, decode, store_transposed
+    return in_specs, stage, decodes, store_transposed
 
 
 def _scratch(tile_n: int, tile_k: int, block_t: int, out_dtype, scaled: bool, scattered: bool) -> dict:
@@ -433,8 +445,8 @@ def _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, *, block_t
 
 
 def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
-                   stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
-                   row_destination=None, out_rows: int | None = None):
+                   stages: int = 4, tile_n: int = 64, decode_chunks: int = 1, shared_rows: bool = False,
+                   global_scale=None, row_destination=None, out_rows: int | None = None):
     """`xs [B*block_t, K]` bf16, `block_expert [B]` int32 (-1: skip the block),
     `packed [E, K/tile_k, N, tile_k/2]` uint8 and `scales [E, K/tile_k, N, tile_k/64]` uint32 (`pack_weights`) ->
     `[splits, B*block_t, N]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
@@ -453,13 +465,16 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     scaled, scattered = _check_operands(xs, block_expert, packed, scales, block_t=block_t, tile_k=tile_k, splits=splits,
                                         tile_n=tile_n, shared_rows=shared_rows, global_scale=global_scale,
                                         row_destination=row_destination, out_rows=out_rows)
+    if decode_chunks < 1 or tile_k % (TILE_K_QUANTUM * decode_chunks):
+        raise ValueError(f"decode_chunks={decode_chunks} must split tile_k={tile_k} into multiples of {TILE_K_QUANTUM}")
     k, n, blocks = xs.shape[1], packed.shape[2], block_expert.shape[0]
     k_steps = k // (tile_k * splits)
     scales = _fold_scales(scales, tile_k)
     line_box = tile_k // 2 < _LINE
     if line_box:  # a K step's tile of rows is contiguous (`pack_k_steps`): the same bytes as lines
         packed = packed.reshape(*packed.shape[:2], -1, _LINE)
-    in_specs, decode, store_transposed = _tile_programs(tile_n, tile_k, block_t, scaled, line_box)
+    in_specs, stage, decodes, store_transposed = _tile_programs(tile_n, tile_k, block_t, scaled, line_box,
+                                                                decode_chunks)
     out_dtype = xs.dtype if scaled else jnp.float32
 
     # Optional inputs, in this order: the global scales (scaled), the row destinations (scattered).
@@ -476,7 +491,13 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         def acc_scope(acc_ref):
             def step(_, w_smem, s_smem, x_smem):
                 weights = w_smem if line_box else plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT)
-                plgpu.wgmma(acc_ref, decode(weights, s_smem, staged_smem), x_smem.transpose((1, 0)))
+                stage(s_smem, staged_smem)
+                chunk_k = tile_k // decode_chunks
+                for chunk, decode in enumerate(decodes):
+                    x_chunk = x_smem if decode_chunks == 1 else x_smem.at[:, pl.ds(chunk * chunk_k, chunk_k)]
+                    plgpu.wgmma(acc_ref, decode(weights, staged_smem), x_chunk.transpose((1, 0)))
+                    if chunk + 1 < decode_chunks:  # the next chunk decodes while this one multiplies
+                        plgpu.wgmma_wait(1)
                 plgpu.wgmma_wait(0)
 
             plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=in_specs(expert, k0, ni, 0 if shared_rows else b),
@@ -520,12 +541,12 @@ def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: 
 
 
 def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int = 1,
-                            stages: int = 4, tile_n: int = 64, shared_rows: bool = False, global_scale=None,
-                            row_destination=None, out_rows: int | None = None):
+                            stages: int = 4, tile_n: int = 64, decode_chunks: int = 1, shared_rows: bool = False,
+                            global_scale=None, row_destination=None, out_rows: int | None = None):
     """`grouped_matmul`'s contract in plain jnp, from the kernel layouts (for CPU tests of code that
     calls the kernel): decodes the words as the PTX does, then `grouped_matmul_reference`. Blocks
     of expert -1 get NaN, as the kernel leaves them unwritten (any bits); one split holds the whole sum."""
-    del splits, stages, tile_n
+    del splits, stages, tile_n, decode_chunks
     e, k_steps, n, _ = packed.shape
     k = k_steps * tile_k
     rows = jnp.moveaxis(packed, 1, 2).reshape(e, n, k // 32, 4, 4)  # back to [E, N, K/2], by 32 values and thread

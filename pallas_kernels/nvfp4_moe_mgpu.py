@@ -188,14 +188,14 @@ def default_config(tokens: int) -> dict:
                 block_t=8 if tokens <= 64 else 32 if small_blocks else 64, gate_up_splits=4 if tokens == 1 else 1,
                 gate_up_stages=2, gate_up_tile_n=128 if 64 < tokens <= 1024 else 64,
                 down_tile_n=64 if tokens == 1 else 128, down_stages=4, gate_up_epilogue=not shared,
-                down_epilogue=not shared)
+                down_epilogue=not shared, gate_up_decode_chunks=1)
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
               gate_up_splits: int | None = None, gate_up_stages: int | None = None, gate_up_tile_n: int | None = None,
               down_tile_n: int | None = None, down_stages: int | None = None, block_builder: str | None = None,
               gate_up_epilogue: bool | None = None, down_epilogue: bool | None = None,
-              expert_offset: int | jax.Array | None = None, matmul=nm.grouped_matmul):
+              gate_up_decode_chunks: int | None = None, expert_offset: int | jax.Array | None = None, matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
     (`_shared_blocks`; its blocks have T rows rounded up to 8, whatever `block_t` says), "sort"
@@ -216,6 +216,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     gate_up_epilogue = config["gate_up_epilogue"] if gate_up_epilogue is None else gate_up_epilogue
     down_epilogue = config["down_epilogue"] if down_epilogue is None else down_epilogue
     gate_up_tile_n = config["gate_up_tile_n"] if gate_up_tile_n is None else gate_up_tile_n
+    if gate_up_decode_chunks is None:
+        gate_up_decode_chunks = config["gate_up_decode_chunks"]
     intermediate = down.packed.shape[1] * down.tile_k
     num_experts = gate_up.packed.shape[0]
     if block_builder not in ("shared", "sort", "compare"):
@@ -232,7 +234,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         xs = rg.gather_rows_on_backend(x, row_tokens(row_pair, top_k, tokens), block_expert, block_t=block_t)
     scaled_gate_up = gate_up_epilogue and gate_up_splits == 1  # else XLA adds the splits and scales
     gu = matmul(xs, block_expert, gate_up.packed, gate_up.scales, block_t=block_t, tile_k=gate_up.tile_k,
-                splits=gate_up_splits, stages=gate_up_stages, tile_n=gate_up_tile_n, shared_rows=shared,
+                splits=gate_up_splits, stages=gate_up_stages, tile_n=gate_up_tile_n,
+                decode_chunks=gate_up_decode_chunks, shared_rows=shared,
                 global_scale=gate_up.global_scale if scaled_gate_up else None)
     if not scaled_gate_up:
         row_expert = jnp.maximum(jnp.repeat(block_expert, block_t), 0)  # unused rows: any expert, never read

@@ -111,14 +111,15 @@ def _specs(experts, n, k, blocks, block_t, tile_k, shared_rows=False):
             spec((experts, k // tile_k, n, tile_k // 64), jnp.uint32))
 
 
-@pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,stages,output", [
-    (640, 5120, 8, 8, 256, 4, 64, False, 2, "sums"), (640, 5120, 8, 8, 256, 1, 128, False, 4, "scaled"),
-    (5120, 320, 5, 16, 64, 1, 256, False, 4, "by_pair"), (640, 5120, 64, 16, 256, 1, 64, True, 2, "scaled"),
-    (5120, 320, 57, 8, 64, 1, 128, True, 4, "sums"), (5120, 320, 8, 8, 64, 1, 64, True, 4, "scaled")])
-def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, stages, output):
+@pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,stages,output,chunks", [
+    (640, 5120, 8, 8, 256, 4, 64, False, 2, "sums", 1), (640, 5120, 8, 8, 256, 1, 128, False, 4, "scaled", 1),
+    (5120, 320, 5, 16, 64, 1, 256, False, 4, "by_pair", 1), (640, 5120, 64, 16, 256, 1, 64, True, 2, "scaled", 1),
+    (5120, 320, 57, 8, 64, 1, 128, True, 4, "sums", 1), (5120, 320, 8, 8, 64, 1, 64, True, 4, "scaled", 1),
+    (640, 5120, 57, 8, 256, 1, 64, True, 2, "sums", 4), (640, 5120, 30, 8, 256, 1, 64, False, 2, "scaled", 2)])
+def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, stages, output, chunks):
     """Beam's gate/up and down shapes lower to Mosaic GPU on the CPU (the PTX is built on the GPU)."""
     op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits, tile_n=tile_n,
-                           shared_rows=shared_rows, stages=stages)
+                           decode_chunks=chunks, shared_rows=shared_rows, stages=stages)
     specs = _specs(256, n, k, blocks, block_t, tile_k, shared_rows)
     if output != "sums":
         spec = jax.ShapeDtypeStruct
@@ -131,14 +132,16 @@ def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_r
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("experts,n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows", [
-    (16, 128, 512, 3, 8, 256, 1, 64, False), (16, 192, 320, 5, 16, 64, 1, 64, False),
-    (8, 64, 1024, 2, 8, 256, 2, 64, False), (32, 640, 5120, 4, 8, 256, 4, 64, False),
-    (16, 384, 320, 3, 8, 64, 1, 128, False), (16, 512, 320, 2, 8, 64, 1, 256, False),
-    (16, 128, 512, 5, 24, 256, 2, 128, True), (8, 192, 320, 4, 8, 64, 1, 64, True),
+@pytest.mark.parametrize("experts,n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,chunks", [
+    (16, 128, 512, 3, 8, 256, 1, 64, False, 1), (16, 192, 320, 5, 16, 64, 1, 64, False, 1),
+    (8, 64, 1024, 2, 8, 256, 2, 64, False, 1), (32, 640, 5120, 4, 8, 256, 4, 64, False, 1),
+    (16, 384, 320, 3, 8, 64, 1, 128, False, 1), (16, 512, 320, 2, 8, 64, 1, 256, False, 1),
+    (16, 128, 512, 5, 24, 256, 2, 128, True, 1), (8, 192, 320, 4, 8, 64, 1, 64, True, 1),
+    (16, 128, 512, 3, 8, 256, 1, 64, False, 4), (16, 256, 768, 5, 16, 256, 1, 128, True, 2),
 ])
-def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows):
-    """The fp32 partial sums; with one split also the finished bf16 projection (`global_scale`)."""
+def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, chunks):
+    """The fp32 partial sums; with one split also the finished bf16 projection (`global_scale`); steps
+    decoded and multiplied whole or in K chunks (`decode_chunks`)."""
     rng = np.random.default_rng(n + k)
     codes = rng.integers(0, 16, (experts, n, k), dtype=np.uint8)
     scale = e4m3_scales(rng, (experts, n, k // 16), signed=True)
@@ -147,7 +150,7 @@ def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits
     block_expert = rng.integers(0, experts, blocks).astype(np.int32)
     operands = (jnp.asarray(x), jnp.asarray(block_expert),
                 *nm.pack_weights(codes, scale, tile_k))
-    settings = dict(block_t=block_t, tile_k=tile_k, tile_n=tile_n, shared_rows=shared_rows)
+    settings = dict(block_t=block_t, tile_k=tile_k, tile_n=tile_n, decode_chunks=chunks, shared_rows=shared_rows)
     got = np.asarray(nm.grouped_matmul(*operands, splits=splits, **settings)).sum(0) * nm.OUTPUT_FACTOR
     w = jnp.asarray(E2M1[codes] * np.repeat(scale.astype(np.float32), 16, axis=-1))
     want = np.asarray(nm.grouped_matmul_reference(jnp.asarray(x), jnp.asarray(block_expert), w, block_t=block_t,
@@ -287,16 +290,17 @@ def test_unknown_block_builder_is_rejected():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens,down_tile_n,builder,epilogue", [
-    (1, 64, None, "none"), (1, 64, None, "both"), (8, 128, None, "none"), (8, 128, None, "both"),
-    (8, 128, None, "down"), (8, 64, "sort", "both"), (13, 64, None, "both"), (32, 64, "shared", "none"),
-    (64, 256, None, "both"), (300, 64, None, "both")])
-def test_layer_matches_reference_on_gpu(tokens, down_tile_n, builder, epilogue):
-    """Beam's per-GPU TP8 expert shape on the kernel (None: `default_config`'s blocks), with and
-    without the kernel's own epilogue."""
+@pytest.mark.parametrize("tokens,down_tile_n,builder,epilogue,chunks", [
+    (1, 64, None, "none", None), (1, 64, None, "both", None), (8, 128, None, "none", None),
+    (8, 128, None, "both", None), (8, 128, None, "down", None), (8, 64, "sort", "both", None),
+    (13, 64, None, "both", None), (32, 64, "shared", "none", None), (64, 256, None, "both", None),
+    (300, 64, None, "both", None), (8, 128, None, "down", 4), (40, 128, None, "both", 2)])
+def test_layer_matches_reference_on_gpu(tokens, down_tile_n, builder, epilogue, chunks):
+    """Beam's per-GPU TP8 expert shape on the kernel (None: `default_config`'s blocks and gate/up decode
+    chunks), with and without the kernel's own epilogue."""
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 5120, 320, 256, 8, tile_k=256)
     layer = functools.partial(nmm.moe_nvfp4, down_tile_n=down_tile_n, block_builder=builder,
-                              **_epilogues(epilogue))
+                              gate_up_decode_chunks=chunks, **_epilogues(epilogue))
     _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
 
 
