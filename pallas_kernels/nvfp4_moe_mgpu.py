@@ -115,7 +115,8 @@ def _blocks_by_comparison(ids, num_experts: int, block_t: int):
     """`pair_blocks` without a sort or scatters, for decode batches: every quantity is a compare-and-count
     over [pairs, pairs], [experts, experts], [blocks, experts] or [rows, pairs], a few XLA fusions
     where the sorted version is about a dozen small kernels (run Q: 17 us of XLA at T = 8). Memory
-    grows with pairs^2: meant for T <= 64. Not yet timed on a GPU."""
+    grows with pairs^2: meant for T <= 64. H200 (RESULTS.md, session 19 run D): the layer took 155.0 us
+    against 163.9 with sorted blocks at T = 32, and 207.4 against 215.8 at T = 64."""
     tokens, top_k = ids.shape
     pairs = tokens * top_k
     num_blocks = _max_blocks(pairs, num_experts, block_t)
@@ -182,13 +183,17 @@ def default_config(tokens: int) -> dict:
     (223.1 against 231.6 us at T = 64, 172.4 against 175.8 at T = 32); 65-1024 tokens are untimed since.
     With shared rows the down GEMM's epilogue alone still gains nothing (session 17, run B: the combine
     reads 16x fewer bytes, 4.6 -> 2.0 us at T = 8, but the GEMM takes 1.5-3 us longer and the row
-    destinations cost two XLA kernels)."""
+    destinations cost two XLA kernels). Past 16 tokens and up to 64 the blocks are built by compare-and-count
+    (`_blocks_by_comparison`: 8-9 us faster than sorting them at T = 32 and 64, session 19 run D). Up to 8
+    tokens the gate/up GEMM decodes and multiplies each step in two K chunks: 96 registers instead of 108,
+    5 programs an SM instead of 4, and the layer took 60.9 us against 66.8 at T = 8 (equal at T = 1, 32 and 64,
+    1.2 us slower at T = 16; four chunks: 68 registers, 62.0 us at T = 8; session 19 run D)."""
     shared, small_blocks = tokens <= SHARED_ROWS_MAX_TOKENS, tokens <= 1024
-    return dict(block_builder="shared" if shared else "sort",
+    return dict(block_builder="shared" if shared else "compare" if tokens <= 64 else "sort",
                 block_t=8 if tokens <= 64 else 32 if small_blocks else 64, gate_up_splits=4 if tokens == 1 else 1,
                 gate_up_stages=2, gate_up_tile_n=128 if 64 < tokens <= 1024 else 64,
                 down_tile_n=64 if tokens == 1 else 128, down_stages=4, gate_up_epilogue=not shared,
-                down_epilogue=not shared, gate_up_decode_chunks=1)
+                down_epilogue=not shared, gate_up_decode_chunks=2 if tokens <= 8 else 1)
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,

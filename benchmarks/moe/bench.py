@@ -21,8 +21,8 @@ Variants (MoE layer = both GEMMs, SwiGLU, routing-weight combine; routing exclud
   mosaic      nvfp4: pallas_kernels.nvfp4_moe_mgpu.moe_nvfp4 (our Mosaic GPU GEMM, weights decoded
               in the wgmma registers; weights repacked once before timing, as at load time);
               bf16 at T >= 512: pallas_kernels.bf16_moe_mgpu.moe_bf16 (TMA + wgmma prefill GEMM);
-              mosaic_sort (1 < T <= 16) / mosaic_compare (16 < T <= 64): the same with the other blocks
-              (sorted ones, or built by compare-and-count) than its default. Timed by `time_calls`
+              mosaic_sort (1 < T <= 64): the same with sorted blocks instead of its default ones (shared
+              rows up to 16 tokens, built by compare-and-count up to 64). Timed by `time_calls`
               (no wall time)
 Routing: pallas_kernels.routing.routing_kernel against the jitted plain-jnp reference.
 
@@ -439,9 +439,7 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
         if fmt == "nvfp4":  # these take the kernel-layout weights (timed by `time_calls`)
             variants["mosaic"] = lambda xx, ww, ii, mw: nmm.moe_nvfp4(xx, ww, ii, *mw)
             if 1 < t <= 64:
-                other = "sort" if t <= nmm.SHARED_ROWS_MAX_TOKENS else "compare"
-                variants[f"mosaic_{other}"] = lambda xx, ww, ii, mw, other=other: nmm.moe_nvfp4(
-                    xx, ww, ii, *mw, block_builder=other)
+                variants["mosaic_sort"] = lambda xx, ww, ii, mw: nmm.moe_nvfp4(xx, ww, ii, *mw, block_builder="sort")
         if baselines:
             variants["ragged_dot"] = ragged_dot_layer
             if t <= 64:
