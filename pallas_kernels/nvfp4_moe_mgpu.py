@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import expert_blocks as eb
 from pallas_kernels import moe_gemm as mg
 from pallas_kernels import nvfp4_mgpu as nm
 from pallas_kernels import row_gather as rg
@@ -139,6 +140,15 @@ def _blocks_by_comparison(ids, num_experts: int, block_t: int):
     return jnp.maximum(row, 0).astype(jnp.int32), block_expert.astype(jnp.int32), row_pair
 
 
+def _blocks_in_one_program(ids, num_experts: int, block_t: int):
+    """`_blocks_by_comparison` and the rows' tokens (`row_tokens`), by one Triton program on a GPU
+    (`expert_blocks.build_blocks`), in plain jnp elsewhere."""
+    if jax.default_backend() == "gpu":
+        return eb.build_blocks(ids, num_experts, block_t)
+    pair_row, block_expert, row_pair = _blocks_by_comparison(ids, num_experts, block_t)
+    return pair_row, block_expert, row_pair, row_tokens(row_pair, ids.shape[1], ids.shape[0])
+
+
 def _shared_blocks(ids, num_experts: int, block_t: int):
     """Decode blocks that share their rows: block p is pair p's expert if no earlier pair has it (else
     -1: skipped), and every block multiplies all the step's tokens (`grouped_matmul(shared_rows=True)`),
@@ -204,7 +214,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
     (`_shared_blocks`; its blocks have T rows rounded up to 8, whatever `block_t` says), "sort"
-    (`pair_blocks`) or "compare" (`_blocks_by_comparison`). `gate_up_epilogue` / `down_epilogue`: that GEMM
+    (`pair_blocks`), "compare" (`_blocks_by_comparison`) or "kernel" (the same blocks by one Triton
+    program, `_blocks_in_one_program`; up to `expert_blocks.MAX_PAIRS` pairs). `gate_up_epilogue` / `down_epilogue`: that GEMM
     applies the global scales and writes bf16 (gate/up only with one K split; `grouped_matmul(global_scale=)`),
     and at decode the down GEMM writes each pair's row in pair order (`row_destination=`). `expert_offset`: the
     weights are one device's experts from that index on (expert parallelism); other pairs count zero.
@@ -225,14 +236,17 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         gate_up_decode_chunks = config["gate_up_decode_chunks"]
     intermediate = down.packed.shape[1] * down.tile_k
     num_experts = gate_up.packed.shape[0]
-    if block_builder not in ("shared", "sort", "compare"):
-        raise ValueError(f"block_builder must be 'shared', 'sort' or 'compare', got {block_builder!r}")
+    if block_builder not in ("shared", "sort", "compare", "kernel"):
+        raise ValueError(f"block_builder must be 'shared', 'sort', 'compare' or 'kernel', got {block_builder!r}")
     local_ids, local = mg._local_pairs(ids, expert_offset, num_experts)
     shared = block_builder == "shared"
     if shared:
         block_t = -(-tokens // 8) * 8
         pair_row, block_expert, row_pair = _shared_blocks(local_ids, num_experts, block_t)
         xs = x if tokens < 8 else jnp.pad(x, ((0, block_t - tokens), (0, 0)))  # under 8 rows the GEMM pads
+    elif block_builder == "kernel":
+        pair_row, block_expert, row_pair, row_token = _blocks_in_one_program(local_ids, num_experts, block_t)
+        xs = rg.gather_rows_on_backend(x, row_token, block_expert, block_t=block_t)
     else:
         build = _blocks_by_comparison if block_builder == "compare" and tokens > 1 else pair_blocks
         pair_row, block_expert, row_pair = build(local_ids, num_experts, block_t)
