@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import expert_blocks as eb
 from pallas_kernels import moe_gemm as mg
 from pallas_kernels import nvfp4_mgpu as nm
 from pallas_kernels import row_gather as rg
@@ -113,40 +112,29 @@ def row_tokens(row_pair, top_k: int, tokens: int):
 
 
 def _blocks_by_comparison(ids, num_experts: int, block_t: int):
-    """`pair_blocks` without a sort or scatters, for decode batches: every quantity is a compare-and-count
-    over [pairs, pairs], [experts, experts], [blocks, experts] or [rows, pairs], a few XLA fusions
-    where the sorted version is about a dozen small kernels (run Q: 17 us of XLA at T = 8). Memory
-    grows with pairs^2: meant for T <= 64. H200 (RESULTS.md, session 19 run D): the layer took 155.0 us
-    against 163.9 with sorted blocks at T = 32, and 207.4 against 215.8 at T = 64."""
+    """`pair_blocks` without a sort or scatters, for decode batches: every quantity is a count over a
+    [pairs, pairs] or [rows, pairs] comparison, a few XLA fusions where the sorted version is about a dozen
+    small kernels (run Q: 17 us of XLA at T = 8). A pair's row follows from the pairs before it: its rank
+    among its expert's pairs, and the blocks of lower experts, counted as the pairs that open a block (rank
+    a multiple of block_t). Memory grows with pairs^2: meant for T <= 64. H200 (RESULTS.md, session 19 run
+    D): the layer took 155.0 us against 163.9 with sorted blocks at T = 32, and 207.4 against 215.8 at T = 64
+    (counting blocks per expert over [experts, experts] and [blocks, experts], 9 XLA kernels at T = 64)."""
     tokens, top_k = ids.shape
     pairs = tokens * top_k
     num_blocks = _max_blocks(pairs, num_experts, block_t)
     flat = ids.reshape(-1).astype(jnp.int32)
     p = jnp.arange(pairs)
-    rank = ((flat[None, :] == flat[:, None]) & (p[None, :] < p[:, None])).sum(1)  # earlier pairs, same expert
-    counts = (flat[None, :] == jnp.arange(num_experts)[:, None]).sum(1)
-    blocks_of = -(-counts // block_t)
-    e = jnp.arange(num_experts)
-    first_block = jnp.where(e[None, :] < e[:, None], blocks_of[None, :], 0).sum(1)
     local = flat < num_experts  # `num_experts` marks another device's pair (see `pair_blocks`)
-    row = jnp.where(local, (first_block[jnp.minimum(flat, num_experts - 1)] + rank // block_t) * block_t
-                    + rank % block_t, -1)
-    b = jnp.arange(num_blocks)[:, None]
-    owns = (first_block[None, :] <= b) & (b < first_block[None, :] + blocks_of[None, :])  # one expert at most
-    block_expert = jnp.where(owns.any(1), jnp.argmax(owns, axis=1), -1)
-    r = jnp.arange(num_blocks * block_t)
-    match = row[None, :] == r[:, None]
-    row_pair = jnp.where(match.any(1), jnp.argmax(match, axis=1), -1).astype(jnp.int32)
+    rank = ((flat[None, :] == flat[:, None]) & (p[None, :] < p[:, None])).sum(1)  # earlier pairs, same expert
+    opens = local & (rank % block_t == 0)
+    first_block = ((flat[None, :] < flat[:, None]) & opens[None, :]).sum(1)  # blocks of lower experts
+    row = jnp.where(local, (first_block + rank // block_t) * block_t + rank % block_t, -1)
+    # A row holds one pair at most: the sum of (pair + 1) over its matches, less one, is that pair or -1.
+    match = row[None, :] == jnp.arange(num_blocks * block_t)[:, None]
+    row_pair = ((p + 1)[None, :] * match).sum(1).astype(jnp.int32) - 1
+    block_pair = row_pair.reshape(num_blocks, block_t)[:, 0]  # a used block's first row is taken
+    block_expert = jnp.where(block_pair >= 0, flat[jnp.maximum(block_pair, 0)], -1)
     return jnp.maximum(row, 0).astype(jnp.int32), block_expert.astype(jnp.int32), row_pair
-
-
-def _blocks_in_one_program(ids, num_experts: int, block_t: int):
-    """`_blocks_by_comparison` and the rows' tokens (`row_tokens`), by one Triton program on a GPU
-    (`expert_blocks.build_blocks`), in plain jnp elsewhere."""
-    if jax.default_backend() == "gpu":
-        return eb.build_blocks(ids, num_experts, block_t)
-    pair_row, block_expert, row_pair = _blocks_by_comparison(ids, num_experts, block_t)
-    return pair_row, block_expert, row_pair, row_tokens(row_pair, ids.shape[1], ids.shape[0])
 
 
 def _shared_blocks(ids, num_experts: int, block_t: int):
@@ -197,13 +185,16 @@ def default_config(tokens: int) -> dict:
     (`_blocks_by_comparison`: 8-9 us faster than sorting them at T = 32 and 64, session 19 run D). Up to 8
     tokens the gate/up GEMM decodes and multiplies each step in two K chunks: 96 registers instead of 108,
     5 programs an SM instead of 4, and the layer took 60.9 us against 66.8 at T = 8 (equal at T = 1, 32 and 64,
-    1.2 us slower at T = 16; four chunks: 68 registers, 62.0 us at T = 8; session 19 run D)."""
+    1.2 us slower at T = 16; four chunks: 68 registers, 62.0 us at T = 8; session 19 run D). Down GEMM
+    programs of 256 rows at 32-64 tokens: the layer took 151.0 us against 154.2 at T = 32 and 203.0 against
+    208.1 at T = 64 (session 19 run E); at T = 8 and 16 they were slower (67.8 against 66.0, 106.6 against
+    104.4, run B); 17-31 tokens are untimed."""
     shared, small_blocks = tokens <= SHARED_ROWS_MAX_TOKENS, tokens <= 1024
     return dict(block_builder="shared" if shared else "compare" if tokens <= 64 else "sort",
                 block_t=8 if tokens <= 64 else 32 if small_blocks else 64, gate_up_splits=4 if tokens == 1 else 1,
                 gate_up_stages=2, gate_up_tile_n=128 if 64 < tokens <= 1024 else 64,
-                down_tile_n=64 if tokens == 1 else 128, down_stages=4, gate_up_epilogue=not shared,
-                down_epilogue=not shared, gate_up_decode_chunks=2 if tokens <= 8 else 1)
+                down_tile_n=64 if tokens == 1 else 256 if 32 <= tokens <= 64 else 128, down_stages=4,
+                gate_up_epilogue=not shared, down_epilogue=not shared, gate_up_decode_chunks=2 if tokens <= 8 else 1)
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
@@ -214,8 +205,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
     (`_shared_blocks`; its blocks have T rows rounded up to 8, whatever `block_t` says), "sort"
-    (`pair_blocks`), "compare" (`_blocks_by_comparison`) or "kernel" (the same blocks by one Triton
-    program, `_blocks_in_one_program`; up to `expert_blocks.MAX_PAIRS` pairs). `gate_up_epilogue` / `down_epilogue`: that GEMM
+    (`pair_blocks`) or "compare" (`_blocks_by_comparison`). `gate_up_epilogue` / `down_epilogue`: that GEMM
     applies the global scales and writes bf16 (gate/up only with one K split; `grouped_matmul(global_scale=)`),
     and at decode the down GEMM writes each pair's row in pair order (`row_destination=`). `expert_offset`: the
     weights are one device's experts from that index on (expert parallelism); other pairs count zero.
@@ -236,17 +226,14 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         gate_up_decode_chunks = config["gate_up_decode_chunks"]
     intermediate = down.packed.shape[1] * down.tile_k
     num_experts = gate_up.packed.shape[0]
-    if block_builder not in ("shared", "sort", "compare", "kernel"):
-        raise ValueError(f"block_builder must be 'shared', 'sort', 'compare' or 'kernel', got {block_builder!r}")
+    if block_builder not in ("shared", "sort", "compare"):
+        raise ValueError(f"block_builder must be 'shared', 'sort' or 'compare', got {block_builder!r}")
     local_ids, local = mg._local_pairs(ids, expert_offset, num_experts)
     shared = block_builder == "shared"
     if shared:
         block_t = -(-tokens // 8) * 8
         pair_row, block_expert, row_pair = _shared_blocks(local_ids, num_experts, block_t)
         xs = x if tokens < 8 else jnp.pad(x, ((0, block_t - tokens), (0, 0)))  # under 8 rows the GEMM pads
-    elif block_builder == "kernel":
-        pair_row, block_expert, row_pair, row_token = _blocks_in_one_program(local_ids, num_experts, block_t)
-        xs = rg.gather_rows_on_backend(x, row_token, block_expert, block_t=block_t)
     else:
         build = _blocks_by_comparison if block_builder == "compare" and tokens > 1 else pair_blocks
         pair_row, block_expert, row_pair = build(local_ids, num_experts, block_t)
