@@ -461,7 +461,9 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     (token, expert) pairs, in pair order (rows nobody writes are left unwritten). Weight rows shorter
     than 128 bytes (tile_k < 256) are copied as 128-byte lines (their K step's tile is contiguous),
     unswizzled, and the decode loads its words from shared memory itself: for the down GEMM's tile_k 64
-    one box of 32 lines, not 128 rows of 32 bytes, was 5-7 % faster (H200, session 18)."""
+    one box of 32 lines, not 128 rows of 32 bytes, was 5-7 % faster (H200, session 18). `decode_chunks`: each
+    step is decoded and multiplied in that many K chunks, the next chunk decoding while the last one's wgmma
+    runs, with fewer registers live (64 x 256 steps: 108 whole, 96 in two chunks, 68 in four; H200, session 19)."""
     scaled, scattered = _check_operands(xs, block_expert, packed, scales, block_t=block_t, tile_k=tile_k, splits=splits,
                                         tile_n=tile_n, shared_rows=shared_rows, global_scale=global_scale,
                                         row_destination=row_destination, out_rows=out_rows)

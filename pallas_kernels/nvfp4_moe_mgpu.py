@@ -7,8 +7,9 @@ batches: pairs sorted into blocks of `block_t` rows), and after each GEMM adds t
 the global scales (with `gate_up_epilogue` / `down_epilogue`, the GEMMs do that themselves), SwiGLU and the routing
 weights. Rounding follows `moe_gemm_reference`.
 
-H200 (benchmarks/moe/RESULTS.md, runs T and U): 72.0 us at T = 8 and 117.5 at T = 16, against 105.6 and
-204.3 for the Triton NVFP4 layer in the same runs; the GEMMs are now ~85 % of the time.
+H200 (benchmarks/moe/RESULTS.md, session 19 run G): 18.6 / 61.0 / 104.8 / 150.2 / 201.6 us at T = 1 / 8 / 16 /
+32 / 64, against 24.7 / 104.4 / 204.3 / 272.8 / 360.4 for the Triton NVFP4 layer in the same run; the two
+GEMMs are 86-91 % of the time at T = 8-64, 67 % at T = 1.
 """
 
 from __future__ import annotations
@@ -116,9 +117,11 @@ def _blocks_by_comparison(ids, num_experts: int, block_t: int):
     [pairs, pairs] or [rows, pairs] comparison, a few XLA fusions where the sorted version is about a dozen
     small kernels (run Q: 17 us of XLA at T = 8). A pair's row follows from the pairs before it: its rank
     among its expert's pairs, and the blocks of lower experts, counted as the pairs that open a block (rank
-    a multiple of block_t). Memory grows with pairs^2: meant for T <= 64. H200 (RESULTS.md, session 19 run
-    D): the layer took 155.0 us against 163.9 with sorted blocks at T = 32, and 207.4 against 215.8 at T = 64
-    (counting blocks per expert over [experts, experts] and [blocks, experts], 9 XLA kernels at T = 64)."""
+    a multiple of block_t). Memory grows with pairs^2: meant for T <= 64. H200 (RESULTS.md, session 19): the
+    layer took 155.0 us against 163.9 with sorted blocks at T = 32, and 207.4 against 215.8 at T = 64 (run D,
+    counting blocks per expert over [experts, experts] and [blocks, experts]); counting from the pairs as
+    here is as fast (run G: 150.2 against 149.8 at T = 32, 201.6 against 202.8 at T = 64; XLA makes 9 small
+    kernels of either, ~12 us at T = 64)."""
     tokens, top_k = ids.shape
     pairs = tokens * top_k
     num_blocks = _max_blocks(pairs, num_experts, block_t)
@@ -201,13 +204,15 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
               gate_up_splits: int | None = None, gate_up_stages: int | None = None, gate_up_tile_n: int | None = None,
               down_tile_n: int | None = None, down_stages: int | None = None, block_builder: str | None = None,
               gate_up_epilogue: bool | None = None, down_epilogue: bool | None = None,
-              gate_up_decode_chunks: int | None = None, expert_offset: int | jax.Array | None = None, matmul=nm.grouped_matmul):
+              gate_up_decode_chunks: int | None = None, expert_offset: int | jax.Array | None = None,
+              matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
     (`_shared_blocks`; its blocks have T rows rounded up to 8, whatever `block_t` says), "sort"
     (`pair_blocks`) or "compare" (`_blocks_by_comparison`). `gate_up_epilogue` / `down_epilogue`: that GEMM
     applies the global scales and writes bf16 (gate/up only with one K split; `grouped_matmul(global_scale=)`),
-    and at decode the down GEMM writes each pair's row in pair order (`row_destination=`). `expert_offset`: the
+    and at decode the down GEMM writes each pair's row in pair order (`row_destination=`).
+    `gate_up_decode_chunks`: the gate/up GEMM's `decode_chunks`. `expert_offset`: the
     weights are one device's experts from that index on (expert parallelism); other pairs count zero.
     `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation)."""
     tokens, top_k = ids.shape
