@@ -35,7 +35,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.moe_gemm import _E2M1_VALUES
+from pallas_kernels.moe_gemm import _E2M1_VALUES, _swiglu
 
 # bf16 bit positions of an E2M1 code's bits (m, e0, e1, sign) in the low half of a register.
 _CODE_BIT_POSITIONS = (6, 7, 8, 15)
@@ -248,8 +248,9 @@ def weight_words(packed, tile_k: int, line_box: bool):
     return word_at
 
 
-def _stage_scales(tile_n: int, tile_k: int):
-    """inline_mgpu body: the step's scale words (smem) -> a staging buffer (smem, `tile_n * tile_k / 16` words):
+def _stage_scales(tile_n: int, tile_k: int, pieces: int = 1):
+    """inline_mgpu body: the step's scale words (smem; `pieces` refs of consecutive rows) -> a staging buffer
+    (smem, `tile_n * tile_k / 16` words):
     the warpgroup converts them into one bf16x2 register per block scale (the scale in both halves), a word
     or two of scales per thread, for `_decode_tile` to read its rows' scales from. Converting in each
     thread's own registers instead took 6-17 more registers (101 for 64-row programs, 184 for 128), one
@@ -258,31 +259,64 @@ def _stage_scales(tile_n: int, tile_k: int):
     from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
     from jax.experimental.mosaic.gpu import utils
 
-    words = tile_n * tile_k // (16 * _SCALES_PER_WORD)  # the step's scale words; staged 4 w .. 4 w + 3 from word w
+    words = tile_n * tile_k // (16 * _SCALES_PER_WORD) // pieces  # a piece's words; staged 4 w .. 4 w + 3 from word w
 
-    def body(ctx, scale_ref, staged_ref):
+    def body(ctx, *refs):
         del ctx
+        *scale_refs, staged_ref = refs
         i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
         utils.warpgroup_barrier()  # the previous step's decode has read the staged scales
 
-        def convert(w):
-            word = memref.load(scale_ref, [arith.divui(w, utils.c(_SCALE_ROW, index)),
-                                           arith.remui(w, utils.c(_SCALE_ROW, index))])
-            staged = [llvm.inline_asm(i32, [word], _scale_asm(j), "=r,r") for j in range(_SCALES_PER_WORD)]
-            vector.store(vector.from_elements(ir.VectorType.get((_SCALES_PER_WORD,), i32), staged), staged_ref,
-                         [arith.muli(w, utils.c(_SCALES_PER_WORD, index))])
+        for piece, scale_ref in enumerate(scale_refs):
+            def convert(w, scale_ref=scale_ref, first=piece * words):
+                word = memref.load(scale_ref, [arith.divui(w, utils.c(_SCALE_ROW, index)),
+                                               arith.remui(w, utils.c(_SCALE_ROW, index))])
+                staged = [llvm.inline_asm(i32, [word], _scale_asm(j), "=r,r") for j in range(_SCALES_PER_WORD)]
+                vector.store(vector.from_elements(ir.VectorType.get((_SCALES_PER_WORD,), i32), staged), staged_ref,
+                             [arith.muli(arith.addi(w, utils.c(first, index)), utils.c(_SCALES_PER_WORD, index))])
 
-        for_each_index(words, convert)
+            for_each_index(words, convert)
         utils.warpgroup_barrier()
 
     return body
 
 
-def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False, chunk: int = 0, chunks: int = 1):
+def paired_piece_words(gate, up):
+    """In an inline_mgpu body: `word_at(m, c, half)` as `weight_words` gives it for a 64-row tile whose rows
+    0-31 are the smem piece `gate` and 32-63 the piece `up`, each 32 rows of 128 bytes under TMA's 128-byte
+    swizzle (16-byte group g of row r at g ^ (r % 8)): warps 0-1 read `gate`, warps 2-3 read `up`."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic.gpu import utils
+
+    i32, i64, index = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64), ir.IndexType.get()
+    row0, lane = _thread_place()
+    in_up = arith.cmpi(arith.CmpIPredicate.uge, row0, utils.c(32, index))
+    pointers = [utils.memref_ptr(piece) for piece in (gate, up)]
+    address = arith.select(in_up, *(llvm.ptrtoint(i64, pointer) for pointer in pointers[::-1]))
+    base = llvm.inttoptr(pointers[0].type, address)
+    row = arith.index_cast(i32, arith.remui(row0, utils.c(32, index)))  # + 8 half stays in the piece
+    thread_byte = arith.addi(arith.muli(row, utils.c(_LINE, i32)),
+                             arith.index_cast(i32, arith.muli(arith.remui(lane, utils.c(4, index)),
+                                                              utils.c(4, index))))
+    swizzle = arith.andi(row, utils.c(7, i32))
+
+    def word_at(m, c, half):
+        del m  # one 64-row tile
+        group = arith.shli(arith.xori(swizzle, utils.c(c, i32)), utils.c(4, i32))
+        offset = arith.addi(arith.addi(thread_byte, group), utils.c(8 * half * _LINE, i32))
+        return llvm.load(i32, utils.getelementptr(base, [offset], ir.IntegerType.get_signless(8)))
+
+    return word_at
+
+
+def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False, chunk: int = 0, chunks: int = 1,
+                 paired: bool = False):
     """inline_mgpu body: bytes [tile_n, tile_k/2] (WGMMA_8BIT layout; with `line_box` the step's smem
     tile itself, its rows one after another, which each thread reads its words from) and the step's staged
     block scales (`_stage_scales`) -> bf16 [tile_n, tile_k / chunks] (WGMMA): the step's K chunk `chunk` of
-    `chunks`. A thread's registers: first index the 64-row tile m, second the column group; its rows are
+    `chunks`. `paired`: the bytes are two smem pieces of 32 rows (`paired_piece_words`). A thread's
+    registers: first index the 64-row tile m, second the column group; its rows are
     64 m + 16 warp + lane / 4 and that + 8 (the `half` index)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, vector
@@ -292,12 +326,13 @@ def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False, chunk: int = 
     groups = tile_k // _K_PER_WORD_GROUP
     chunk_groups = range(chunk * groups // chunks, (chunk + 1) * groups // chunks)
 
-    def body(ctx, packed, staged_ref):
+    def body(ctx, *refs):
         del ctx
+        *packed, staged_ref = refs
         i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
         pair_type = ir.VectorType.get((2,), ir.BF16Type.get())
         row0, _ = _thread_place()
-        word_at = weight_words(packed, tile_k, line_box)
+        word_at = paired_piece_words(*packed) if paired else weight_words(packed[0], tile_k, line_box)
         out = np.empty(fa.WGMMA_LAYOUT.registers_shape((tile_n, tile_k // chunks)), dtype=object)
         for m in range(tile_n // 64):
             for half in range(2):
@@ -353,6 +388,33 @@ def _store_transposed(tile_n: int, block_t: int, scaled: bool):
     return body
 
 
+def _swiglu_rows(block_t: int, width: int):
+    """inline_mgpu body: smem [block_t, 2 width] (gate then up columns, bf16) -> smem [block_t, width]:
+    `gate / (1 + exp(-gate)) * up` in fp32 (`moe_gemm._swiglu`; exp by `ex2.approx`), rounded to bf16."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref
+    from jax.experimental.mosaic.gpu import utils
+
+    def body(ctx, projections_ref, out_ref):
+        del ctx
+        index, f32 = ir.IndexType.get(), ir.F32Type.get()
+        out_type = ir.MemRefType(out_ref.type).element_type
+        utils.warpgroup_barrier()  # every thread's transposed store has landed
+
+        def one(i):
+            t, j = arith.divui(i, utils.c(width, index)), arith.remui(i, utils.c(width, index))
+            gate = arith.extf(f32, memref.load(projections_ref, [t, j]))
+            up = arith.extf(f32, memref.load(projections_ref, [t, arith.addi(j, utils.c(width, index))]))
+            exp = llvm.inline_asm(f32, [arith.mulf(gate, arith.constant(f32, -1.4426950408889634))],
+                                  "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+            silu = arith.divf(gate, arith.addf(exp, arith.constant(f32, 1.0)))
+            memref.store(arith.truncf(out_type, arith.mulf(silu, up)), out_ref, [t, j])
+
+        for_each_index(block_t * width, one)
+
+    return body
+
+
 def _check_operands(xs, block_expert, packed, scales, *, block_t, tile_k, splits, tile_n, shared_rows, global_scale,
                     row_destination, out_rows) -> tuple[bool, bool]:
     """Raises on operands `grouped_matmul` cannot take; returns (scaled, scattered)."""
@@ -381,45 +443,59 @@ def _fold_scales(scales, tile_k: int) -> jax.Array:
     return scales.reshape(e, steps, n * per_row // _SCALE_ROW, _SCALE_ROW)
 
 
-def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool, line_box: bool, chunks: int):
+def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool, line_box: bool, chunks: int,
+                   up_offset: int | None = None):
     """What a program of `tile_n` rows needs: `in_specs(expert, k0, ni, x_block)` (the pipeline's BlockSpecs:
     step kk takes the expert's packed bytes and folded scales of K step k0 + kk and row tile ni, and block
     x_block's activations), the scale staging, the decode of each of the step's `chunks` K chunks and the
     transposed store (`inline_mgpu` ops). `line_box`: the packed bytes come as `_LINE`-byte lines,
-    unswizzled, a box of `tile_n * tile_k / 2 / _LINE` lines."""
+    unswizzled, a box of `tile_n * tile_k / 2 / _LINE` lines. `up_offset` (SwiGLU programs): a program's
+    64 rows are the two 32-row pieces ni and up_offset + ni (gate rows and their up rows), each a pair of
+    BlockSpecs (bytes, scales)."""
     byte_swizzle = plgpu.find_swizzle(tile_k // 2 * 8, "lhs")
     x_swizzle = plgpu.find_swizzle(tile_k * 16, "rhs")
+    pieces = 1 if up_offset is None else 2
+    piece_rows = tile_n // pieces
     if line_box:
         packed_block, packed_transforms = (tile_n * tile_k // 2 // _LINE, _LINE), ()
     else:
-        packed_block = (tile_n, tile_k // 2)
+        packed_block = (piece_rows, tile_k // 2)
         packed_transforms = (plgpu.TilingTransform((8, byte_swizzle)), plgpu.SwizzleTransform(byte_swizzle))
     x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
-    scale_rows = tile_n * tile_k // 64 // _SCALE_ROW  # a step's scale words of one program, in folded rows
+    scale_rows = piece_rows * tile_k // 64 // _SCALE_ROW  # a step's scale words of one piece, in folded rows
 
     def in_specs(expert, k0, ni, x_block):
-        return [plgpu.BlockSpec((None, None, *packed_block), lambda kk: (expert, k0 + kk, ni, 0),
-                                transforms=packed_transforms),
-                plgpu.BlockSpec((None, None, scale_rows, _SCALE_ROW), lambda kk: (expert, k0 + kk, ni, 0)),
-                plgpu.BlockSpec((block_t, tile_k), lambda kk: (x_block, k0 + kk), transforms=x_transforms)]
+        tiles = [ni] if up_offset is None else [ni, up_offset + ni]
+        return ([plgpu.BlockSpec((None, None, *packed_block), lambda kk, t=t: (expert, k0 + kk, t, 0),
+                                 transforms=packed_transforms) for t in tiles]
+                + [plgpu.BlockSpec((None, None, scale_rows, _SCALE_ROW), lambda kk, t=t: (expert, k0 + kk, t, 0))
+                   for t in tiles]
+                + [plgpu.BlockSpec((block_t, tile_k), lambda kk: (x_block, k0 + kk), transforms=x_transforms)])
 
-    stage = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))(_stage_scales(tile_n, tile_k))
+    stage = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (pieces + 1))(_stage_scales(tile_n, tile_k, pieces))
+    # Paired pieces come swizzled, as TMA wrote them (`paired_piece_words` reads them so).
+    weight_type = (plgpu.RefType() if line_box else plgpu.RefType(packed_transforms) if pieces > 1
+                   else plgpu.Layout.WGMMA_8BIT)
     decodes = [plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType() if line_box else plgpu.Layout.WGMMA_8BIT, plgpu.RefType()),
+        arg_types=(weight_type,) * pieces + (plgpu.RefType(),),
         return_type=plgpu.ShapeDtypeStruct((tile_n, tile_k // chunks), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-    )(_decode_tile(tile_n, tile_k, line_box, chunk, chunks)) for chunk in range(chunks)]
+    )(_decode_tile(tile_n, tile_k, line_box, chunk, chunks, paired=pieces > 1)) for chunk in range(chunks)]
     store_transposed = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, *[plgpu.RefType()] * (1 + scaled)))(
         _store_transposed(tile_n, block_t, scaled))
     return in_specs, stage, decodes, store_transposed
 
 
-def _scratch(tile_n: int, tile_k: int, block_t: int, out_dtype, scaled: bool, scattered: bool) -> dict:
+def _scratch(tile_n: int, tile_k: int, block_t: int, out_dtype, scaled: bool, scattered: bool, swiglu: bool) -> dict:
     """A program's shared memory besides its pipeline: the output tile, the staged block scales and, with
-    global scales, the tile's scales and their barrier; with row destinations, the block's and theirs."""
+    global scales, the tile's scales and their barrier; with row destinations, the block's and theirs; with
+    SwiGLU, its output tile."""
     scratch = dict(out_smem=plgpu.SMEM((block_t, tile_n), out_dtype),
                    staged_smem=plgpu.SMEM((tile_n * tile_k // 16,), jnp.uint32))  # a word per block scale
-    if scaled:
-        scratch.update(scale_smem=plgpu.SMEM((tile_n,), jnp.float32), scale_barrier=plgpu.Barrier())
+    if scaled:  # SwiGLU programs copy their gate rows' scales and their up rows' in two copies
+        scratch.update(scale_smem=plgpu.SMEM((tile_n,), jnp.float32),
+                       scale_barrier=plgpu.Barrier(num_arrivals=2 if swiglu else 1))
+    if swiglu:
+        scratch.update(swiglu_smem=plgpu.SMEM((block_t, tile_n // 2), out_dtype))
     if scattered:
         scratch.update(destination_smem=plgpu.SMEM((block_t,), jnp.int32), destination_barrier=plgpu.Barrier())
     return scratch
@@ -446,7 +522,7 @@ def _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, *, block_t
 
 def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
                    stages: int = 4, tile_n: int = 64, decode_chunks: int = 1, shared_rows: bool = False,
-                   global_scale=None, row_destination=None, out_rows: int | None = None):
+                   global_scale=None, row_destination=None, out_rows: int | None = None, swiglu: bool = False):
     """`xs [B*block_t, K]` bf16, `block_expert [B]` int32 (-1: skip the block),
     `packed [E, K/tile_k, N, tile_k/2]` uint8 and `scales [E, K/tile_k, N, tile_k/64]` uint32 (`pack_weights`) ->
     `[splits, B*block_t, N]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
@@ -463,27 +539,35 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     unswizzled, and the decode loads its words from shared memory itself: for the down GEMM's tile_k 64
     one box of 32 lines, not 128 rows of 32 bytes, was 5-7 % faster (H200, session 18). `decode_chunks`: each
     step is decoded and multiplied in that many K chunks, the next chunk decoding while the last one's wgmma
-    runs, with fewer registers live (64 x 256 steps: 108 whole, 96 in two chunks, 68 in four; H200, session 19)."""
+    runs, with fewer registers live (64 x 256 steps: 108 whole, 96 in two chunks, 68 in four; H200, session 19).
+    `swiglu` (with `global_scale`, tile_n 64, tile_k 256): the weights are gate rows then up rows (N = 2 I), a
+    program takes 32 gate rows and their 32 up rows, and the output is `[1, B*block_t, I]` bf16,
+    `moe_gemm._swiglu` of the two finished projections: XLA's SwiGLU pass and half the bytes go."""
     scaled, scattered = _check_operands(xs, block_expert, packed, scales, block_t=block_t, tile_k=tile_k, splits=splits,
                                         tile_n=tile_n, shared_rows=shared_rows, global_scale=global_scale,
                                         row_destination=row_destination, out_rows=out_rows)
     if decode_chunks < 1 or tile_k % (TILE_K_QUANTUM * decode_chunks):
         raise ValueError(f"decode_chunks={decode_chunks} must split tile_k={tile_k} into multiples of {TILE_K_QUANTUM}")
     k, n, blocks = xs.shape[1], packed.shape[2], block_expert.shape[0]
+    if swiglu and (not scaled or scattered or tile_n != 64 or tile_k != 256 or n % 64):
+        raise ValueError(f"swiglu needs global_scale, no row_destination, tile_n 64, tile_k 256 and gate and up "
+                         f"rows in multiples of 32: tile_n {tile_n}, tile_k {tile_k}, N {n}")
+    pieces, intermediate = (2, n // 2) if swiglu else (1, None)
     k_steps = k // (tile_k * splits)
     scales = _fold_scales(scales, tile_k)
     line_box = tile_k // 2 < _LINE
     if line_box:  # a K step's tile of rows is contiguous (`pack_k_steps`): the same bytes as lines
         packed = packed.reshape(*packed.shape[:2], -1, _LINE)
-    in_specs, stage, decodes, store_transposed = _tile_programs(tile_n, tile_k, block_t, scaled, line_box,
-                                                                decode_chunks)
+    in_specs, stage, decodes, store_transposed = _tile_programs(
+        tile_n, tile_k, block_t, scaled, line_box, decode_chunks, up_offset=intermediate // 32 if swiglu else None)
+    swiglu_rows = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))(_swiglu_rows(block_t, tile_n // 2))
     out_dtype = xs.dtype if scaled else jnp.float32
 
     # Optional inputs, in this order: the global scales (scaled), the row destinations (scattered).
     optional = [a for a in (global_scale, row_destination) if a is not None]
 
     def kernel(block_expert_gmem, xs_gmem, packed_gmem, scales_gmem, *gmem, out_smem, staged_smem, scale_smem=None,
-               scale_barrier=None, destination_smem=None, destination_barrier=None):
+               scale_barrier=None, destination_smem=None, destination_barrier=None, swiglu_smem=None):
         *optional_gmem, out_gmem = gmem
         global_scale_gmem, row_destination_gmem = (*optional_gmem, None, None)[:2]
         b, ni, si = (jax.lax.axis_index(a) for a in ("b", "n", "s"))
@@ -491,26 +575,32 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         k0 = si * k_steps
 
         def acc_scope(acc_ref):
-            def step(_, w_smem, s_smem, x_smem):
-                weights = w_smem if line_box else plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT)
-                stage(s_smem, staged_smem)
+            def step(_, *smem):
+                w_smem, s_smem, x_smem = smem[:pieces], smem[pieces:-1], smem[-1]
+                if not (line_box or swiglu):
+                    w_smem = [plgpu.load(w_smem[0], layout=plgpu.Layout.WGMMA_8BIT)]
+                stage(*s_smem, staged_smem)
                 chunk_k = tile_k // decode_chunks
                 for chunk, decode in enumerate(decodes):
                     x_chunk = x_smem if decode_chunks == 1 else x_smem.at[:, pl.ds(chunk * chunk_k, chunk_k)]
-                    plgpu.wgmma(acc_ref, decode(weights, staged_smem), x_chunk.transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, decode(*w_smem, staged_smem), x_chunk.transpose((1, 0)))
                     if chunk + 1 < decode_chunks:  # the next chunk decodes while this one multiplies
                         plgpu.wgmma_wait(1)
                 plgpu.wgmma_wait(0)
 
             plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=in_specs(expert, k0, ni, 0 if shared_rows else b),
-                                max_concurrent_steps=stages)(packed_gmem, scales_gmem, xs_gmem)
+                                max_concurrent_steps=stages)(*[packed_gmem] * pieces, *[scales_gmem] * pieces, xs_gmem)
             return acc_ref[...]
 
         @pl.when(expert >= 0)  # unused blocks (expert -1) are skipped; their output is left unwritten
         def _():
             # The tile's global scales and the block's row destinations arrive while the K loop runs (read
             # from global memory after it, each destination cost a load's latency at the program's end).
-            if scaled:
+            if swiglu:  # the gate rows' scales, then their up rows'
+                for piece, first in enumerate((ni * 32, intermediate + ni * 32)):
+                    plgpu.copy_gmem_to_smem(global_scale_gmem.at[expert, pl.ds(first, 32)],
+                                            scale_smem.at[pl.ds(32 * piece, 32)], scale_barrier)
+            elif scaled:
                 plgpu.copy_gmem_to_smem(global_scale_gmem.at[expert, pl.ds(ni * tile_n, tile_n)], scale_smem,
                                         scale_barrier)
             if scattered:
@@ -519,16 +609,23 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
             for barrier in (scale_barrier, destination_barrier):
                 if barrier is not None:
                     plgpu.barrier_wait(barrier)
-            _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, block_t=block_t, tile_n=tile_n,
-                        scale_smem=scale_smem, destination_smem=destination_smem)
+            if swiglu:
+                store_transposed(acc, out_smem, scale_smem)
+                swiglu_rows(out_smem, swiglu_smem)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(swiglu_smem, out_gmem.at[0, pl.ds(b * block_t, block_t), pl.ds(ni * 32, 32)])
+            else:
+                _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, block_t=block_t, tile_n=tile_n,
+                            scale_smem=scale_smem, destination_smem=destination_smem)
             plgpu.wait_smem_to_gmem(0)
 
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((splits, out_rows if scattered else blocks * block_t, n), out_dtype),
+        out_type=jax.ShapeDtypeStruct((splits, out_rows if scattered else blocks * block_t,
+                                       intermediate if swiglu else n), out_dtype),
         grid=(blocks, n // tile_n, splits),
         grid_names=("b", "n", "s"),
-        scratch_types=_scratch(tile_n, tile_k, block_t, out_dtype, scaled, scattered),
+        scratch_types=_scratch(tile_n, tile_k, block_t, out_dtype, scaled, scattered, swiglu),
     )
     return call(block_expert, xs, packed, scales, *optional)
 
@@ -544,7 +641,7 @@ def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: 
 
 def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int = 1,
                             stages: int = 4, tile_n: int = 64, decode_chunks: int = 1, shared_rows: bool = False,
-                            global_scale=None, row_destination=None, out_rows: int | None = None):
+                            global_scale=None, row_destination=None, out_rows: int | None = None, swiglu: bool = False):
     """`grouped_matmul`'s contract in plain jnp, from the kernel layouts (for CPU tests of code that
     calls the kernel): decodes the words as the PTX does, then `grouped_matmul_reference`. Blocks
     of expert -1 get NaN, as the kernel leaves them unwritten (any bits); one split holds the whole sum."""
@@ -570,6 +667,8 @@ def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, t
     if global_scale is not None:
         row_scale = jnp.repeat(global_scale[jnp.maximum(block_expert, 0)], block_t, axis=0)
         out = (out * row_scale).astype(xs.dtype)
+        if swiglu:
+            out = _swiglu(out[:, :n // 2], out[:, n // 2:]).astype(xs.dtype)
         if row_destination is not None:  # dropped rows go past the end; unwritten rows read as zeros
             destination = row_destination.reshape(-1)
             out = jnp.zeros((out_rows, n), out.dtype).at[jnp.where(destination >= 0, destination, out_rows)].set(

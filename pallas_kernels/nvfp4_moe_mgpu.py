@@ -197,22 +197,24 @@ def default_config(tokens: int) -> dict:
                 block_t=8 if tokens <= 64 else 32 if small_blocks else 64, gate_up_splits=4 if tokens == 1 else 1,
                 gate_up_stages=2, gate_up_tile_n=128 if 64 < tokens <= 1024 else 64,
                 down_tile_n=64 if tokens == 1 else 256 if 32 <= tokens <= 64 else 128, down_stages=4,
-                gate_up_epilogue=not shared, down_epilogue=not shared, gate_up_decode_chunks=2 if tokens <= 8 else 1)
+                gate_up_epilogue=not shared, down_epilogue=not shared, gate_up_decode_chunks=2 if tokens <= 8 else 1,
+                gate_up_swiglu=False)
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
               gate_up_splits: int | None = None, gate_up_stages: int | None = None, gate_up_tile_n: int | None = None,
               down_tile_n: int | None = None, down_stages: int | None = None, block_builder: str | None = None,
               gate_up_epilogue: bool | None = None, down_epilogue: bool | None = None,
-              gate_up_decode_chunks: int | None = None, expert_offset: int | jax.Array | None = None,
-              matmul=nm.grouped_matmul):
+              gate_up_decode_chunks: int | None = None, gate_up_swiglu: bool | None = None,
+              expert_offset: int | jax.Array | None = None, matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
     (`_shared_blocks`; its blocks have T rows rounded up to 8, whatever `block_t` says), "sort"
     (`pair_blocks`) or "compare" (`_blocks_by_comparison`). `gate_up_epilogue` / `down_epilogue`: that GEMM
     applies the global scales and writes bf16 (gate/up only with one K split; `grouped_matmul(global_scale=)`),
     and at decode the down GEMM writes each pair's row in pair order (`row_destination=`).
-    `gate_up_decode_chunks`: the gate/up GEMM's `decode_chunks`. `expert_offset`: the
+    `gate_up_decode_chunks`: the gate/up GEMM's `decode_chunks`. `gate_up_swiglu`: the gate/up GEMM applies
+    SwiGLU too (`grouped_matmul(swiglu=True)`; needs its epilogue and one K split). `expert_offset`: the
     weights are one device's experts from that index on (expert parallelism); other pairs count zero.
     `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation)."""
     tokens, top_k = ids.shape
@@ -229,6 +231,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     gate_up_tile_n = config["gate_up_tile_n"] if gate_up_tile_n is None else gate_up_tile_n
     if gate_up_decode_chunks is None:
         gate_up_decode_chunks = config["gate_up_decode_chunks"]
+    gate_up_swiglu = config["gate_up_swiglu"] if gate_up_swiglu is None else gate_up_swiglu
     intermediate = down.packed.shape[1] * down.tile_k
     num_experts = gate_up.packed.shape[0]
     if block_builder not in ("shared", "sort", "compare"):
@@ -244,17 +247,20 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         pair_row, block_expert, row_pair = build(local_ids, num_experts, block_t)
         xs = rg.gather_rows_on_backend(x, row_tokens(row_pair, top_k, tokens), block_expert, block_t=block_t)
     scaled_gate_up = gate_up_epilogue and gate_up_splits == 1  # else XLA adds the splits and scales
+    if gate_up_swiglu and not scaled_gate_up:
+        raise ValueError("gate_up_swiglu needs the gate/up epilogue (gate_up_epilogue=True) and one K split, "
+                         f"got gate_up_epilogue={gate_up_epilogue}, gate_up_splits={gate_up_splits}")
     gu = matmul(xs, block_expert, gate_up.packed, gate_up.scales, block_t=block_t, tile_k=gate_up.tile_k,
                 splits=gate_up_splits, stages=gate_up_stages, tile_n=gate_up_tile_n,
                 decode_chunks=gate_up_decode_chunks, shared_rows=shared,
-                global_scale=gate_up.global_scale if scaled_gate_up else None)
+                global_scale=gate_up.global_scale if scaled_gate_up else None, swiglu=gate_up_swiglu)
     if not scaled_gate_up:
         row_expert = jnp.maximum(jnp.repeat(block_expert, block_t), 0)  # unused rows: any expert, never read
         # One global scale per projection (gate, up): [rows, 2] gathered, not a row of N scales per row.
         projection_scale = gate_up.global_scale[:, ::intermediate][row_expert]
         gu = gu.sum(0).reshape(-1, 2, intermediate) * nm.OUTPUT_FACTOR * projection_scale[:, :, None]
         gu = gu.reshape(1, -1, 2 * intermediate).astype(x.dtype)
-    act = mg._swiglu(gu[0, :, :intermediate], gu[0, :, intermediate:]).astype(x.dtype)
+    act = gu[0] if gate_up_swiglu else mg._swiglu(gu[0, :, :intermediate], gu[0, :, intermediate:]).astype(x.dtype)
     down_gemm = functools.partial(matmul, act, block_expert, down.packed, down.scales, block_t=block_t,
                                   tile_k=down.tile_k, splits=1, stages=down_stages, tile_n=down_tile_n)
     if not down_epilogue:

@@ -115,7 +115,8 @@ def _specs(experts, n, k, blocks, block_t, tile_k, shared_rows=False):
     (640, 5120, 8, 8, 256, 4, 64, False, 2, "sums", 1), (640, 5120, 8, 8, 256, 1, 128, False, 4, "scaled", 1),
     (5120, 320, 5, 16, 64, 1, 256, False, 4, "by_pair", 1), (640, 5120, 64, 16, 256, 1, 64, True, 2, "scaled", 1),
     (5120, 320, 57, 8, 64, 1, 128, True, 4, "sums", 1), (5120, 320, 8, 8, 64, 1, 64, True, 4, "scaled", 1),
-    (640, 5120, 57, 8, 256, 1, 64, True, 2, "sums", 4), (640, 5120, 30, 8, 256, 1, 64, False, 2, "scaled", 2)])
+    (640, 5120, 57, 8, 256, 1, 64, True, 2, "sums", 4), (640, 5120, 30, 8, 256, 1, 64, False, 2, "scaled", 2),
+    (640, 5120, 57, 8, 256, 1, 64, True, 2, "swiglu", 2), (640, 5120, 30, 16, 256, 1, 64, False, 2, "swiglu", 1)])
 def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, stages, output, chunks):
     """Beam's gate/up and down shapes lower to Mosaic GPU on the CPU (the PTX is built on the GPU)."""
     op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits, tile_n=tile_n,
@@ -125,7 +126,7 @@ def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_r
         spec = jax.ShapeDtypeStruct
         specs = (*specs, spec((256, n), jnp.float32), spec((blocks, block_t), jnp.int32))
         scatter = dict(out_rows=blocks * block_t // 2) if output == "by_pair" else {}
-        op = functools.partial(lambda *args, op: op(*args[:4], global_scale=args[4],
+        op = functools.partial(lambda *args, op: op(*args[:4], global_scale=args[4], swiglu=output == "swiglu",
                                                     row_destination=args[5] if scatter else None, **scatter), op=op)
     text = jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -162,6 +163,12 @@ def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits
         want = want * np.repeat(global_scale[block_expert], block_t, axis=0)
         np.testing.assert_allclose(np.asarray(scaled[0], np.float32), want, rtol=2.0**-8,
                                    atol=1e-5 * np.abs(want).max())
+        if tile_n == 64 and tile_k == 256 and n % 64 == 0:  # gate rows then up rows: the SwiGLU epilogue
+            activated = nm.grouped_matmul(*operands, global_scale=jnp.asarray(global_scale), swiglu=True, **settings)
+            rounded = np.asarray(scaled[0], np.float32)
+            want = np.asarray(mg._swiglu(rounded[:, :n // 2], rounded[:, n // 2:]), np.float32)
+            np.testing.assert_allclose(np.asarray(activated[0], np.float32), want, rtol=2.0**-7,
+                                       atol=1e-5 * np.abs(want).max())
 
 
 def _layer_problem(seed, tokens, hidden, intermediate, experts, top_k, tile_k):
@@ -181,15 +188,18 @@ def _assert_layer_close(problem, got, expert_offset=None):
 
 
 def _epilogues(which: str) -> dict:
-    """`moe_nvfp4`'s epilogue settings: "none", "down" (the down GEMM's only) or "both"."""
-    return dict(gate_up_epilogue=which == "both", down_epilogue=which in ("down", "both"))
+    """`moe_nvfp4`'s epilogue settings: "none", "down" (the down GEMM's only), "both" or "swiglu" (both, and
+    SwiGLU in the gate/up GEMM's)."""
+    return dict(gate_up_epilogue=which in ("both", "swiglu"), down_epilogue=which in ("down", "both", "swiglu"),
+                gate_up_swiglu=which == "swiglu")
 
 
 @pytest.mark.parametrize("tokens,block_t,splits,builder,epilogue", [
     (1, 8, 2, "sort", "none"), (5, 2, 2, "sort", "none"), (13, 2, 1, "sort", "both"), (13, 8, 2, "compare", "both"),
     (70, None, None, "sort", "none"), (70, None, None, "sort", "both"), (70, None, None, "sort", "down"),
     (1, None, 4, "shared", "both"), (5, None, 1, "shared", "none"), (5, None, 1, "shared", "both"),
-    (5, None, 1, "shared", "down"), (13, None, 2, None, "none")])
+    (5, None, 1, "shared", "down"), (13, None, 2, None, "none"), (5, None, 1, "shared", "swiglu"),
+    (30, None, 1, None, "swiglu")])
 def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits, builder, epilogue):
     """Blocks, gathers, splits, scales, SwiGLU and combine, with the GEMM emulated in plain jnp:
     experts with more pairs than a block (tails), experts picked by several tokens, unused experts,
@@ -294,7 +304,8 @@ def test_unknown_block_builder_is_rejected():
     (1, 64, None, "none", None), (1, 64, None, "both", None), (8, 128, None, "none", None),
     (8, 128, None, "both", None), (8, 128, None, "down", None), (8, 64, "sort", "both", None),
     (13, 64, None, "both", None), (32, 64, "shared", "none", None), (64, 256, None, "both", None),
-    (300, 64, None, "both", None), (8, 128, None, "down", 4), (40, 128, None, "both", 2)])
+    (300, 64, None, "both", None), (8, 128, None, "down", 4), (40, 128, None, "both", 2),
+    (8, 128, None, "swiglu", None), (40, 256, None, "swiglu", None)])
 def test_layer_matches_reference_on_gpu(tokens, down_tile_n, builder, epilogue, chunks):
     """Beam's per-GPU TP8 expert shape on the kernel (None: `default_config`'s blocks and gate/up decode
     chunks), with and without the kernel's own epilogue."""
