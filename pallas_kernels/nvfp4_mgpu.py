@@ -53,6 +53,7 @@ OUTPUT_FACTOR = 2.0**7
 _K_PER_WORD_GROUP = 32  # one 32-bit word per thread per row per 32 K values
 _SCALE_ROW = 16  # the kernel layout's scale words fold into rows of 16 (64 bytes) for TMA's box limits
 _LINE = 128  # bytes of a line of the weight boxes of short rows (`grouped_matmul`)
+_PIECE_ROWS = 32  # SwiGLU programs: gate rows, and as many up rows (`grouped_matmul(swiglu=True)`)
 # Scale codes: bf16 bits (code << 4) | _SCALE_BASE, i.e. exponent field 224 | (code >> 3), mantissa code & 7.
 _SCALE_BASE = 0x7000
 _SCALE_EXPONENT_OFFSET = 224
@@ -291,11 +292,11 @@ def paired_piece_words(gate, up):
 
     i32, i64, index = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64), ir.IndexType.get()
     row0, lane = _thread_place()
-    in_up = arith.cmpi(arith.CmpIPredicate.uge, row0, utils.c(32, index))
+    in_up = arith.cmpi(arith.CmpIPredicate.uge, row0, utils.c(_PIECE_ROWS, index))
     pointers = [utils.memref_ptr(piece) for piece in (gate, up)]
     address = arith.select(in_up, *(llvm.ptrtoint(i64, pointer) for pointer in pointers[::-1]))
     base = llvm.inttoptr(pointers[0].type, address)
-    row = arith.index_cast(i32, arith.remui(row0, utils.c(32, index)))  # + 8 half stays in the piece
+    row = arith.index_cast(i32, arith.remui(row0, utils.c(_PIECE_ROWS, index)))  # + 8 half stays in the piece
     thread_byte = arith.addi(arith.muli(row, utils.c(_LINE, i32)),
                              arith.index_cast(i32, arith.muli(arith.remui(lane, utils.c(4, index)),
                                                               utils.c(4, index))))
@@ -549,9 +550,10 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     if decode_chunks < 1 or tile_k % (TILE_K_QUANTUM * decode_chunks):
         raise ValueError(f"decode_chunks={decode_chunks} must split tile_k={tile_k} into multiples of {TILE_K_QUANTUM}")
     k, n, blocks = xs.shape[1], packed.shape[2], block_expert.shape[0]
-    if swiglu and (not scaled or scattered or tile_n != 64 or tile_k != 256 or n % 64):
-        raise ValueError(f"swiglu needs global_scale, no row_destination, tile_n 64, tile_k 256 and gate and up "
-                         f"rows in multiples of 32: tile_n {tile_n}, tile_k {tile_k}, N {n}")
+    if swiglu and (not scaled or scattered or tile_n != 2 * _PIECE_ROWS or tile_k // 2 != _LINE
+                   or n % (2 * _PIECE_ROWS)):
+        raise ValueError(f"swiglu needs global_scale, no row_destination, tile_n {2 * _PIECE_ROWS}, tile_k {2 * _LINE} "
+                         f"and gate and up rows in multiples of {_PIECE_ROWS}: tile_n {tile_n}, tile_k {tile_k}, N {n}")
     pieces, intermediate = (2, n // 2) if swiglu else (1, None)
     k_steps = k // (tile_k * splits)
     scales = _fold_scales(scales, tile_k)
@@ -559,7 +561,8 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     if line_box:  # a K step's tile of rows is contiguous (`pack_k_steps`): the same bytes as lines
         packed = packed.reshape(*packed.shape[:2], -1, _LINE)
     in_specs, stage, decodes, store_transposed = _tile_programs(
-        tile_n, tile_k, block_t, scaled, line_box, decode_chunks, up_offset=intermediate // 32 if swiglu else None)
+        tile_n, tile_k, block_t, scaled, line_box, decode_chunks,
+        up_offset=intermediate // _PIECE_ROWS if swiglu else None)
     swiglu_rows = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))(_swiglu_rows(block_t, tile_n // 2))
     out_dtype = xs.dtype if scaled else jnp.float32
 
@@ -597,9 +600,10 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
             # The tile's global scales and the block's row destinations arrive while the K loop runs (read
             # from global memory after it, each destination cost a load's latency at the program's end).
             if swiglu:  # the gate rows' scales, then their up rows'
-                for piece, first in enumerate((ni * 32, intermediate + ni * 32)):
-                    plgpu.copy_gmem_to_smem(global_scale_gmem.at[expert, pl.ds(first, 32)],
-                                            scale_smem.at[pl.ds(32 * piece, 32)], scale_barrier)
+                for piece, first in enumerate((0, intermediate)):
+                    rows = pl.ds(first + ni * _PIECE_ROWS, _PIECE_ROWS)
+                    plgpu.copy_gmem_to_smem(global_scale_gmem.at[expert, rows],
+                                            scale_smem.at[pl.ds(piece * _PIECE_ROWS, _PIECE_ROWS)], scale_barrier)
             elif scaled:
                 plgpu.copy_gmem_to_smem(global_scale_gmem.at[expert, pl.ds(ni * tile_n, tile_n)], scale_smem,
                                         scale_barrier)
@@ -613,7 +617,8 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                 store_transposed(acc, out_smem, scale_smem)
                 swiglu_rows(out_smem, swiglu_smem)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(swiglu_smem, out_gmem.at[0, pl.ds(b * block_t, block_t), pl.ds(ni * 32, 32)])
+                columns = pl.ds(ni * _PIECE_ROWS, _PIECE_ROWS)
+                plgpu.copy_smem_to_gmem(swiglu_smem, out_gmem.at[0, pl.ds(b * block_t, block_t), columns])
             else:
                 _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, block_t=block_t, tile_n=tile_n,
                             scale_smem=scale_smem, destination_smem=destination_smem)
