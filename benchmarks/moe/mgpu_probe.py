@@ -4,6 +4,10 @@ same run. CUPTI device time per call; weights rotate over fresh expert ids so th
 
     OUT=dir python3 -u benchmarks/moe/mgpu_probe.py [--no-check | --layers | --bf16-prefill | --table | --gather |
                                                      --epilogues]
+    OUT=dir python3 -u benchmarks/moe/mgpu_probe.py --variants '[{}, {"gate_up_swiglu": true}]' --tokens 8,64 [--bf16]
+
+`--variants`: the NVFP4 layer with each set of `moe_nvfp4` settings (`{}`: the defaults) per token count, the
+Triton layer beside them (and with `--bf16` the model's bf16 layer), one line per layer and the JSON rows.
 """
 
 from __future__ import annotations
@@ -183,6 +187,32 @@ def time_gathers(t, block_t, configs, repeats=2):
     return row
 
 
+def compare_variants(variants, tokens, with_bf16, record):
+    """`--variants`: per T, `time_layers` with these settings and a line per layer (µs, % of the floor, error,
+    kernels); with `with_bf16` the model's bf16 layer and its ratio to each NVFP4 variant."""
+    nvfp4 = layer_weights()
+    bf16 = bench.make_weights("bf16", jax.random.key(0)) if with_bf16 else None
+    for t in tokens:
+        row = time_layers(t, variants, nvfp4)
+        record(row)
+        bf16_us = None
+        if with_bf16 and t > 1:
+            bf16_row = time_bf16_layers(t, [], bf16)
+            record(bf16_row)
+            bf16_us = bf16_row["moe_gemm"].get("us")
+            print(f"SUMMARY T={t} bf16 moe_gemm {bf16_us} us", flush=True)
+        for name, layer in row.items():
+            if not isinstance(layer, dict):
+                continue
+            if "error" in layer:
+                print(f"SUMMARY T={t} {name} ERROR {layer['error'][:300]}", flush=True)
+                continue
+            ratio = f" bf16/this {bf16_us / layer['us']:.2f}" if bf16_us else ""
+            kernels = [(kernel[:10], round(us, 1)) for kernel, us in layer["kernels"]]
+            print(f"SUMMARY T={t} {name} {layer['us']:.1f} us ({100 * row['floor_us'] / layer['us']:.1f} % of "
+                  f"{row['floor_us']:.1f}){ratio} err {layer['max_err']:.4f} kernels {kernels}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-check", action="store_true", help="skip the checks against plain numpy")
@@ -192,6 +222,9 @@ def main():
     parser.add_argument("--table", action="store_true", help="both formats' layers on the model's paths, all T")
     parser.add_argument("--epilogues", action="store_true",
                         help="the layer at decode sizes with each GEMM's own epilogue on or off")
+    parser.add_argument("--variants", help="JSON list of moe_nvfp4 settings: the layer with each, per --tokens")
+    parser.add_argument("--tokens", default="1,8,16,32,64", help="token counts for --variants")
+    parser.add_argument("--bf16", action="store_true", help="with --variants: the bf16 layer too (T > 1)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows = []
@@ -203,6 +236,9 @@ def main():
         with open(out, "w") as f:
             json.dump(rows, f, indent=1)
 
+    if args.variants:
+        compare_variants(json.loads(args.variants), [int(t) for t in args.tokens.split(",")], args.bf16, record)
+        return
     if args.bf16_prefill:
         weights = bench.make_weights("bf16", jax.random.key(0))
         # Runs X and AA chose the grid kernels' stages; runs AC and AD the persistent kernels' tiles (now

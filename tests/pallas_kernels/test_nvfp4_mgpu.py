@@ -377,3 +377,21 @@ def test_copy_ceiling_kernels_lower_for_cuda(monkeypatch):
         kernel = copy_ceiling.copy_kernel(10, steps, rows, cols, stages, variant)
         specs = (jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((40, steps, rows, cols), jnp.uint8))
         assert "mosaic_gpu" in jax.jit(kernel).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_probe_variants_summarize_every_layer(monkeypatch, capsys):
+    """`mgpu_probe.py --variants`: a line per layer and T with its % of the floor and bf16 ratio; a layer that
+    failed is reported, not dropped (the timings are stand-ins: CUPTI needs a GPU)."""
+    probe = _moe_benchmark("mgpu_probe", monkeypatch)
+    layer = dict(us=50.0, kernels=[("kernel_mosaic_gpu_kernel", 40.0)], max_err=0.002)
+    monkeypatch.setattr(probe, "layer_weights", lambda: None)
+    monkeypatch.setattr(probe.bench, "make_weights", lambda *args: None)
+    monkeypatch.setattr(probe, "time_layers", lambda t, variants, weights: {
+        "kind": "layers", "t": t, "floor_us": 25.0, "mosaic[default]": layer, "mosaic[x=1]": dict(error="boom")})
+    monkeypatch.setattr(probe, "time_bf16_layers", lambda t, variants, weights: {"moe_gemm": dict(us=150.0)})
+    rows = []
+    probe.compare_variants([{}, {"x": 1}], [1, 8], True, rows.append)
+    out = capsys.readouterr().out
+    assert "T=8 mosaic[default] 50.0 us (50.0 % of 25.0) bf16/this 3.00" in out
+    assert "T=1 mosaic[default] 50.0 us (50.0 % of 25.0) err" in out and "T=1 bf16" not in out
+    assert out.count("mosaic[x=1] ERROR boom") == 2 and len(rows) == 3
