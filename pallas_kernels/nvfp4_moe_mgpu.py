@@ -229,8 +229,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     gate_up_epilogue = config["gate_up_epilogue"] if gate_up_epilogue is None else gate_up_epilogue
     down_epilogue = config["down_epilogue"] if down_epilogue is None else down_epilogue
     gate_up_tile_n = config["gate_up_tile_n"] if gate_up_tile_n is None else gate_up_tile_n
-    if gate_up_decode_chunks is None:
-        gate_up_decode_chunks = config["gate_up_decode_chunks"]
+    gate_up_decode_chunks = config["gate_up_decode_chunks"] if gate_up_decode_chunks is None else gate_up_decode_chunks
     gate_up_swiglu = config["gate_up_swiglu"] if gate_up_swiglu is None else gate_up_swiglu
     intermediate = down.packed.shape[1] * down.tile_k
     num_experts = gate_up.packed.shape[0]
