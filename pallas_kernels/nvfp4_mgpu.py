@@ -563,7 +563,6 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     in_specs, stage, decodes, store_transposed = _tile_programs(
         tile_n, tile_k, block_t, scaled, line_box, decode_chunks,
         up_offset=intermediate // _PIECE_ROWS if swiglu else None)
-    swiglu_rows = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))(_swiglu_rows(block_t, tile_n // 2))
     out_dtype = xs.dtype if scaled else jnp.float32
 
     # Optional inputs, in this order: the global scales (scaled), the row destinations (scattered).
@@ -615,7 +614,8 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                     plgpu.barrier_wait(barrier)
             if swiglu:
                 store_transposed(acc, out_smem, scale_smem)
-                swiglu_rows(out_smem, swiglu_smem)
+                plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))(
+                    _swiglu_rows(block_t, _PIECE_ROWS))(out_smem, swiglu_smem)
                 plgpu.commit_smem()
                 columns = pl.ds(ni * _PIECE_ROWS, _PIECE_ROWS)
                 plgpu.copy_smem_to_gmem(swiglu_smem, out_gmem.at[0, pl.ds(b * block_t, block_t), columns])
