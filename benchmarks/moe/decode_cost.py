@@ -27,10 +27,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mgpu_probe as probe  # noqa: E402
 from pallas_kernels import nvfp4_mgpu as nm  # noqa: E402
 
-SHAPES = {  # label: (N, K, blocks, block_t, tile_k, splits, stages, tile_n)
-    "T1 gate/up": (640, 5120, 8, 8, 256, 4, 2, 64), "T1 down": (5120, 320, 8, 8, 64, 1, 4, 64),
-    "T8 gate/up": (640, 5120, 57, 8, 256, 1, 2, 64), "T8 down": (5120, 320, 57, 8, 64, 1, 4, 128),
-    "T64 gate/up": (640, 5120, 223, 8, 256, 1, 2, 64), "T64 down": (5120, 320, 223, 8, 64, 1, 4, 128)}
+SHAPES = {  # label: (N, K, blocks, block_t, tile_k, splits, stages, tile_n, other grouped_matmul options)
+    "T1 gate/up": (640, 5120, 8, 8, 256, 4, 2, 64, dict(decode_chunks=2)),
+    "T1 down": (5120, 320, 8, 8, 64, 1, 4, 64, {}),
+    "T8 gate/up": (640, 5120, 57, 8, 256, 1, 2, 64, dict(decode_chunks=2)),
+    "T8 down": (5120, 320, 57, 8, 64, 1, 4, 128, {}),
+    "T64 gate/up": (640, 5120, 223, 8, 256, 1, 2, 64, {}),
+    "T64 down": (5120, 320, 223, 8, 64, 1, 4, 256, {})}
 
 
 def cheap_decode(mode: str):
@@ -86,10 +89,11 @@ def stand_in(mode: str):
 def main():
     rows = []
     rng = np.random.default_rng(0)
-    for label, (n, k, blocks, block_t, tile_k, splits, stages, tile_n) in SHAPES.items():
+    for label, (n, k, blocks, block_t, tile_k, splits, stages, tile_n, options) in SHAPES.items():
         for mode in ("full", "no_scales", "raw", "copy", "full"):  # full twice: the run's spread
             with stand_in(mode):
-                row = dict(probe.time_kernel(rng, n, k, blocks, block_t, tile_k, splits, stages, tile_n),
+                row = dict(probe.time_kernel(rng, n, k, blocks, block_t, tile_k, splits, stages, tile_n,
+                                                     **options),
                            label=label, mode=mode)
             rows.append(row)
             print(f"{label:12s} {mode:10s} {row['us']:7.1f} us  {row['pct_floor']:5.1f} % of "
