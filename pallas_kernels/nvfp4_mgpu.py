@@ -53,7 +53,6 @@ OUTPUT_FACTOR = 2.0**7
 _K_PER_WORD_GROUP = 32  # one 32-bit word per thread per row per 32 K values
 _SCALE_ROW = 16  # the kernel layout's scale words fold into rows of 16 (64 bytes) for TMA's box limits
 _LINE = 128  # bytes of a line of the weight boxes of short rows (`grouped_matmul`)
-_PIECE_ROWS = 32  # SwiGLU programs: gate rows, and as many up rows (`grouped_matmul(swiglu=True)`)
 # Scale codes: bf16 bits (code << 4) | _SCALE_BASE, i.e. exponent field 224 | (code >> 3), mantissa code & 7.
 _SCALE_BASE = 0x7000
 _SCALE_EXPONENT_OFFSET = 224
@@ -249,9 +248,8 @@ def weight_words(packed, tile_k: int, line_box: bool):
     return word_at
 
 
-def _stage_scales(tile_n: int, tile_k: int, pieces: int = 1):
-    """inline_mgpu body: the step's scale words (smem; `pieces` refs of consecutive rows) -> a staging buffer
-    (smem, `tile_n * tile_k / 16` words):
+def _stage_scales(tile_n: int, tile_k: int):
+    """inline_mgpu body: the step's scale words (smem) -> a staging buffer (smem, `tile_n * tile_k / 16` words):
     the warpgroup converts them into one bf16x2 register per block scale (the scale in both halves), a word
     or two of scales per thread, for `_decode_tile` to read its rows' scales from. Converting in each
     thread's own registers instead took 6-17 more registers (101 for 64-row programs, 184 for 128), one
@@ -260,64 +258,31 @@ def _stage_scales(tile_n: int, tile_k: int, pieces: int = 1):
     from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
     from jax.experimental.mosaic.gpu import utils
 
-    words = tile_n * tile_k // (16 * _SCALES_PER_WORD) // pieces  # a piece's words; staged 4 w .. 4 w + 3 from word w
+    words = tile_n * tile_k // (16 * _SCALES_PER_WORD)  # staged 4 w .. 4 w + 3 from word w
 
-    def body(ctx, *refs):
+    def body(ctx, scale_ref, staged_ref):
         del ctx
-        *scale_refs, staged_ref = refs
         i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
         utils.warpgroup_barrier()  # the previous step's decode has read the staged scales
 
-        for piece, scale_ref in enumerate(scale_refs):
-            def convert(w, scale_ref=scale_ref, first=piece * words):
-                word = memref.load(scale_ref, [arith.divui(w, utils.c(_SCALE_ROW, index)),
-                                               arith.remui(w, utils.c(_SCALE_ROW, index))])
-                staged = [llvm.inline_asm(i32, [word], _scale_asm(j), "=r,r") for j in range(_SCALES_PER_WORD)]
-                vector.store(vector.from_elements(ir.VectorType.get((_SCALES_PER_WORD,), i32), staged), staged_ref,
-                             [arith.muli(arith.addi(w, utils.c(first, index)), utils.c(_SCALES_PER_WORD, index))])
+        def convert(w):
+            word = memref.load(scale_ref, [arith.divui(w, utils.c(_SCALE_ROW, index)),
+                                           arith.remui(w, utils.c(_SCALE_ROW, index))])
+            staged = [llvm.inline_asm(i32, [word], _scale_asm(j), "=r,r") for j in range(_SCALES_PER_WORD)]
+            vector.store(vector.from_elements(ir.VectorType.get((_SCALES_PER_WORD,), i32), staged), staged_ref,
+                         [arith.muli(w, utils.c(_SCALES_PER_WORD, index))])
 
-            for_each_index(words, convert)
+        for_each_index(words, convert)
         utils.warpgroup_barrier()
 
     return body
 
 
-def paired_piece_words(gate, up):
-    """In an inline_mgpu body: `word_at(m, c, half)` as `weight_words` gives it for a 64-row tile whose rows
-    0-31 are the smem piece `gate` and 32-63 the piece `up`, each 32 rows of 128 bytes under TMA's 128-byte
-    swizzle (16-byte group g of row r at g ^ (r % 8)): warps 0-1 read `gate`, warps 2-3 read `up`."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
-    from jax.experimental.mosaic.gpu import utils
-
-    i32, i64, index = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64), ir.IndexType.get()
-    row0, lane = _thread_place()
-    in_up = arith.cmpi(arith.CmpIPredicate.uge, row0, utils.c(_PIECE_ROWS, index))
-    pointers = [utils.memref_ptr(piece) for piece in (gate, up)]
-    address = arith.select(in_up, *(llvm.ptrtoint(i64, pointer) for pointer in pointers[::-1]))
-    base = llvm.inttoptr(pointers[0].type, address)
-    row = arith.index_cast(i32, arith.remui(row0, utils.c(_PIECE_ROWS, index)))  # + 8 half stays in the piece
-    thread_byte = arith.addi(arith.muli(row, utils.c(_LINE, i32)),
-                             arith.index_cast(i32, arith.muli(arith.remui(lane, utils.c(4, index)),
-                                                              utils.c(4, index))))
-    swizzle = arith.andi(row, utils.c(7, i32))
-
-    def word_at(m, c, half):
-        del m  # one 64-row tile
-        group = arith.shli(arith.xori(swizzle, utils.c(c, i32)), utils.c(4, i32))
-        offset = arith.addi(arith.addi(thread_byte, group), utils.c(8 * half * _LINE, i32))
-        return llvm.load(i32, utils.getelementptr(base, [offset], ir.IntegerType.get_signless(8)))
-
-    return word_at
-
-
-def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False, chunk: int = 0, chunks: int = 1,
-                 paired: bool = False):
+def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False, chunk: int = 0, chunks: int = 1):
     """inline_mgpu body: bytes [tile_n, tile_k/2] (WGMMA_8BIT layout; with `line_box` the step's smem
     tile itself, its rows one after another, which each thread reads its words from) and the step's staged
     block scales (`_stage_scales`) -> bf16 [tile_n, tile_k / chunks] (WGMMA): the step's K chunk `chunk` of
-    `chunks`. `paired`: the bytes are two smem pieces of 32 rows (`paired_piece_words`). A thread's
-    registers: first index the 64-row tile m, second the column group; its rows are
+    `chunks`. A thread's registers: first index the 64-row tile m, second the column group; its rows are
     64 m + 16 warp + lane / 4 and that + 8 (the `half` index)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, vector
@@ -327,13 +292,12 @@ def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False, chunk: int = 
     groups = tile_k // _K_PER_WORD_GROUP
     chunk_groups = range(chunk * groups // chunks, (chunk + 1) * groups // chunks)
 
-    def body(ctx, *refs):
+    def body(ctx, packed, staged_ref):
         del ctx
-        *packed, staged_ref = refs
         i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
         pair_type = ir.VectorType.get((2,), ir.BF16Type.get())
         row0, _ = _thread_place()
-        word_at = paired_piece_words(*packed) if paired else weight_words(packed[0], tile_k, line_box)
+        word_at = weight_words(packed, tile_k, line_box)
         out = np.empty(fa.WGMMA_LAYOUT.registers_shape((tile_n, tile_k // chunks)), dtype=object)
         for m in range(tile_n // 64):
             for half in range(2):
@@ -445,45 +409,53 @@ def _fold_scales(scales, tile_k: int) -> jax.Array:
 
 
 def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool, line_box: bool, chunks: int,
-                   up_offset: int | None = None):
+                   paired_steps: int | None = None):
     """What a program of `tile_n` rows needs: `in_specs(expert, k0, ni, x_block)` (the pipeline's BlockSpecs:
     step kk takes the expert's packed bytes and folded scales of K step k0 + kk and row tile ni, and block
     x_block's activations), the scale staging, the decode of each of the step's `chunks` K chunks and the
     transposed store (`inline_mgpu` ops). `line_box`: the packed bytes come as `_LINE`-byte lines,
-    unswizzled, a box of `tile_n * tile_k / 2 / _LINE` lines. `up_offset` (SwiGLU programs): a program's
-    64 rows are the two 32-row pieces ni and up_offset + ni (gate rows and their up rows), each a pair of
-    BlockSpecs (bytes, scales)."""
+    unswizzled, a box of `tile_n * tile_k / 2 / _LINE` lines. `paired_steps` (SwiGLU programs; the weights'
+    K steps): bytes and scales are read through `[E * K steps, 2, I, ...]` views (`_paired_views`), and a
+    step's box is `tile_n / 2` gate rows with their up rows, the same smem bytes as a box of `tile_n`
+    consecutive rows (gate rows first): one copy each, and the decode of any other tile."""
     byte_swizzle = plgpu.find_swizzle(tile_k // 2 * 8, "lhs")
     x_swizzle = plgpu.find_swizzle(tile_k * 16, "rhs")
-    pieces = 1 if up_offset is None else 2
-    piece_rows = tile_n // pieces
+    scale_rows = tile_n * tile_k // 64 // _SCALE_ROW  # a step's scale words in folded rows
     if line_box:
         packed_block, packed_transforms = (tile_n * tile_k // 2 // _LINE, _LINE), ()
     else:
-        packed_block = (piece_rows, tile_k // 2)
-        packed_transforms = (plgpu.TilingTransform((8, byte_swizzle)), plgpu.SwizzleTransform(byte_swizzle))
+        packed_block = (tile_n, tile_k // 2)
+        # Paired boxes [2, rows, bytes] get a unit tile on their first axis, so that they fold back to [tile_n, bytes].
+        tiling = (8, byte_swizzle) if paired_steps is None else (1, 8, byte_swizzle)
+        packed_transforms = (plgpu.TilingTransform(tiling), plgpu.SwizzleTransform(byte_swizzle))
+    scale_block = (scale_rows, _SCALE_ROW)
     x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
-    scale_rows = piece_rows * tile_k // 64 // _SCALE_ROW  # a step's scale words of one piece, in folded rows
 
     def in_specs(expert, k0, ni, x_block):
-        tiles = [ni] if up_offset is None else [ni, up_offset + ni]
-        return ([plgpu.BlockSpec((None, None, *packed_block), lambda kk, t=t: (expert, k0 + kk, t, 0),
-                                 transforms=packed_transforms) for t in tiles]
-                + [plgpu.BlockSpec((None, None, scale_rows, _SCALE_ROW), lambda kk, t=t: (expert, k0 + kk, t, 0))
-                   for t in tiles]
-                + [plgpu.BlockSpec((block_t, tile_k), lambda kk: (x_block, k0 + kk), transforms=x_transforms)])
+        if paired_steps is None:
+            lead, at = (None, None), lambda kk: (expert, k0 + kk, ni, 0)
+            shapes = (packed_block, scale_block)
+        else:  # both projections' halves of row tile ni, in views with experts and K steps merged
+            lead, at = (None, 2), lambda kk: (expert * paired_steps + k0 + kk, 0, ni, 0)
+            shapes = ((packed_block[0] // 2, packed_block[1]), (scale_block[0] // 2, scale_block[1]))
+        return [plgpu.BlockSpec((*lead, *shapes[0]), at, transforms=packed_transforms),
+                plgpu.BlockSpec((*lead, *shapes[1]), at),
+                plgpu.BlockSpec((block_t, tile_k), lambda kk: (x_block, k0 + kk), transforms=x_transforms)]
 
-    stage = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (pieces + 1))(_stage_scales(tile_n, tile_k, pieces))
-    # Paired pieces come swizzled, as TMA wrote them (`paired_piece_words` reads them so).
-    weight_type = (plgpu.RefType() if line_box else plgpu.RefType(packed_transforms) if pieces > 1
-                   else plgpu.Layout.WGMMA_8BIT)
+    stage = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 2)(_stage_scales(tile_n, tile_k))
     decodes = [plgpu.inline_mgpu(
-        arg_types=(weight_type,) * pieces + (plgpu.RefType(),),
+        arg_types=(plgpu.RefType() if line_box else plgpu.Layout.WGMMA_8BIT, plgpu.RefType()),
         return_type=plgpu.ShapeDtypeStruct((tile_n, tile_k // chunks), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-    )(_decode_tile(tile_n, tile_k, line_box, chunk, chunks, paired=pieces > 1)) for chunk in range(chunks)]
+    )(_decode_tile(tile_n, tile_k, line_box, chunk, chunks)) for chunk in range(chunks)]
     store_transposed = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, *[plgpu.RefType()] * (1 + scaled)))(
         _store_transposed(tile_n, block_t, scaled))
     return in_specs, stage, decodes, store_transposed
+
+
+def _paired_views(packed, scales):
+    """SwiGLU programs' views of the gate/up weights (N = 2 I, gate rows then up rows): bytes `[E, S, N, B]` ->
+    `[E S, 2, I, B]` and folded scales likewise (free reshapes)."""
+    return tuple(a.reshape(a.shape[0] * a.shape[1], 2, a.shape[2] // 2, a.shape[3]) for a in (packed, scales))
 
 
 def _scratch(tile_n: int, tile_k: int, block_t: int, out_dtype, scaled: bool, scattered: bool, swiglu: bool) -> dict:
@@ -541,28 +513,31 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     one box of 32 lines, not 128 rows of 32 bytes, was 5-7 % faster (H200, session 18). `decode_chunks`: each
     step is decoded and multiplied in that many K chunks, the next chunk decoding while the last one's wgmma
     runs, with fewer registers live (64 x 256 steps: 108 whole, 96 in two chunks, 68 in four; H200, session 19).
-    `swiglu` (with `global_scale`, tile_n 64, tile_k 256): the weights are gate rows then up rows (N = 2 I), a
-    program takes 32 gate rows and their 32 up rows, and the output is `[1, B*block_t, I]` bf16,
-    `moe_gemm._swiglu` of the two finished projections: XLA's SwiGLU pass and half the bytes go."""
+    `swiglu` (with `global_scale`, tile_k >= 256): the weights are gate rows then up rows (N = 2 I), a
+    program takes tile_n / 2 gate rows and their up rows (one box a step, `_tile_programs`), and the output is
+    `[1, B*block_t, I]` bf16, `moe_gemm._swiglu` of the two finished projections: XLA's SwiGLU pass and half
+    the bytes go. (Session 19's version, two boxes of 32 rows read by the decode from swizzled smem, made the
+    GEMM 3-10 us slower at T = 8-64, more than the 2.2-3.0 us of XLA's SwiGLU it saved; H200, session 20.)"""
     scaled, scattered = _check_operands(xs, block_expert, packed, scales, block_t=block_t, tile_k=tile_k, splits=splits,
                                         tile_n=tile_n, shared_rows=shared_rows, global_scale=global_scale,
                                         row_destination=row_destination, out_rows=out_rows)
     if decode_chunks < 1 or tile_k % (TILE_K_QUANTUM * decode_chunks):
         raise ValueError(f"decode_chunks={decode_chunks} must split tile_k={tile_k} into multiples of {TILE_K_QUANTUM}")
     k, n, blocks = xs.shape[1], packed.shape[2], block_expert.shape[0]
-    if swiglu and (not scaled or scattered or tile_n != 2 * _PIECE_ROWS or tile_k // 2 != _LINE
-                   or n % (2 * _PIECE_ROWS)):
-        raise ValueError(f"swiglu needs global_scale, no row_destination, tile_n {2 * _PIECE_ROWS}, tile_k {2 * _LINE} "
-                         f"and gate and up rows in multiples of {_PIECE_ROWS}: tile_n {tile_n}, tile_k {tile_k}, N {n}")
-    pieces, intermediate = (2, n // 2) if swiglu else (1, None)
+    line_box = tile_k // 2 < _LINE
+    half_n = tile_n // 2  # SwiGLU programs: gate rows, and as many up rows
+    if swiglu and (not scaled or scattered or line_box or n % (2 * half_n)):
+        raise ValueError(f"swiglu needs global_scale, no row_destination, tile_k >= {2 * _LINE} and gate and up rows "
+                         f"in multiples of tile_n / 2: tile_k {tile_k}, tile_n {tile_n}, N {n}")
+    intermediate = n // 2 if swiglu else None
     k_steps = k // (tile_k * splits)
     scales = _fold_scales(scales, tile_k)
-    line_box = tile_k // 2 < _LINE
     if line_box:  # a K step's tile of rows is contiguous (`pack_k_steps`): the same bytes as lines
         packed = packed.reshape(*packed.shape[:2], -1, _LINE)
     in_specs, stage, decodes, store_transposed = _tile_programs(
-        tile_n, tile_k, block_t, scaled, line_box, decode_chunks,
-        up_offset=intermediate // _PIECE_ROWS if swiglu else None)
+        tile_n, tile_k, block_t, scaled, line_box, decode_chunks, paired_steps=packed.shape[1] if swiglu else None)
+    if swiglu:
+        packed, scales = _paired_views(packed, scales)
     out_dtype = xs.dtype if scaled else jnp.float32
 
     # Optional inputs, in this order: the global scales (scaled), the row destinations (scattered).
@@ -578,20 +553,21 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
 
         def acc_scope(acc_ref):
             def step(_, *smem):
-                w_smem, s_smem, x_smem = smem[:pieces], smem[pieces:-1], smem[-1]
-                if not (line_box or swiglu):
-                    w_smem = [plgpu.load(w_smem[0], layout=plgpu.Layout.WGMMA_8BIT)]
-                stage(*s_smem, staged_smem)
+                w_smem, s_smem, x_smem = smem
+                if swiglu:  # [2, tile_n / 2, ...] boxes: the rows of one tile (`_tile_programs`)
+                    w_smem, s_smem = w_smem.reshape(tile_n, tile_k // 2), s_smem.reshape(-1, _SCALE_ROW)
+                weights = w_smem if line_box else plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT)
+                stage(s_smem, staged_smem)
                 chunk_k = tile_k // decode_chunks
                 for chunk, decode in enumerate(decodes):
                     x_chunk = x_smem if decode_chunks == 1 else x_smem.at[:, pl.ds(chunk * chunk_k, chunk_k)]
-                    plgpu.wgmma(acc_ref, decode(*w_smem, staged_smem), x_chunk.transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, decode(weights, staged_smem), x_chunk.transpose((1, 0)))
                     if chunk + 1 < decode_chunks:  # the next chunk decodes while this one multiplies
                         plgpu.wgmma_wait(1)
                 plgpu.wgmma_wait(0)
 
             plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=in_specs(expert, k0, ni, 0 if shared_rows else b),
-                                max_concurrent_steps=stages)(*[packed_gmem] * pieces, *[scales_gmem] * pieces, xs_gmem)
+                                max_concurrent_steps=stages)(packed_gmem, scales_gmem, xs_gmem)
             return acc_ref[...]
 
         @pl.when(expert >= 0)  # unused blocks (expert -1) are skipped; their output is left unwritten
@@ -600,9 +576,9 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
             # from global memory after it, each destination cost a load's latency at the program's end).
             if swiglu:  # the gate rows' scales, then their up rows'
                 for piece, first in enumerate((0, intermediate)):
-                    rows = pl.ds(first + ni * _PIECE_ROWS, _PIECE_ROWS)
+                    rows = pl.ds(first + ni * half_n, half_n)
                     plgpu.copy_gmem_to_smem(global_scale_gmem.at[expert, rows],
-                                            scale_smem.at[pl.ds(piece * _PIECE_ROWS, _PIECE_ROWS)], scale_barrier)
+                                            scale_smem.at[pl.ds(piece * half_n, half_n)], scale_barrier)
             elif scaled:
                 plgpu.copy_gmem_to_smem(global_scale_gmem.at[expert, pl.ds(ni * tile_n, tile_n)], scale_smem,
                                         scale_barrier)
@@ -615,9 +591,9 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
             if swiglu:
                 store_transposed(acc, out_smem, scale_smem)
                 plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))(
-                    _swiglu_rows(block_t, _PIECE_ROWS))(out_smem, swiglu_smem)
+                    _swiglu_rows(block_t, half_n))(out_smem, swiglu_smem)
                 plgpu.commit_smem()
-                columns = pl.ds(ni * _PIECE_ROWS, _PIECE_ROWS)
+                columns = pl.ds(ni * half_n, half_n)
                 plgpu.copy_smem_to_gmem(swiglu_smem, out_gmem.at[0, pl.ds(b * block_t, block_t), columns])
             else:
                 _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, block_t=block_t, tile_n=tile_n,

@@ -39,20 +39,19 @@ SHAPES = {  # label: (N, K, blocks, block_t, tile_k, splits, stages, tile_n, oth
 def cheap_decode(mode: str):
     """A stand-in for `nm._decode_tile` (same signature): "no_scales" or "raw" (see the module doc)."""
 
-    def make(tile_n: int, tile_k: int, line_box: bool = False, chunk: int = 0, chunks: int = 1, paired: bool = False):
+    def make(tile_n: int, tile_k: int, line_box: bool = False, chunk: int = 0, chunks: int = 1):
         from jax._src.lib.mlir import ir
         from jax._src.lib.mlir.dialects import llvm
         from jax.experimental.mosaic.gpu import fragmented_array as fa
         from jax.experimental.mosaic.gpu import utils
 
-        def body(ctx, *refs):
+        def body(ctx, packed, _):  # the staged scales are not read
             del ctx
-            *packed, _ = refs  # the staged scales are not read
             i32, bf16 = ir.IntegerType.get_signless(32), ir.BF16Type.get()
             out = np.empty(fa.WGMMA_LAYOUT.registers_shape((tile_n, tile_k // chunks)), dtype=object)
             groups = tile_k // 32 // chunks
             ones = utils.c(0x3F803F80, i32)  # bf16x2 (1.0, 1.0) in place of the block scales
-            word_at = nm.paired_piece_words(*packed) if paired else nm.weight_words(packed[0], tile_k, line_box)
+            word_at = nm.weight_words(packed, tile_k, line_box)
             for m in range(tile_n // 64):
                 for half in range(2):
                     for c in range(groups):
@@ -78,7 +77,7 @@ def stand_in(mode: str):
     try:
         if mode != "full":  # the stand-ins read no scales: nothing to stage
             nm._decode_tile = cheap_decode("raw" if mode == "copy" else mode)
-            nm._stage_scales = lambda tile_n, tile_k, pieces=1: lambda ctx, *refs: None
+            nm._stage_scales = lambda tile_n, tile_k: lambda ctx, *refs: None
         if mode == "copy":
             plgpu.wgmma = plgpu.wgmma_wait = lambda *args, **kwargs: None
         yield
