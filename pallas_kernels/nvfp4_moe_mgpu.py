@@ -191,14 +191,16 @@ def default_config(tokens: int) -> dict:
     1.2 us slower at T = 16; four chunks: 68 registers, 62.0 us at T = 8; session 19 run D). Down GEMM
     programs of 256 rows at 32-64 tokens: the layer took 151.0 us against 154.2 at T = 32 and 203.0 against
     208.1 at T = 64 (session 19 run E); at T = 8 and 16 they were slower (67.8 against 66.0, 106.6 against
-    104.4, run B); 17-31 tokens are untimed."""
+    104.4, run B); 17-31 tokens are untimed. From 2 to 64 tokens the gate/up GEMM applies the global scales and SwiGLU
+itself (`gate_up_swiglu`; the layer took 58.7 / 103.7 / 148.0 / 200.6 us against 60.5 / 104.4 / 149.7 / 202.9 at
+T = 8 / 16 / 32 / 64, session 20 run C); past 64 tokens it is untimed."""
     shared, small_blocks = tokens <= SHARED_ROWS_MAX_TOKENS, tokens <= 1024
     return dict(block_builder="shared" if shared else "compare" if tokens <= 64 else "sort",
                 block_t=8 if tokens <= 64 else 32 if small_blocks else 64, gate_up_splits=4 if tokens == 1 else 1,
                 gate_up_stages=2, gate_up_tile_n=128 if 64 < tokens <= 1024 else 64,
                 down_tile_n=64 if tokens == 1 else 256 if 32 <= tokens <= 64 else 128, down_stages=4,
-                gate_up_epilogue=not shared, down_epilogue=not shared, gate_up_decode_chunks=2 if tokens <= 8 else 1,
-                gate_up_swiglu=False)
+                gate_up_epilogue=tokens > 1, down_epilogue=not shared,
+                gate_up_decode_chunks=2 if tokens <= 8 else 1, gate_up_swiglu=1 < tokens <= 64)
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
@@ -214,7 +216,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     applies the global scales and writes bf16 (gate/up only with one K split; `grouped_matmul(global_scale=)`),
     and at decode the down GEMM writes each pair's row in pair order (`row_destination=`).
     `gate_up_decode_chunks`: the gate/up GEMM's `decode_chunks`. `gate_up_swiglu`: the gate/up GEMM applies
-    SwiGLU too (`grouped_matmul(swiglu=True)`; needs its epilogue and one K split). `expert_offset`: the
+    SwiGLU too (`grouped_matmul(swiglu=True)`; needs its epilogue and one K split; unset, the default wherever
+    the epilogue runs). `expert_offset`: the
     weights are one device's experts from that index on (expert parallelism); other pairs count zero.
     `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation)."""
     tokens, top_k = ids.shape
@@ -230,7 +233,6 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     down_epilogue = config["down_epilogue"] if down_epilogue is None else down_epilogue
     gate_up_tile_n = config["gate_up_tile_n"] if gate_up_tile_n is None else gate_up_tile_n
     gate_up_decode_chunks = config["gate_up_decode_chunks"] if gate_up_decode_chunks is None else gate_up_decode_chunks
-    gate_up_swiglu = config["gate_up_swiglu"] if gate_up_swiglu is None else gate_up_swiglu
     intermediate = down.packed.shape[1] * down.tile_k
     num_experts = gate_up.packed.shape[0]
     if block_builder not in ("shared", "sort", "compare"):
@@ -246,6 +248,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         pair_row, block_expert, row_pair = build(local_ids, num_experts, block_t)
         xs = rg.gather_rows_on_backend(x, row_tokens(row_pair, top_k, tokens), block_expert, block_t=block_t)
     scaled_gate_up = gate_up_epilogue and gate_up_splits == 1  # else XLA adds the splits and scales
+    if gate_up_swiglu is None:  # the default where the GEMM finishes its projections itself
+        gate_up_swiglu = config["gate_up_swiglu"] and scaled_gate_up
     if gate_up_swiglu and not scaled_gate_up:
         raise ValueError("gate_up_swiglu needs the gate/up epilogue (gate_up_epilogue=True) and one K split, "
                          f"got gate_up_epilogue={gate_up_epilogue}, gate_up_splits={gate_up_splits}")
