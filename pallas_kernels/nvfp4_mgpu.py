@@ -318,20 +318,19 @@ def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False, chunk: int = 
     return body
 
 
-def _store_transposed(tile_n: int, block_t: int, scaled: bool, weighted: bool = False):
+def _store_transposed(tile_n: int, block_t: int, scaled: bool):
     """inline_mgpu body: fp32 accumulator [tile_n, block_t] (WGMMA layout) -> smem [block_t, tile_n], so
     the output is [rows, N] (a row per activation row: the layer's gathers and epilogues then read
     contiguous rows). A thread's register [m, c, .., half, ..] holds row 64 m + 16 warp + lane / 4 + 8 half,
     columns 8 c + 2 (lane % 4) and the next. Pallas' own store does not take a transposed ref.
     `scaled`: a third argument holds the tile's global scales `[tile_n]`; each value is multiplied by
     OUTPUT_FACTOR and its row's scale and rounded to the output's dtype (bf16), as the layer's
-    reference rounds the projections. `weighted`: a fourth argument holds a weight per block row `[block_t]`,
-    and the scaled value times its row's weight is stored in fp32, unrounded (`grouped_matmul(row_weight=)`)."""
+    reference rounds the projections."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, memref, vector
     from jax.experimental.mosaic.gpu import utils
 
-    def body(ctx, acc, out_ref, scale_ref=None, weight_ref=None):
+    def body(ctx, acc, out_ref, scale_ref=None):
         del ctx
         index, f32 = ir.IndexType.get(), ir.F32Type.get()
         out_type = ir.MemRefType(out_ref.type).element_type
@@ -347,9 +346,7 @@ def _store_transposed(tile_n: int, block_t: int, scaled: bool, weighted: bool = 
                     for j in range(2):
                         col = arith.addi(col0, utils.c(8 * c + j, index))
                         value = vector.extract(pair, dynamic_position=[], static_position=[j])
-                        if weighted:
-                            value = arith.mulf(arith.mulf(value, factor), memref.load(weight_ref, [col]))
-                        elif scaled:
+                        if scaled:
                             value = arith.truncf(out_type, arith.mulf(value, factor))
                         memref.store(value, out_ref, [col, row])
 
@@ -384,8 +381,8 @@ def _swiglu_rows(block_t: int, width: int):
 
 
 def _check_operands(xs, block_expert, packed, scales, *, block_t, tile_k, splits, tile_n, shared_rows, global_scale,
-                    row_destination, out_rows, row_weight) -> tuple[bool, bool, bool]:
-    """Raises on operands `grouped_matmul` cannot take; returns (scaled, scattered, combined)."""
+                    row_destination, out_rows) -> tuple[bool, bool]:
+    """Raises on operands `grouped_matmul` cannot take; returns (scaled, scattered)."""
     rows, k = xs.shape
     experts, n = packed.shape[0], packed.shape[2]
     blocks = block_expert.shape[0]
@@ -401,11 +398,7 @@ def _check_operands(xs, block_expert, packed, scales, *, block_t, tile_k, splits
         raise ValueError(f"global_scale {global_scale.shape} needs one split and shape {(experts, n)}")
     if scattered and (not scaled or out_rows is None or row_destination.shape != (blocks, block_t)):
         raise ValueError(f"row_destination needs global_scale, out_rows and shape {(blocks, block_t)}")
-    combined = row_weight is not None
-    if combined and (not scaled or scattered or row_weight.shape != (blocks, block_t) or row_weight.dtype != jnp.float32):
-        raise ValueError(f"row_weight needs global_scale, no row_destination and fp32 shape "
-                         f"{(blocks, block_t)}, got {row_weight.dtype} {row_weight.shape}")
-    return scaled, scattered, combined
+    return scaled, scattered
 
 
 def _fold_scales(scales, tile_k: int) -> jax.Array:
@@ -416,7 +409,7 @@ def _fold_scales(scales, tile_k: int) -> jax.Array:
 
 
 def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool, line_box: bool, chunks: int,
-                   paired_steps: int | None = None, weighted: bool = False):
+                   paired_steps: int | None = None):
     """What a program of `tile_n` rows needs: `in_specs(expert, k0, ni, x_block)` (the pipeline's BlockSpecs:
     step kk takes the expert's packed bytes and folded scales of K step k0 + kk and row tile ni, and block
     x_block's activations), the scale staging, the decode of each of the step's `chunks` K chunks and the
@@ -454,8 +447,8 @@ def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool, line_bo
         arg_types=(plgpu.RefType() if line_box else plgpu.Layout.WGMMA_8BIT, plgpu.RefType()),
         return_type=plgpu.ShapeDtypeStruct((tile_n, tile_k // chunks), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
     )(_decode_tile(tile_n, tile_k, line_box, chunk, chunks)) for chunk in range(chunks)]
-    store_transposed = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, *[plgpu.RefType()] * (1 + scaled + weighted)))(
-        _store_transposed(tile_n, block_t, scaled, weighted))
+    store_transposed = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, *[plgpu.RefType()] * (1 + scaled)))(
+        _store_transposed(tile_n, block_t, scaled))
     return in_specs, stage, decodes, store_transposed
 
 
@@ -465,11 +458,10 @@ def _paired_views(packed, scales):
     return tuple(a.reshape(a.shape[0] * a.shape[1], 2, a.shape[2] // 2, a.shape[3]) for a in (packed, scales))
 
 
-def _scratch(tile_n: int, tile_k: int, block_t: int, out_dtype, scaled: bool, scattered: bool, swiglu: bool,
-             combined: bool) -> dict:
+def _scratch(tile_n: int, tile_k: int, block_t: int, out_dtype, scaled: bool, scattered: bool, swiglu: bool) -> dict:
     """A program's shared memory besides its pipeline: the output tile, the staged block scales and, with
-    global scales, the tile's scales and their barrier; with row destinations (or row weights), the block's
-    and theirs; with SwiGLU, its output tile."""
+    global scales, the tile's scales and their barrier; with row destinations, the block's and theirs; with
+    SwiGLU, its output tile."""
     scratch = dict(out_smem=plgpu.SMEM((block_t, tile_n), out_dtype),
                    staged_smem=plgpu.SMEM((tile_n * tile_k // 16,), jnp.uint32))  # a word per block scale
     if scaled:  # SwiGLU programs copy their gate rows' scales and their up rows' in two copies
@@ -479,8 +471,6 @@ def _scratch(tile_n: int, tile_k: int, block_t: int, out_dtype, scaled: bool, sc
         scratch.update(swiglu_smem=plgpu.SMEM((block_t, tile_n // 2), out_dtype))
     if scattered:
         scratch.update(destination_smem=plgpu.SMEM((block_t,), jnp.int32), destination_barrier=plgpu.Barrier())
-    if combined:
-        scratch.update(weight_smem=plgpu.SMEM((block_t,), jnp.float32), weight_barrier=plgpu.Barrier())
     return scratch
 
 
@@ -505,8 +495,7 @@ def _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, *, block_t
 
 def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
                    stages: int = 4, tile_n: int = 64, decode_chunks: int = 1, shared_rows: bool = False,
-                   global_scale=None, row_destination=None, out_rows: int | None = None, swiglu: bool = False,
-                   row_weight=None):
+                   global_scale=None, row_destination=None, out_rows: int | None = None, swiglu: bool = False):
     """`xs [B*block_t, K]` bf16, `block_expert [B]` int32 (-1: skip the block),
     `packed [E, K/tile_k, N, tile_k/2]` uint8 and `scales [E, K/tile_k, N, tile_k/64]` uint32 (`pack_weights`) ->
     `[splits, B*block_t, N]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
@@ -528,23 +517,17 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     program takes tile_n / 2 gate rows and their up rows (one box a step, `_tile_programs`), and the output is
     `[1, B*block_t, I]` bf16, `moe_gemm._swiglu` of the two finished projections: XLA's SwiGLU pass and half
     the bytes go. (Session 19's version, two boxes of 32 rows read by the decode from swizzled smem, made the
-    GEMM 3-10 us slower at T = 8-64, more than the 2.2-3.0 us of XLA's SwiGLU it saved; H200, session 20.)
-    `row_weight [B, block_t]` fp32 (with `global_scale`): the output is instead `[1, block_t, N]` fp32, row t the
-    sum over blocks of row t of each block's finished projection times its weight, added by TMA reductions into
-    a zeroed buffer (decode blocks whose row t is token t: each token's weighted expert outputs, combined in the
-    GEMM). The order of the additions varies from run to run, so the low bits of the sum may too."""
-    scaled, scattered, combined = _check_operands(
-        xs, block_expert, packed, scales, block_t=block_t, tile_k=tile_k, splits=splits, tile_n=tile_n,
-        shared_rows=shared_rows, global_scale=global_scale, row_destination=row_destination, out_rows=out_rows,
-        row_weight=row_weight)
+    GEMM 3-10 us slower at T = 8-64, more than the 2.2-3.0 us of XLA's SwiGLU it saved; H200, session 20.)"""
+    scaled, scattered = _check_operands(xs, block_expert, packed, scales, block_t=block_t, tile_k=tile_k, splits=splits,
+                                        tile_n=tile_n, shared_rows=shared_rows, global_scale=global_scale,
+                                        row_destination=row_destination, out_rows=out_rows)
     if decode_chunks < 1 or tile_k % (TILE_K_QUANTUM * decode_chunks):
         raise ValueError(f"decode_chunks={decode_chunks} must split tile_k={tile_k} into multiples of {TILE_K_QUANTUM}")
     k, n, blocks = xs.shape[1], packed.shape[2], block_expert.shape[0]
     line_box = tile_k // 2 < _LINE
     half_n = tile_n // 2  # SwiGLU programs: gate rows, and as many up rows
-    if swiglu and (not scaled or scattered or combined or line_box or n % (2 * half_n)):
-        raise ValueError(f"swiglu needs global_scale, no row_destination or row_weight, tile_k >= {2 * _LINE} and "
-                         f"gate and up rows "
+    if swiglu and (not scaled or scattered or line_box or n % (2 * half_n)):
+        raise ValueError(f"swiglu needs global_scale, no row_destination, tile_k >= {2 * _LINE} and gate and up rows "
                          f"in multiples of tile_n / 2: tile_k {tile_k}, tile_n {tile_n}, N {n}")
     intermediate = n // 2 if swiglu else None
     k_steps = k // (tile_k * splits)
@@ -552,21 +535,18 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     if line_box:  # a K step's tile of rows is contiguous (`pack_k_steps`): the same bytes as lines
         packed = packed.reshape(*packed.shape[:2], -1, _LINE)
     in_specs, stage, decodes, store_transposed = _tile_programs(
-        tile_n, tile_k, block_t, scaled, line_box, decode_chunks, paired_steps=packed.shape[1] if swiglu else None,
-        weighted=combined)
+        tile_n, tile_k, block_t, scaled, line_box, decode_chunks, paired_steps=packed.shape[1] if swiglu else None)
     if swiglu:
         packed, scales = _paired_views(packed, scales)
-    out_dtype = xs.dtype if scaled and not combined else jnp.float32
+    out_dtype = xs.dtype if scaled else jnp.float32
 
-    # Optional inputs, in this order: the global scales (scaled), the row destinations (scattered) or row weights
-    # (combined); then the output, or with row weights the buffer the programs add into.
-    optional = [a for a in (global_scale, row_destination, row_weight) if a is not None]
+    # Optional inputs, in this order: the global scales (scaled), the row destinations (scattered).
+    optional = [a for a in (global_scale, row_destination) if a is not None]
 
     def kernel(block_expert_gmem, xs_gmem, packed_gmem, scales_gmem, *gmem, out_smem, staged_smem, scale_smem=None,
-               scale_barrier=None, destination_smem=None, destination_barrier=None, weight_smem=None,
-               weight_barrier=None, swiglu_smem=None):
+               scale_barrier=None, destination_smem=None, destination_barrier=None, swiglu_smem=None):
         *optional_gmem, out_gmem = gmem
-        global_scale_gmem, per_row_gmem = (*optional_gmem, None, None)[:2]
+        global_scale_gmem, row_destination_gmem = (*optional_gmem, None, None)[:2]
         b, ni, si = (jax.lax.axis_index(a) for a in ("b", "n", "s"))
         expert = block_expert_gmem[b]
         k0 = si * k_steps
@@ -603,11 +583,9 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                 plgpu.copy_gmem_to_smem(global_scale_gmem.at[expert, pl.ds(ni * tile_n, tile_n)], scale_smem,
                                         scale_barrier)
             if scattered:
-                plgpu.copy_gmem_to_smem(per_row_gmem.at[b], destination_smem, destination_barrier)
-            if combined:
-                plgpu.copy_gmem_to_smem(per_row_gmem.at[b], weight_smem, weight_barrier)
+                plgpu.copy_gmem_to_smem(row_destination_gmem.at[b], destination_smem, destination_barrier)
             acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, block_t)))
-            for barrier in (scale_barrier, destination_barrier, weight_barrier):
+            for barrier in (scale_barrier, destination_barrier):
                 if barrier is not None:
                     plgpu.barrier_wait(barrier)
             if swiglu:
@@ -617,24 +595,20 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                 plgpu.commit_smem()
                 columns = pl.ds(ni * half_n, half_n)
                 plgpu.copy_smem_to_gmem(swiglu_smem, out_gmem.at[0, pl.ds(b * block_t, block_t), columns])
-            elif combined:
-                store_transposed(acc, out_smem, scale_smem, weight_smem)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[:, pl.ds(ni * tile_n, tile_n)], reduction_op="add")
             else:
                 _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, block_t=block_t, tile_n=tile_n,
                             scale_smem=scale_smem, destination_smem=destination_smem)
             plgpu.wait_smem_to_gmem(0)
 
-    out_type = () if combined else jax.ShapeDtypeStruct(
-        (splits, out_rows if scattered else blocks * block_t, intermediate if swiglu else n), out_dtype)
-    call = plgpu.kernel(kernel, out_type=out_type, grid=(blocks, n // tile_n, splits), grid_names=("b", "n", "s"),
-                        scratch_types=_scratch(tile_n, tile_k, block_t, out_dtype, scaled, scattered, swiglu, combined))
-    if not combined:
-        return call(block_expert, xs, packed, scales, *optional)
-    total = jax.new_ref(jnp.zeros((block_t, n), jnp.float32))  # the programs add into it (a mutable operand)
-    call(block_expert, xs, packed, scales, *optional, total)
-    return total[...][None]
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((splits, out_rows if scattered else blocks * block_t,
+                                       intermediate if swiglu else n), out_dtype),
+        grid=(blocks, n // tile_n, splits),
+        grid_names=("b", "n", "s"),
+        scratch_types=_scratch(tile_n, tile_k, block_t, out_dtype, scaled, scattered, swiglu),
+    )
+    return call(block_expert, xs, packed, scales, *optional)
 
 
 def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: bool = False):
@@ -648,8 +622,7 @@ def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: 
 
 def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int = 1,
                             stages: int = 4, tile_n: int = 64, decode_chunks: int = 1, shared_rows: bool = False,
-                            global_scale=None, row_destination=None, out_rows: int | None = None, swiglu: bool = False,
-                            row_weight=None):
+                            global_scale=None, row_destination=None, out_rows: int | None = None, swiglu: bool = False):
     """`grouped_matmul`'s contract in plain jnp, from the kernel layouts (for CPU tests of code that
     calls the kernel): decodes the words as the PTX does, then `grouped_matmul_reference`. Blocks
     of expert -1 get NaN, as the kernel leaves them unwritten (any bits); one split holds the whole sum."""
@@ -674,9 +647,6 @@ def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, t
     out = jnp.where(jnp.repeat(block_expert >= 0, block_t)[:, None], out, jnp.nan)
     if global_scale is not None:
         row_scale = jnp.repeat(global_scale[jnp.maximum(block_expert, 0)], block_t, axis=0)
-        if row_weight is not None:  # blocks of expert -1 add nothing
-            weighted = jnp.where(jnp.repeat(block_expert >= 0, block_t)[:, None], out * row_scale, 0.0)
-            return (weighted * row_weight.reshape(-1, 1)).reshape(-1, block_t, n).sum(0)[None]
         out = (out * row_scale).astype(xs.dtype)
         if swiglu:
             out = _swiglu(out[:, :n // 2], out[:, n // 2:]).astype(xs.dtype)

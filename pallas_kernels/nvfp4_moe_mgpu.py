@@ -200,7 +200,7 @@ T = 8 / 16 / 32 / 64, session 20 run C); past 64 tokens it is untimed."""
                 gate_up_stages=2, gate_up_tile_n=128 if 64 < tokens <= 1024 else 64,
                 down_tile_n=64 if tokens == 1 else 256 if 32 <= tokens <= 64 else 128, down_stages=4,
                 gate_up_epilogue=tokens > 1, down_epilogue=not shared,
-                gate_up_decode_chunks=2 if tokens <= 8 else 1, gate_up_swiglu=1 < tokens <= 64, down_combine=False)
+                gate_up_decode_chunks=2 if tokens <= 8 else 1, gate_up_swiglu=1 < tokens <= 64)
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
@@ -208,7 +208,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
               down_tile_n: int | None = None, down_stages: int | None = None, block_builder: str | None = None,
               gate_up_epilogue: bool | None = None, down_epilogue: bool | None = None,
               gate_up_decode_chunks: int | None = None, gate_up_swiglu: bool | None = None,
-              down_combine: bool | None = None, expert_offset: int | jax.Array | None = None, matmul=nm.grouped_matmul):
+              expert_offset: int | jax.Array | None = None, matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
     (`_shared_blocks`; its blocks have T rows rounded up to 8, whatever `block_t` says), "sort"
@@ -217,8 +217,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     and at decode the down GEMM writes each pair's row in pair order (`row_destination=`).
     `gate_up_decode_chunks`: the gate/up GEMM's `decode_chunks`. `gate_up_swiglu`: the gate/up GEMM applies
     SwiGLU too (`grouped_matmul(swiglu=True)`; needs its epilogue and one K split; unset, the default wherever
-    the epilogue runs). `down_combine` (shared blocks only): the down GEMM also weights and adds each token's
-    expert outputs (`grouped_matmul(row_weight=)`), in place of its epilogue and XLA's sum. `expert_offset`: the
+    the epilogue runs). `expert_offset`: the
     weights are one device's experts from that index on (expert parallelism); other pairs count zero.
     `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation)."""
     tokens, top_k = ids.shape
@@ -234,15 +233,12 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     down_epilogue = config["down_epilogue"] if down_epilogue is None else down_epilogue
     gate_up_tile_n = config["gate_up_tile_n"] if gate_up_tile_n is None else gate_up_tile_n
     gate_up_decode_chunks = config["gate_up_decode_chunks"] if gate_up_decode_chunks is None else gate_up_decode_chunks
-    down_combine = config["down_combine"] if down_combine is None else down_combine
     intermediate = down.packed.shape[1] * down.tile_k
     num_experts = gate_up.packed.shape[0]
     if block_builder not in ("shared", "sort", "compare"):
         raise ValueError(f"block_builder must be 'shared', 'sort' or 'compare', got {block_builder!r}")
     local_ids, local = mg._local_pairs(ids, expert_offset, num_experts)
     shared = block_builder == "shared"
-    if down_combine and not shared:
-        raise ValueError(f"down_combine needs shared blocks (block_builder='shared'), got {block_builder!r}")
     if shared:
         block_t = -(-tokens // 8) * 8
         pair_row, block_expert, row_pair = _shared_blocks(local_ids, num_experts, block_t)
@@ -270,10 +266,6 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     act = gu[0] if gate_up_swiglu else mg._swiglu(gu[0, :, :intermediate], gu[0, :, intermediate:]).astype(x.dtype)
     down_gemm = functools.partial(matmul, act, block_expert, down.packed, down.scales, block_t=block_t,
                                   tile_k=down.tile_k, splits=1, stages=down_stages, tile_n=down_tile_n)
-    if down_combine:  # row t of every shared block is token t; rows of no pair weigh zero
-        row_weight = jnp.where(row_pair >= 0, weights.reshape(-1)[jnp.maximum(row_pair, 0)], 0.0)
-        total = down_gemm(global_scale=down.global_scale, row_weight=row_weight.astype(jnp.float32).reshape(-1, block_t))
-        return total[0, :tokens].astype(x.dtype)
     if not down_epilogue:
         # Only the pairs' rows are scaled and weighted (rows of unused blocks and padding are not).
         pair_expert = jnp.minimum(local_ids.reshape(-1), num_experts - 1)

@@ -96,15 +96,6 @@ def test_bad_shapes_are_rejected():
             nm.grouped_matmul(jnp.zeros((rows, 512), jnp.bfloat16), jnp.zeros((2,), jnp.int32),
                               jnp.zeros((4, 2, 64, 128), jnp.uint8), jnp.zeros((4, 2, 64, 4), jnp.uint32), block_t=16,
                               shared_rows=True)
-    operands = (jnp.zeros((16, 512), jnp.bfloat16), jnp.zeros((2,), jnp.int32), jnp.zeros((4, 2, 128, 128), jnp.uint8),
-                jnp.zeros((4, 2, 128, 4), jnp.uint32))
-    weight = jnp.zeros((2, 8), jnp.float32)
-    with pytest.raises(ValueError, match="row_weight needs global_scale"):
-        nm.grouped_matmul(*operands, block_t=8, row_weight=weight)
-    with pytest.raises(ValueError, match="row_weight needs global_scale"):  # int weights
-        nm.grouped_matmul(*operands, block_t=8, global_scale=jnp.ones((4, 128)), row_weight=weight.astype(jnp.int32))
-    with pytest.raises(ValueError, match="swiglu needs"):
-        nm.grouped_matmul(*operands, block_t=8, global_scale=jnp.ones((4, 128)), row_weight=weight, swiglu=True)
 
 
 def _shared_x_rows(block_t: int) -> int:
@@ -125,8 +116,7 @@ def _specs(experts, n, k, blocks, block_t, tile_k, shared_rows=False):
     (5120, 320, 5, 16, 64, 1, 256, False, 4, "by_pair", 1), (640, 5120, 64, 16, 256, 1, 64, True, 2, "scaled", 1),
     (5120, 320, 57, 8, 64, 1, 128, True, 4, "sums", 1), (5120, 320, 8, 8, 64, 1, 64, True, 4, "scaled", 1),
     (640, 5120, 57, 8, 256, 1, 64, True, 2, "sums", 4), (640, 5120, 30, 8, 256, 1, 64, False, 2, "scaled", 2),
-    (640, 5120, 57, 8, 256, 1, 64, True, 2, "swiglu", 2), (640, 5120, 30, 16, 256, 1, 64, False, 2, "swiglu", 1),
-    (5120, 320, 57, 8, 64, 1, 128, False, 4, "combined", 1)])
+    (640, 5120, 57, 8, 256, 1, 64, True, 2, "swiglu", 2), (640, 5120, 30, 16, 256, 1, 64, False, 2, "swiglu", 1)])
 def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, stages, output, chunks):
     """Beam's gate/up and down shapes lower to Mosaic GPU on the CPU (the PTX is built on the GPU)."""
     op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits, tile_n=tile_n,
@@ -134,13 +124,10 @@ def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_r
     specs = _specs(256, n, k, blocks, block_t, tile_k, shared_rows)
     if output != "sums":
         spec = jax.ShapeDtypeStruct
-        per_row = jnp.float32 if output == "combined" else jnp.int32
-        specs = (*specs, spec((256, n), jnp.float32), spec((blocks, block_t), per_row))
+        specs = (*specs, spec((256, n), jnp.float32), spec((blocks, block_t), jnp.int32))
         scatter = dict(out_rows=blocks * block_t // 2) if output == "by_pair" else {}
         op = functools.partial(lambda *args, op: op(*args[:4], global_scale=args[4], swiglu=output == "swiglu",
-                                                    row_destination=args[5] if scatter else None,
-                                                    row_weight=args[5] if output == "combined" else None,
-                                                    **scatter), op=op)
+                                                    row_destination=args[5] if scatter else None, **scatter), op=op)
     text = jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -176,12 +163,6 @@ def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits
         want = want * np.repeat(global_scale[block_expert], block_t, axis=0)
         np.testing.assert_allclose(np.asarray(scaled[0], np.float32), want, rtol=2.0**-8,
                                    atol=1e-5 * np.abs(want).max())
-        # Row weights: each block's rows weighted and added over blocks (zero weights too)
-        row_weight = rng.uniform(-1, 1, (blocks, block_t)).astype(np.float32) * (rng.random((blocks, block_t)) < 0.7)
-        summed = nm.grouped_matmul(*operands, global_scale=jnp.asarray(global_scale),
-                                   row_weight=jnp.asarray(row_weight), **settings)
-        want_sum = (want.reshape(blocks, block_t, n) * row_weight[:, :, None]).sum(0)
-        np.testing.assert_allclose(np.asarray(summed[0]), want_sum, rtol=0, atol=1e-5 * np.abs(want).max() * blocks)
         if tile_n == 64 and tile_k == 256 and n % 64 == 0:  # gate rows then up rows: the SwiGLU epilogue
             activated = nm.grouped_matmul(*operands, global_scale=jnp.asarray(global_scale), swiglu=True, **settings)
             rounded = np.asarray(scaled[0], np.float32)
@@ -207,11 +188,10 @@ def _assert_layer_close(problem, got, expert_offset=None):
 
 
 def _epilogues(which: str) -> dict:
-    """`moe_nvfp4`'s epilogue settings: "none", "down" (the down GEMM's only), "both", "swiglu" (both, and
-    SwiGLU in the gate/up GEMM's) or "combine" (SwiGLU, and the combine in the down GEMM's; shared blocks)."""
-    return dict(gate_up_epilogue=which in ("both", "swiglu", "combine"),
-                down_epilogue=which in ("down", "both", "swiglu"), gate_up_swiglu=which in ("swiglu", "combine"),
-                down_combine=which == "combine")
+    """`moe_nvfp4`'s epilogue settings: "none", "down" (the down GEMM's only), "both" or "swiglu" (both, and
+    SwiGLU in the gate/up GEMM's)."""
+    return dict(gate_up_epilogue=which in ("both", "swiglu"), down_epilogue=which in ("down", "both", "swiglu"),
+                gate_up_swiglu=which == "swiglu")
 
 
 @pytest.mark.parametrize("tokens,block_t,splits,builder,epilogue", [
@@ -219,7 +199,7 @@ def _epilogues(which: str) -> dict:
     (70, None, None, "sort", "none"), (70, None, None, "sort", "both"), (70, None, None, "sort", "down"),
     (1, None, 4, "shared", "both"), (5, None, 1, "shared", "none"), (5, None, 1, "shared", "both"),
     (5, None, 1, "shared", "down"), (13, None, 2, None, "none"), (5, None, 1, "shared", "swiglu"),
-    (30, None, 1, None, "swiglu"), (1, None, 1, "shared", "combine"), (13, None, 1, "shared", "combine")])
+    (30, None, 1, None, "swiglu")])
 def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits, builder, epilogue):
     """Blocks, gathers, splits, scales, SwiGLU and combine, with the GEMM emulated in plain jnp:
     experts with more pairs than a block (tails), experts picked by several tokens, unused experts,
@@ -317,9 +297,6 @@ def test_unknown_block_builder_is_rejected():
     problem, (gate_up, down) = _layer_problem(0, 3, 256, 64, 16, 4, tile_k=128)
     with pytest.raises(ValueError, match="block_builder"):
         nmm.moe_nvfp4(*problem[:3], gate_up, down, block_builder="hash", matmul=nm.grouped_matmul_emulated)
-    with pytest.raises(ValueError, match="down_combine needs shared blocks"):
-        nmm.moe_nvfp4(*problem[:3], gate_up, down, block_builder="sort", down_combine=True,
-                      matmul=nm.grouped_matmul_emulated)
 
 
 @pytest.mark.gpu
@@ -328,8 +305,7 @@ def test_unknown_block_builder_is_rejected():
     (8, 128, None, "both", None), (8, 128, None, "down", None), (8, 64, "sort", "both", None),
     (13, 64, None, "both", None), (32, 64, "shared", "none", None), (64, 256, None, "both", None),
     (300, 64, None, "both", None), (8, 128, None, "down", 4), (40, 128, None, "both", 2),
-    (8, 128, None, "swiglu", None), (40, 256, None, "swiglu", None), (1, 64, "shared", "combine", None),
-    (8, 128, "shared", "combine", None), (13, 128, "shared", "combine", 2)])
+    (8, 128, None, "swiglu", None), (40, 256, None, "swiglu", None)])
 def test_layer_matches_reference_on_gpu(tokens, down_tile_n, builder, epilogue, chunks):
     """Beam's per-GPU TP8 expert shape on the kernel (None: `default_config`'s blocks and gate/up decode
     chunks), with and without the kernel's own epilogue."""
