@@ -159,7 +159,7 @@ def _shared_blocks(ids, num_experts: int, block_t: int):
     return (first * block_t + pair // top_k).astype(jnp.int32), block_expert, row_pair.reshape(-1)
 
 
-SHARED_ROWS_MAX_TOKENS = 16
+SHARED_ROWS_MAX_TOKENS = 8
 PAIR_ORDER_MAX_BLOCK_T = 16  # the down GEMM stores a row at a time up to this many rows per block
 
 
@@ -184,23 +184,26 @@ def default_config(tokens: int) -> dict:
     (223.1 against 231.6 us at T = 64, 172.4 against 175.8 at T = 32); 65-1024 tokens are untimed since.
     With shared rows the down GEMM's epilogue alone still gains nothing (session 17, run B: the combine
     reads 16x fewer bytes, 4.6 -> 2.0 us at T = 8, but the GEMM takes 1.5-3 us longer and the row
-    destinations cost two XLA kernels). Past 16 tokens and up to 64 the blocks are built by compare-and-count
-    (`_blocks_by_comparison`: 8-9 us faster than sorting them at T = 32 and 64, session 19 run D). Up to 8
+    destinations cost two XLA kernels). Past 8 tokens and up to 64 the blocks are built by compare-and-count
+    (`_blocks_by_comparison`: 8-9 us faster than sorting them at T = 32 and 64, session 19 run D; at T = 16
+    101.7-102.7 us against 103.8-104.4 with shared rows, whose down GEMM writes 16 rows for each expert's ~1.2
+    pairs, session 20 runs D-E; 9-15 tokens are untimed). Up to 8
     tokens the gate/up GEMM decodes and multiplies each step in two K chunks: 96 registers instead of 108,
     5 programs an SM instead of 4, and the layer took 60.9 us against 66.8 at T = 8 (equal at T = 1, 32 and 64,
     1.2 us slower at T = 16; four chunks: 68 registers, 62.0 us at T = 8; session 19 run D). Down GEMM
     programs of 256 rows at 32-64 tokens: the layer took 151.0 us against 154.2 at T = 32 and 203.0 against
     208.1 at T = 64 (session 19 run E); at T = 8 and 16 they were slower (67.8 against 66.0, 106.6 against
-    104.4, run B); 17-31 tokens are untimed. From 2 to 64 tokens the gate/up GEMM applies the global scales and SwiGLU
-itself (`gate_up_swiglu`; the layer took 58.7 / 103.7 / 148.0 / 200.6 us against 60.5 / 104.4 / 149.7 / 202.9 at
-T = 8 / 16 / 32 / 64, session 20 run C); past 64 tokens it is untimed."""
+    104.4, run B); 17-31 tokens are untimed. Past one token the gate/up GEMM applies the global scales and SwiGLU
+    itself (`gate_up_swiglu`; the layer took 58.7 / 103.7 / 148.0 / 200.6 us against 60.5 / 104.4 / 149.7 /
+    202.9 at T = 8 / 16 / 32 / 64, session 20 run C, and 364.6 / 2223.0 against 365.8 / 2227.0 at T = 512 /
+    8192, run D)."""
     shared, small_blocks = tokens <= SHARED_ROWS_MAX_TOKENS, tokens <= 1024
     return dict(block_builder="shared" if shared else "compare" if tokens <= 64 else "sort",
                 block_t=8 if tokens <= 64 else 32 if small_blocks else 64, gate_up_splits=4 if tokens == 1 else 1,
                 gate_up_stages=2, gate_up_tile_n=128 if 64 < tokens <= 1024 else 64,
                 down_tile_n=64 if tokens == 1 else 256 if 32 <= tokens <= 64 else 128, down_stages=4,
                 gate_up_epilogue=tokens > 1, down_epilogue=not shared,
-                gate_up_decode_chunks=2 if tokens <= 8 else 1, gate_up_swiglu=1 < tokens <= 64)
+                gate_up_decode_chunks=2 if tokens <= 8 else 1, gate_up_swiglu=True)
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,

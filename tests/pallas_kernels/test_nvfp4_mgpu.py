@@ -203,7 +203,7 @@ def _epilogues(which: str) -> dict:
 def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits, builder, epilogue):
     """Blocks, gathers, splits, scales, SwiGLU and combine, with the GEMM emulated in plain jnp:
     experts with more pairs than a block (tails), experts picked by several tokens, unused experts,
-    and unused blocks; None: the defaults (`default_config`: shared rows up to 16 tokens, sorted
+    and unused blocks; None: the defaults (`default_config`: shared rows up to 8 tokens, sorted
     blocks of 8 rows up to 64, then 32); with and without the kernel's own epilogue."""
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 256, 64, 16, 4, tile_k=128)
     layer = functools.partial(nmm.moe_nvfp4, block_t=block_t, gate_up_splits=splits, block_builder=builder,
