@@ -4,12 +4,12 @@ The weights are repacked once into the kernel's layouts (`KernelNvfp4.from_exper
 does it at load time on Hopper, `beam_jax.quant.kernel_layout`). Per call, XLA builds the blocks of
 one expert each (decode: one block per distinct expert, multiplying all the step's tokens; larger
 batches: pairs sorted into blocks of `block_t` rows), and after each GEMM adds the K splits, applies
-the global scales (with `gate_up_epilogue` / `down_epilogue`, the GEMMs do that themselves), SwiGLU and the routing
-weights. Rounding follows `moe_gemm_reference`.
+the global scales, SwiGLU and the routing weights (with `gate_up_epilogue` / `down_epilogue` and `gate_up_swiglu`,
+the GEMMs apply the scales and SwiGLU themselves). Rounding follows `moe_gemm_reference`.
 
-H200 (benchmarks/moe/RESULTS.md, session 19 run G): 18.6 / 61.0 / 104.8 / 150.2 / 201.6 us at T = 1 / 8 / 16 /
-32 / 64, against 24.7 / 104.4 / 204.3 / 272.8 / 360.4 for the Triton NVFP4 layer in the same run; the two
-GEMMs are 86-91 % of the time at T = 8-64, 67 % at T = 1.
+H200 (benchmarks/moe/RESULTS.md, session 20 run G): 18.4 / 59.0 / 99.6 / 147.4 / 199.0 us at T = 1 / 8 / 16 /
+32 / 64, against 24.9 / 104.2 / 203.5 / 272.0 / 357.0 for the Triton NVFP4 layer in the same run; the two
+GEMMs are 89-92 % of the time at T = 8-64, 67 % at T = 1.
 """
 
 from __future__ import annotations
