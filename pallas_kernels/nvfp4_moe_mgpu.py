@@ -187,16 +187,16 @@ def default_config(tokens: int) -> dict:
     destinations cost two XLA kernels). Past 8 tokens and up to 64 the blocks are built by compare-and-count
     (`_blocks_by_comparison`: 8-9 us faster than sorting them at T = 32 and 64, session 19 run D; at T = 16
     101.7-102.7 us against 103.8-104.4 with shared rows, whose down GEMM writes 16 rows for each expert's ~1.2
-    pairs, session 20 runs D-E; 9-15 tokens are untimed). Up to 8
-    tokens the gate/up GEMM decodes and multiplies each step in two K chunks: 96 registers instead of 108,
-    5 programs an SM instead of 4, and the layer took 60.9 us against 66.8 at T = 8 (equal at T = 1, 32 and 64,
-    1.2 us slower at T = 16; four chunks: 68 registers, 62.0 us at T = 8; session 19 run D). Down GEMM
-    programs of 256 rows at 16-64 tokens: the layer took 151.0 us against 154.2 at T = 32 and 203.0 against
-    208.1 at T = 64 (session 19 run E), and with compare-and-count blocks 99.8 against 101.2 at T = 16 (session
-    20 run F); at T = 8 they are slower (59.9 against 58.6, run F); 17-31 tokens are untimed. Past one token the gate/up GEMM applies the global scales and SwiGLU
-    itself (`gate_up_swiglu`; the layer took 58.7 / 103.7 / 148.0 / 200.6 us against 60.5 / 104.4 / 149.7 /
-    202.9 at T = 8 / 16 / 32 / 64, session 20 run C, and 364.6 / 2223.0 against 365.8 / 2227.0 at T = 512 /
-    8192, run D)."""
+    pairs, session 20 runs D-E; 9-15 tokens are untimed). Up to 8 tokens the gate/up GEMM decodes and
+    multiplies each step in two K chunks: 96 registers instead of 108, 5 programs an SM instead of 4, and the
+    layer took 60.9 us against 66.8 at T = 8 (equal at T = 1, 32 and 64, 1.2 us slower at T = 16; four chunks:
+    68 registers, 62.0 us at T = 8; session 19 run D). Down GEMM programs of 256 rows at 16-64 tokens: the
+    layer took 151.0 us against 154.2 at T = 32 and 203.0 against 208.1 at T = 64 (session 19 run E), and with
+    compare-and-count blocks 99.8 against 101.2 at T = 16 (session 20 run F); at T = 8 they are slower (59.9
+    against 58.6, run F); 17-31 tokens are untimed. Past one token the gate/up GEMM applies the global scales
+    and SwiGLU itself (its epilogue alone gained nothing with shared rows, above; with SwiGLU the layer took
+    58.7 / 103.7 / 148.0 / 200.6 us against 60.5 / 104.4 / 149.7 / 202.9 at T = 8 / 16 / 32 / 64, session 20
+    run C, and 364.6 / 2223.0 against 365.8 / 2227.0 at T = 512 / 8192, run D)."""
     shared, small_blocks = tokens <= SHARED_ROWS_MAX_TOKENS, tokens <= 1024
     return dict(block_builder="shared" if shared else "compare" if tokens <= 64 else "sort",
                 block_t=8 if tokens <= 64 else 32 if small_blocks else 64, gate_up_splits=4 if tokens == 1 else 1,
