@@ -53,6 +53,7 @@ OUTPUT_FACTOR = 2.0**7
 _K_PER_WORD_GROUP = 32  # one 32-bit word per thread per row per 32 K values
 _SCALE_ROW = 16  # the kernel layout's scale words fold into rows of 16 (64 bytes) for TMA's box limits
 _LINE = 128  # bytes of a line of the weight boxes of short rows (`grouped_matmul`)
+SWIGLU_MIN_TILE_K = 2 * _LINE  # `grouped_matmul(swiglu=True)` needs whole swizzled rows, not line boxes
 # Scale codes: bf16 bits (code << 4) | _SCALE_BASE, i.e. exponent field 224 | (code >> 3), mantissa code & 7.
 _SCALE_BASE = 0x7000
 _SCALE_EXPONENT_OFFSET = 224
@@ -526,9 +527,10 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     k, n, blocks = xs.shape[1], packed.shape[2], block_expert.shape[0]
     line_box = tile_k // 2 < _LINE
     half_n = tile_n // 2  # SwiGLU programs: gate rows, and as many up rows
-    if swiglu and (not scaled or scattered or line_box or n % (2 * half_n)):
-        raise ValueError(f"swiglu needs global_scale, no row_destination, tile_k >= {2 * _LINE} and gate and up rows "
-                         f"in multiples of tile_n / 2: tile_k {tile_k}, tile_n {tile_n}, N {n}")
+    # (Gate and up rows come in multiples of tile_n / 2: N = 2 I is a multiple of tile_n, `_check_operands`.)
+    if swiglu and (not scaled or scattered or tile_k < SWIGLU_MIN_TILE_K):
+        raise ValueError(f"swiglu needs global_scale, no row_destination and tile_k >= {SWIGLU_MIN_TILE_K}: "
+                         f"tile_k {tile_k}, global_scale {global_scale is not None}, row_destination {scattered}")
     intermediate = n // 2 if swiglu else None
     k_steps = k // (tile_k * splits)
     scales = _fold_scales(scales, tile_k)
@@ -552,8 +554,7 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         k0 = si * k_steps
 
         def acc_scope(acc_ref):
-            def step(_, *smem):
-                w_smem, s_smem, x_smem = smem
+            def step(_, w_smem, s_smem, x_smem):
                 if swiglu:  # [2, tile_n / 2, ...] boxes: the rows of one tile (`_tile_programs`)
                     w_smem, s_smem = w_smem.reshape(tile_n, tile_k // 2), s_smem.reshape(-1, _SCALE_ROW)
                 weights = w_smem if line_box else plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT)

@@ -219,8 +219,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     applies the global scales and writes bf16 (gate/up only with one K split; `grouped_matmul(global_scale=)`),
     and at decode the down GEMM writes each pair's row in pair order (`row_destination=`).
     `gate_up_decode_chunks`: the gate/up GEMM's `decode_chunks`. `gate_up_swiglu`: the gate/up GEMM applies
-    SwiGLU too (`grouped_matmul(swiglu=True)`; needs its epilogue and one K split; unset, the default wherever
-    the epilogue runs). `expert_offset`: the
+    SwiGLU too (`grouped_matmul(swiglu=True)`; needs its epilogue, one K split and tile_k >= 256; unset, on
+    wherever those hold). `expert_offset`: the
     weights are one device's experts from that index on (expert parallelism); other pairs count zero.
     `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation)."""
     tokens, top_k = ids.shape
@@ -251,8 +251,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         pair_row, block_expert, row_pair = build(local_ids, num_experts, block_t)
         xs = rg.gather_rows_on_backend(x, row_tokens(row_pair, top_k, tokens), block_expert, block_t=block_t)
     scaled_gate_up = gate_up_epilogue and gate_up_splits == 1  # else XLA adds the splits and scales
-    if gate_up_swiglu is None:  # the default where the GEMM finishes its projections itself
-        gate_up_swiglu = config["gate_up_swiglu"] and scaled_gate_up
+    if gate_up_swiglu is None:  # the default where the GEMM finishes its projections itself and takes SwiGLU
+        gate_up_swiglu = config["gate_up_swiglu"] and scaled_gate_up and gate_up.tile_k >= nm.SWIGLU_MIN_TILE_K
     if gate_up_swiglu and not scaled_gate_up:
         raise ValueError("gate_up_swiglu needs the gate/up epilogue (gate_up_epilogue=True) and one K split, "
                          f"got gate_up_epilogue={gate_up_epilogue}, gate_up_splits={gate_up_splits}")

@@ -293,6 +293,25 @@ def test_expert_parallel_shares_add_up(tokens, builder, epilogue):
     np.testing.assert_allclose(total, whole, rtol=0, atol=3 * 4 * 2.0**-7 * np.abs(whole).max())
 
 
+def test_swiglu_needs_whole_swizzled_rows():
+    """The GEMM refuses SwiGLU on line-box steps (tile_k < 256); the layer's default then leaves it to XLA."""
+    operands = (jnp.zeros((8, 512), jnp.bfloat16), jnp.zeros((1,), jnp.int32), jnp.zeros((4, 4, 128, 64), jnp.uint8),
+                jnp.zeros((4, 4, 128, 2), jnp.uint32))
+    with pytest.raises(ValueError, match="swiglu needs"):
+        nm.grouped_matmul(*operands, block_t=8, tile_k=128, global_scale=jnp.ones((4, 128)), swiglu=True)
+    asked = []
+
+    def matmul(*args, swiglu=False, **kwargs):
+        asked.append(swiglu)
+        return nm.grouped_matmul_emulated(*args, swiglu=swiglu, **kwargs)
+
+    for tile_k, want in ((128, False), (256, True)):
+        problem, (gate_up, down) = _layer_problem(2, 5, 512, 64, 16, 4, tile_k=tile_k)
+        asked.clear()
+        _assert_layer_close(problem, nmm.moe_nvfp4(*problem[:3], gate_up, down, matmul=matmul))
+        assert asked[0] is want  # the gate/up GEMM's call
+
+
 def test_unknown_block_builder_is_rejected():
     problem, (gate_up, down) = _layer_problem(0, 3, 256, 64, 16, 4, tile_k=128)
     with pytest.raises(ValueError, match="block_builder"):
