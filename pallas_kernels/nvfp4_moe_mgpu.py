@@ -215,7 +215,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
     (`_shared_blocks`; its blocks have T rows rounded up to 8, whatever `block_t` says), "sort"
-    (`pair_blocks`) or "compare" (`_blocks_by_comparison`). `gate_up_epilogue` / `down_epilogue`: that GEMM
+    (`pair_blocks`), "compare" (`_blocks_by_comparison`) or "opened" (a block slot per pair, built and
+    gathered by one kernel: `rg.gather_opened_blocks`). `gate_up_epilogue` / `down_epilogue`: that GEMM
     applies the global scales and writes bf16 (gate/up only with one K split; `grouped_matmul(global_scale=)`),
     and at decode the down GEMM writes each pair's row in pair order (`row_destination=`).
     `gate_up_decode_chunks`: the gate/up GEMM's `decode_chunks`. `gate_up_swiglu`: the gate/up GEMM applies
@@ -238,14 +239,20 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     gate_up_decode_chunks = config["gate_up_decode_chunks"] if gate_up_decode_chunks is None else gate_up_decode_chunks
     intermediate = down.packed.shape[1] * down.tile_k
     num_experts = gate_up.packed.shape[0]
-    if block_builder not in ("shared", "sort", "compare"):
-        raise ValueError(f"block_builder must be 'shared', 'sort' or 'compare', got {block_builder!r}")
+    if block_builder not in ("shared", "sort", "compare", "opened"):
+        raise ValueError(f"block_builder must be 'shared', 'sort', 'compare' or 'opened', got {block_builder!r}")
     local_ids, local = mg._local_pairs(ids, expert_offset, num_experts)
     shared = block_builder == "shared"
     if shared:
         block_t = -(-tokens // 8) * 8
         pair_row, block_expert, row_pair = _shared_blocks(local_ids, num_experts, block_t)
         xs = x if tokens < 8 else jnp.pad(x, ((0, block_t - tokens), (0, 0)))  # under 8 rows the GEMM pads
+    elif block_builder == "opened":
+        xs, block_expert, row_pair = rg.gather_opened_blocks_on_backend(x, local_ids.reshape(-1),
+                                                                        num_experts=num_experts, block_t=block_t)
+        # A pair's row, where the layer reads rows back (none with the down GEMM's pair-order epilogue).
+        pair_row = jnp.zeros(ids.size, jnp.int32).at[jnp.where(row_pair >= 0, row_pair, ids.size)].set(
+            jnp.arange(row_pair.size, dtype=jnp.int32), mode="drop")
     else:
         build = _blocks_by_comparison if block_builder == "compare" and tokens > 1 else pair_blocks
         pair_row, block_expert, row_pair = build(local_ids, num_experts, block_t)

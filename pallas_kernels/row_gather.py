@@ -74,3 +74,88 @@ def gather_rows_on_backend(x, row_token, block_expert, *, block_t: int):
     """The kernel on a GPU, the reference elsewhere (the kernel is Triton's)."""
     gather = gather_rows if jax.default_backend() == "gpu" else gather_rows_reference
     return gather(x, row_token, block_expert, block_t=block_t)
+
+
+# --------------------------------------------------------------------------------------------------
+# Blocks opened by pairs: built and gathered in one launch
+# --------------------------------------------------------------------------------------------------
+
+
+def opened_blocks_reference(pair_expert, *, num_experts: int, block_t: int):
+    """Blocks of `block_t` rows of one expert, one block slot per pair: slot p is used when pair p opens a
+    block of its expert (its rank among the expert's pairs, in pair order, is a multiple of `block_t`), and
+    its rows are that pair and the expert's next `block_t - 1` pairs. No slot depends on another, so a
+    kernel program builds its own (`gather_opened_blocks`) where sorted blocks need prefix sums over
+    experts. `pair_expert [P]` int32 (`num_experts`: another device's pair, in no block). Returns
+    (expert of each slot, -1 unused; pair of each row, -1 for padding)."""
+    pairs = pair_expert.shape[0]
+    pair = jnp.arange(pairs)
+    same = pair_expert[None, :] == pair_expert[:, None]
+    rank = (same & (pair[None, :] < pair[:, None])).sum(1)  # earlier pairs of the same expert
+    opens = (pair_expert < num_experts) & (rank % block_t == 0)
+    wanted = rank[:, None] + jnp.arange(block_t)[None, :]  # [slot, row]: the rank each row holds
+    match = same[:, None, :] & (rank[None, None, :] == wanted[:, :, None])  # at most one pair matches
+    row_pair = jnp.where(opens[:, None], ((pair + 1) * match).sum(-1) - 1, -1)
+    return jnp.where(opens, pair_expert, -1).astype(jnp.int32), row_pair.reshape(-1).astype(jnp.int32)
+
+
+def _opened_blocks_kernel(pair_expert_ref, x_ref, out_ref, block_expert_ref, row_pair_ref, *, num_experts: int,
+                          block_t: int, top_k: int, padded_pairs: int, columns_per_program: int):
+    slot, column_group = pl.program_id(0), pl.program_id(1)
+    pairs = pair_expert_ref.shape[0]
+    pair = jnp.arange(padded_pairs)
+    experts = plgpu.load(pair_expert_ref.at[pair], mask=pair < pairs, other=-1)  # -1 matches no pair
+    expert = jnp.sum(jnp.where(pair == slot, experts, 0))
+    same = experts == expert
+    seen = jnp.cumsum(same.astype(jnp.int32))  # pairs of this expert up to and with each pair
+    rank = jnp.sum(jnp.where(pair == slot, seen, 0)) - 1
+    opens = (expert < num_experts) & (rank % block_t == 0)
+    row = jnp.arange(block_t)
+    match = same[None, :] & (seen[None, :] - 1 == rank + row[:, None])
+    row_pair = jnp.where(opens, jnp.sum(jnp.where(match, pair[None, :] + 1, 0), axis=1) - 1, -1)
+
+    @pl.when(column_group == 0)
+    def _():
+        plgpu.store(block_expert_ref.at[slot + jnp.arange(1)], jnp.where(opens, expert, -1) + jnp.zeros(1, jnp.int32))
+        plgpu.store(row_pair_ref.at[slot * block_t + row], row_pair)
+
+    cols = column_group * columns_per_program + jnp.arange(columns_per_program)
+    real = (row_pair >= 0)[:, None] & (cols < x_ref.shape[1])[None, :]
+    token = jnp.maximum(row_pair, 0) // top_k
+    values = plgpu.load(x_ref.at[token[:, None], cols[None, :]], mask=real, other=0)
+    plgpu.store(out_ref.at[(slot * block_t + row)[:, None], cols[None, :]], values, mask=real)
+
+
+def gather_opened_blocks(x, pair_expert, *, num_experts: int, block_t: int, columns_per_program: int = 1024,
+                         num_warps: int = 4, interpret: bool = False):
+    """`opened_blocks_reference`'s blocks and their activation rows in one kernel: program (slot, column
+    group) finds its slot's pairs from the ids alone (a cumulative count over the pairs) and copies their
+    tokens' rows. `x [T, K]`, `pair_expert [T * top_k]` (token t's pairs at t * top_k ...). Returns (rows
+    [P * block_t, K], unwritten for padding and unused slots; expert of each slot; pair of each row)."""
+    tokens, k = x.shape
+    pairs = pair_expert.shape[0]
+    if pairs == 0:
+        return jnp.zeros((0, k), x.dtype), jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32)
+    if tokens == 0 or pairs % tokens:
+        raise ValueError(f"{pairs} pairs for {tokens} tokens: need a whole number of pairs per token")
+    padded = 1 << max(pairs - 1, 0).bit_length()  # Triton's tensors have power-of-two sizes
+    kernel = functools.partial(_opened_blocks_kernel, num_experts=num_experts, block_t=block_t,
+                               top_k=pairs // tokens, padded_pairs=padded, columns_per_program=columns_per_program)
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((pairs * block_t, k), x.dtype), jax.ShapeDtypeStruct((pairs,), jnp.int32),
+                   jax.ShapeDtypeStruct((pairs * block_t,), jnp.int32)),
+        grid=(pairs, pl.cdiv(k, columns_per_program)),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+    )(pair_expert.astype(jnp.int32), x)
+
+
+def gather_opened_blocks_on_backend(x, pair_expert, *, num_experts: int, block_t: int):
+    """(rows, expert of each slot, pair of each row): the kernel on a GPU, the references elsewhere."""
+    if jax.default_backend() == "gpu":
+        return gather_opened_blocks(x, pair_expert, num_experts=num_experts, block_t=block_t)
+    block_expert, row_pair = opened_blocks_reference(pair_expert, num_experts=num_experts, block_t=block_t)
+    top_k = pair_expert.shape[0] // x.shape[0]
+    row_token = jnp.where(row_pair >= 0, row_pair // top_k, x.shape[0])
+    return gather_rows_reference(x, row_token, block_expert, block_t=block_t), block_expert, row_pair

@@ -199,7 +199,8 @@ def _epilogues(which: str) -> dict:
     (70, None, None, "sort", "none"), (70, None, None, "sort", "both"), (70, None, None, "sort", "down"),
     (1, None, 4, "shared", "both"), (5, None, 1, "shared", "none"), (5, None, 1, "shared", "both"),
     (5, None, 1, "shared", "down"), (13, None, 2, None, "none"), (5, None, 1, "shared", "swiglu"),
-    (30, None, 1, None, "swiglu")])
+    (30, None, 1, None, "swiglu"), (13, 2, 1, "opened", "both"), (30, None, 1, "opened", "swiglu"),
+    (30, None, 2, "opened", "none")])
 def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits, builder, epilogue):
     """Blocks, gathers, splits, scales, SwiGLU and combine, with the GEMM emulated in plain jnp:
     experts with more pairs than a block (tails), experts picked by several tokens, unused experts,
@@ -270,7 +271,7 @@ def test_both_block_builders_agree(tokens, top_k, experts, block_t):
 
 @pytest.mark.parametrize("tokens,builder,epilogue", [
     (1, "sort", "none"), (7, "sort", "both"), (7, "compare", "none"), (1, "shared", "both"), (7, "shared", "down"),
-    (7, "shared", "none")])
+    (7, "shared", "none"), (7, "opened", "both"), (7, "opened", "none")])
 def test_expert_parallel_shares_add_up(tokens, builder, epilogue):
     """Each device's share of the experts (`expert_offset`): equal to the reference on it (other
     shares' pairs count zero), and the shares add up to the whole layer."""
@@ -324,7 +325,8 @@ def test_unknown_block_builder_is_rejected():
     (8, 128, None, "both", None), (8, 128, None, "down", None), (8, 64, "sort", "both", None),
     (13, 64, None, "both", None), (32, 64, "shared", "none", None), (64, 256, None, "both", None),
     (300, 64, None, "both", None), (8, 128, None, "down", 4), (40, 128, None, "both", 2),
-    (8, 128, None, "swiglu", None), (40, 256, None, "swiglu", None)])
+    (8, 128, None, "swiglu", None), (40, 256, None, "swiglu", None), (16, 256, "opened", "swiglu", None),
+    (64, 256, "opened", "swiglu", None), (13, 128, "opened", "none", None)])
 def test_layer_matches_reference_on_gpu(tokens, down_tile_n, builder, epilogue, chunks):
     """Beam's per-GPU TP8 expert shape on the kernel (None: `default_config`'s blocks and gate/up decode
     chunks), with and without the kernel's own epilogue."""
@@ -349,7 +351,7 @@ def test_expert_parallel_share_on_gpu(tokens):
     _assert_layer_close((x, weights, ids, *share), got, expert_offset=128)
 
 
-@pytest.mark.parametrize("builder", ["shared", "sort", "compare"])
+@pytest.mark.parametrize("builder", ["shared", "sort", "compare", "opened"])
 def test_negative_ids_are_not_computed(builder):
     """Padding tokens masked by the MoE layer (id -1 on every pair): zeros, and the real tokens as the
     reference on them alone; every block builder (the emulated GEMM)."""

@@ -1,5 +1,8 @@
 """The row-gather kernel (interpret mode on the CPU, the kernel on a GPU) against its plain-jnp reference."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -69,3 +72,77 @@ def test_gather_matches_reference_on_gpu(tokens, k, block_t, program):
     experts = 256 if tokens > 100 else 9
     x, row_token, block_expert = _case(tokens, k, block_t, seed=tokens, top_k=8, num_experts=experts)
     _check(x, row_token, block_expert, block_t, interpret=False, **program)
+
+
+def _pair_experts(tokens, top_k, experts, seed, other_devices=3):
+    """Each token's distinct experts; ids past `experts - 1` (token 0's last pair among them) become `experts`
+    (another device's pair)."""
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.choice(experts + other_devices, top_k, replace=False) for _ in range(tokens)])
+    ids[0, -1] = experts  # at least one
+    return jnp.asarray(np.minimum(ids, experts).reshape(-1), jnp.int32)
+
+
+# (tokens, top_k, experts, block_t, K): few experts give experts with several blocks and a tail block.
+OPENED_CASES = [(1, 8, 256, 8, 64), (9, 8, 256, 8, 96), (17, 3, 5, 4, 1056), (40, 8, 12, 8, 608), (64, 8, 256, 8, 5120)]
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,block_t,k", OPENED_CASES)
+def test_opened_blocks_hold_each_local_pair_once(tokens, top_k, experts, block_t, k):
+    """Every local pair lands in one row of a block of its expert, after the earlier pairs of that expert
+    in the block; a slot is used exactly when its pair opens a block; other devices' pairs get no row."""
+    pair_expert = _pair_experts(tokens, top_k, experts, seed=tokens)
+    block_expert, row_pair = map(np.asarray, rg.opened_blocks_reference(pair_expert, num_experts=experts,
+                                                                         block_t=block_t))
+    flat = np.asarray(pair_expert)
+    local = flat < experts
+    assert (~local).any() and local.any()
+    rows = row_pair.reshape(-1, block_t)
+    placed = rows[rows >= 0]
+    np.testing.assert_array_equal(np.sort(placed), np.flatnonzero(local))
+    for slot in np.flatnonzero(block_expert >= 0):
+        members = rows[slot][rows[slot] >= 0]
+        assert members[0] == slot and (np.diff(members) > 0).all() and (flat[members] == block_expert[slot]).all()
+        assert (rows[slot][len(members):] == -1).all()  # padding after the pairs
+    _, counts = np.unique(flat[local], return_counts=True)
+    assert (block_expert >= 0).sum() == (-(-counts // block_t)).sum()
+    assert (rows[block_expert < 0] == -1).all()
+
+
+@pytest.mark.parametrize("program", [{}, dict(columns_per_program=256, num_warps=2)])
+@pytest.mark.parametrize("tokens,top_k,experts,block_t,k", OPENED_CASES)
+def test_opened_blocks_kernel_matches_reference_interpret(tokens, top_k, experts, block_t, k, program):
+    _check_opened(tokens, top_k, experts, block_t, k, program, interpret=True)
+
+
+def _check_opened(tokens, top_k, experts, block_t, k, program, interpret):
+    pair_expert = _pair_experts(tokens, top_k, experts, seed=tokens + k)
+    x = jnp.asarray(np.random.default_rng(k).standard_normal((tokens, k)), jnp.bfloat16)
+    rows, block_expert, row_pair = rg.gather_opened_blocks(x, pair_expert, num_experts=experts, block_t=block_t,
+                                                          interpret=interpret, **program)
+    want_expert, want_pair = rg.opened_blocks_reference(pair_expert, num_experts=experts, block_t=block_t)
+    np.testing.assert_array_equal(np.asarray(block_expert), np.asarray(want_expert))
+    np.testing.assert_array_equal(np.asarray(row_pair), np.asarray(want_pair))
+    real = np.asarray(row_pair) >= 0
+    np.testing.assert_array_equal(np.asarray(rows, np.float32)[real],
+                                  np.asarray(x, np.float32)[np.asarray(row_pair)[real] // top_k])
+
+
+def test_opened_blocks_need_whole_tokens():
+    with pytest.raises(ValueError, match="pairs for 3 tokens"):
+        rg.gather_opened_blocks(jnp.zeros((3, 64), jnp.bfloat16), jnp.zeros(7, jnp.int32), num_experts=4, block_t=8,
+                                interpret=True)
+
+
+@pytest.mark.parametrize("tokens", [9, 64])
+def test_opened_blocks_kernel_lowers_for_cuda(triton_for_sm90, tokens):
+    shapes = (jax.ShapeDtypeStruct((tokens, 5120), jnp.bfloat16), jax.ShapeDtypeStruct((tokens * 8,), jnp.int32))
+    op = functools.partial(rg.gather_opened_blocks, num_experts=256, block_t=8)
+    text = jax.jit(op).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("triton") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,top_k,experts,block_t,k", OPENED_CASES + [(16, 8, 256, 8, 5120), (33, 8, 256, 8, 5120)])
+def test_opened_blocks_kernel_matches_reference_on_gpu(tokens, top_k, experts, block_t, k):
+    _check_opened(tokens, top_k, experts, block_t, k, {}, interpret=False)
