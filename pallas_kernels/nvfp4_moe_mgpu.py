@@ -24,6 +24,7 @@ import numpy as np
 
 from pallas_kernels import moe_gemm as mg
 from pallas_kernels import nvfp4_mgpu as nm
+from pallas_kernels import pair_combine as pc
 from pallas_kernels import row_gather as rg
 
 
@@ -203,7 +204,7 @@ def default_config(tokens: int) -> dict:
                 gate_up_stages=2, gate_up_tile_n=128 if 64 < tokens <= 1024 else 64,
                 down_tile_n=64 if tokens == 1 else 256 if 16 <= tokens <= 64 else 128, down_stages=4,
                 gate_up_epilogue=tokens > 1, down_epilogue=not shared,
-                gate_up_decode_chunks=2 if tokens <= 8 else 1, gate_up_swiglu=True)
+                gate_up_decode_chunks=2 if tokens <= 8 else 1, gate_up_swiglu=True, combine_kernel=False)
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
@@ -211,7 +212,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
               down_tile_n: int | None = None, down_stages: int | None = None, block_builder: str | None = None,
               gate_up_epilogue: bool | None = None, down_epilogue: bool | None = None,
               gate_up_decode_chunks: int | None = None, gate_up_swiglu: bool | None = None,
-              expert_offset: int | jax.Array | None = None, matmul=nm.grouped_matmul):
+              combine_kernel: bool | None = None, expert_offset: int | jax.Array | None = None, matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
     (`_shared_blocks`; its blocks have T rows rounded up to 8, whatever `block_t` says), "sort"
@@ -221,7 +222,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     and at decode the down GEMM writes each pair's row in pair order (`row_destination=`).
     `gate_up_decode_chunks`: the gate/up GEMM's `decode_chunks`. `gate_up_swiglu`: the gate/up GEMM applies
     SwiGLU too (`grouped_matmul(swiglu=True)`; needs its epilogue, one K split and tile_k >= 256; unset, on
-    wherever those hold). `expert_offset`: the
+    wherever those hold). `combine_kernel`: the pairs are weighted and added by `pc.combine_pairs` (on a GPU)
+    instead of XLA. `expert_offset`: the
     weights are one device's experts from that index on (expert parallelism); other pairs count zero.
     `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation)."""
     tokens, top_k = ids.shape
@@ -241,7 +243,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     num_experts = gate_up.packed.shape[0]
     if block_builder not in ("shared", "sort", "compare", "opened"):
         raise ValueError(f"block_builder must be 'shared', 'sort', 'compare' or 'opened', got {block_builder!r}")
-    local_ids, local = mg._local_pairs(ids, expert_offset, num_experts)
+    local_ids, _ = mg._local_pairs(ids, expert_offset, num_experts)
     shared = block_builder == "shared"
     if shared:
         block_t = -(-tokens // 8) * 8
@@ -287,5 +289,6 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
                                out_rows=ids.size)[0]
     else:
         expert_out = down_gemm(global_scale=down.global_scale)[0][pair_row]
-    pair_out = (expert_out.astype(x.dtype).astype(jnp.float32) * weights.reshape(-1, 1)).astype(x.dtype)
-    return mg._add_token_pairs(pair_out, local, tokens)
+    combine = config["combine_kernel"] if combine_kernel is None else combine_kernel
+    combine_pairs = pc.combine_pairs_on_backend if combine else pc.combine_pairs_reference
+    return combine_pairs(expert_out, weights, local_ids, num_experts=num_experts, dtype=x.dtype)

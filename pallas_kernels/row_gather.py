@@ -100,7 +100,8 @@ def opened_blocks_reference(pair_expert, *, num_experts: int, block_t: int):
 
 
 def _opened_blocks_kernel(pair_expert_ref, x_ref, out_ref, block_expert_ref, row_pair_ref, *, num_experts: int,
-                          block_t: int, top_k: int, padded_pairs: int, columns_per_program: int):
+                          block_t: int, top_k: int, padded_pairs: int, columns_per_program: int,
+                          columns_per_step: int):
     slot, column_group = pl.program_id(0), pl.program_id(1)
     pairs = pair_expert_ref.shape[0]
     pair = jnp.arange(padded_pairs)
@@ -119,19 +120,22 @@ def _opened_blocks_kernel(pair_expert_ref, x_ref, out_ref, block_expert_ref, row
         plgpu.store(block_expert_ref.at[slot + jnp.arange(1)], jnp.where(opens, expert, -1) + jnp.zeros(1, jnp.int32))
         plgpu.store(row_pair_ref.at[slot * block_t + row], row_pair)
 
-    cols = column_group * columns_per_program + jnp.arange(columns_per_program)
-    real = (row_pair >= 0)[:, None] & (cols < x_ref.shape[1])[None, :]
     token = jnp.maximum(row_pair, 0) // top_k
-    values = plgpu.load(x_ref.at[token[:, None], cols[None, :]], mask=real, other=0)
-    plgpu.store(out_ref.at[(slot * block_t + row)[:, None], cols[None, :]], values, mask=real)
+    for step in range(columns_per_program // columns_per_step):  # the slot's metadata once, its columns in steps
+        cols = column_group * columns_per_program + step * columns_per_step + jnp.arange(columns_per_step)
+        real = (row_pair >= 0)[:, None] & (cols < x_ref.shape[1])[None, :]
+        values = plgpu.load(x_ref.at[token[:, None], cols[None, :]], mask=real, other=0)
+        plgpu.store(out_ref.at[(slot * block_t + row)[:, None], cols[None, :]], values, mask=real)
 
 
-def gather_opened_blocks(x, pair_expert, *, num_experts: int, block_t: int, columns_per_program: int = 1024,
-                         num_warps: int = 4, interpret: bool = False):
+def gather_opened_blocks(x, pair_expert, *, num_experts: int, block_t: int, column_groups: int = 1,
+                         columns_per_step: int = 1024, num_warps: int = 4, interpret: bool = False):
     """`opened_blocks_reference`'s blocks and their activation rows in one kernel: program (slot, column
     group) finds its slot's pairs from the ids alone (a cumulative count over the pairs) and copies their
-    tokens' rows. `x [T, K]`, `pair_expert [T * top_k]` (token t's pairs at t * top_k ...). Returns (rows
-    [P * block_t, K], unwritten for padding and unused slots; expert of each slot; pair of each row)."""
+    tokens' rows, `columns_per_step` columns at a time over its `1 / column_groups` of K (fewer programs
+    count the pairs fewer times). `x [T, K]`, `pair_expert [T * top_k]` (token t's pairs at t * top_k ...).
+    Returns (rows [P * block_t, K], unwritten for padding and unused slots; expert of each slot; pair of
+    each row)."""
     tokens, k = x.shape
     pairs = pair_expert.shape[0]
     if pairs == 0:
@@ -139,13 +143,15 @@ def gather_opened_blocks(x, pair_expert, *, num_experts: int, block_t: int, colu
     if tokens == 0 or pairs % tokens:
         raise ValueError(f"{pairs} pairs for {tokens} tokens: need a whole number of pairs per token")
     padded = 1 << max(pairs - 1, 0).bit_length()  # Triton's tensors have power-of-two sizes
+    steps = pl.cdiv(pl.cdiv(k, column_groups), columns_per_step)
     kernel = functools.partial(_opened_blocks_kernel, num_experts=num_experts, block_t=block_t,
-                               top_k=pairs // tokens, padded_pairs=padded, columns_per_program=columns_per_program)
+                               top_k=pairs // tokens, padded_pairs=padded, columns_per_program=steps * columns_per_step,
+                               columns_per_step=columns_per_step)
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((pairs * block_t, k), x.dtype), jax.ShapeDtypeStruct((pairs,), jnp.int32),
                    jax.ShapeDtypeStruct((pairs * block_t,), jnp.int32)),
-        grid=(pairs, pl.cdiv(k, columns_per_program)),
+        grid=(pairs, pl.cdiv(k, steps * columns_per_step)),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
     )(pair_expert.astype(jnp.int32), x)

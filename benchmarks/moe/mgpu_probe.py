@@ -3,7 +3,7 @@ plain jnp, then times it at Beam's TP8 expert shapes beside the Triton NVFP4 lay
 same run. CUPTI device time per call; weights rotate over fresh expert ids so they come from HBM.
 
     OUT=dir python3 -u benchmarks/moe/mgpu_probe.py [--no-check | --layers | --bf16-prefill | --table | --gather |
-                                                     --epilogues]
+                                                     --epilogues | --glue [--tokens 8,64]]
     OUT=dir python3 -u benchmarks/moe/mgpu_probe.py --variants '[{}, {"gate_up_swiglu": true}]' --tokens 8,64 [--bf16]
 
 `--variants`: the NVFP4 layer with each set of `moe_nvfp4` settings (`{}`: the defaults) per token count, the
@@ -187,6 +187,45 @@ def time_gathers(t, block_t, configs, repeats=2):
     return row
 
 
+def time_glue(t, opened_shapes, combine_shapes, repeats=4):
+    """The layer's glue around its GEMMs at T tokens, each alone, µs per call: blocks of 8 rows built by
+    compare-and-count and gathered (the default past 8 tokens) against `gather_opened_blocks` per program
+    shape (column groups, columns per step, warps); XLA's weighted pair sum against `combine_pairs` per
+    program shape (columns, warps)."""
+    from pallas_kernels import nvfp4_moe_mgpu as nmm
+    from pallas_kernels import pair_combine as pc
+    from pallas_kernels import row_gather as rg
+
+    x, w, ids = bench.make_tokens(t, repeats, jax.random.key(t))
+    pair_out = jax.random.normal(jax.random.key(1), (repeats, t * bench.TOP_K, bench.H), jnp.bfloat16)
+
+    def compare(x, ids):
+        _, block_expert, row_pair = nmm._blocks_by_comparison(ids, bench.E, 8)
+        return rg.gather_rows(x, nmm.row_tokens(row_pair, bench.TOP_K, t), block_expert, block_t=8)
+
+    ops = {"compare+gather": compare}
+    for groups, step, warps in opened_shapes:
+        ops[f"opened g{groups}s{step}w{warps}"] = functools.partial(
+            lambda x, ids, **kw: rg.gather_opened_blocks(x, ids.reshape(-1), num_experts=bench.E, block_t=8, **kw),
+            column_groups=groups, columns_per_step=step, num_warps=warps)
+    ops["combine xla"] = lambda pair_out, w, ids: pc.combine_pairs_reference(pair_out, w, ids, num_experts=bench.E)
+    for cols, warps in combine_shapes:
+        ops[f"combine c{cols}w{warps}"] = functools.partial(
+            lambda pair_out, w, ids, **kw: pc.combine_pairs(pair_out, w, ids, num_experts=bench.E, **kw),
+            columns_per_program=cols, num_warps=warps)
+    row = dict(kind="glue", t=t)
+    for name, op in ops.items():
+        stacked = (pair_out, w, ids) if name.startswith("combine") else (x, ids)
+        try:
+            us, kernels, _ = bench.time_calls(op, stacked)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            row[name] = dict(error=repr(e)[:1000])
+            continue
+        row[name] = dict(us=us, kernels=kernels)
+        print(f"SUMMARY T={t} {name} {us:.2f} us kernels {[(k[:12], round(u, 2)) for k, u in kernels]}", flush=True)
+    return row
+
+
 def compare_variants(variants, tokens, with_bf16, record):
     """`--variants`: per T, `time_layers` with these settings and a line per layer (µs, % of the floor, error,
     kernels); with `with_bf16` the model's bf16 layer and its ratio to each NVFP4 variant."""
@@ -219,11 +258,12 @@ def main():
     parser.add_argument("--layers", action="store_true", help="only the whole layer, Triton against Mosaic")
     parser.add_argument("--bf16-prefill", action="store_true", help="only the bf16 layer at prefill sizes")
     parser.add_argument("--gather", action="store_true", help="the row-gather kernel's program shapes")
+    parser.add_argument("--glue", action="store_true", help="block builders and pair combines alone, per program shape")
     parser.add_argument("--table", action="store_true", help="both formats' layers on the model's paths, all T")
     parser.add_argument("--epilogues", action="store_true",
                         help="the layer at decode sizes with each GEMM's own epilogue on or off")
     parser.add_argument("--variants", help="JSON list of moe_nvfp4 settings: the layer with each, per --tokens")
-    parser.add_argument("--tokens", default="1,8,16,32,64", help="token counts for --variants")
+    parser.add_argument("--tokens", default="1,8,16,32,64", help="token counts for --variants and --glue")
     parser.add_argument("--bf16", action="store_true", help="with --variants: the bf16 layer too (T > 1)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
@@ -252,6 +292,13 @@ def main():
         configs = [(32, 512, 4)]
         for t, block_t in ((8192, 128), (8192, 64), (4096, 64)):
             record(time_gathers(t, block_t, configs))
+        return
+    if args.glue:
+        # Session 21: the opened-blocks kernel and the pair combine's program shapes.
+        opened = [(5, 1024, 4), (1, 1024, 4), (1, 1024, 8), (2, 512, 4), (1, 2048, 8)]
+        combine = [(256, 4), (512, 4), (1024, 4), (1024, 8), (2048, 8)]
+        for t in [int(t) for t in args.tokens.split(",")]:
+            record(time_glue(t, opened, combine))
         return
     if args.epilogues:
         # Session 17: the GEMMs' own epilogues (global scales, bf16 out; the down GEMM writing pair rows) per

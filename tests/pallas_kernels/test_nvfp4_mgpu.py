@@ -337,9 +337,19 @@ def test_layer_matches_reference_on_gpu(tokens, down_tile_n, builder, epilogue, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 8])
-def test_expert_parallel_share_on_gpu(tokens):
-    """Half of Beam's experts on this device (`expert_offset` 128): the kernel path against the reference."""
+@pytest.mark.parametrize("tokens,builder", [(1, None), (13, "opened"), (64, None)])
+def test_layer_with_combine_kernel_on_gpu(tokens, builder):
+    """The pairs weighted and added by `pair_combine.combine_pairs` instead of XLA."""
+    problem, (gate_up, down) = _layer_problem(tokens, tokens, 5120, 320, 256, 8, tile_k=256)
+    layer = functools.partial(nmm.moe_nvfp4, block_builder=builder, combine_kernel=True)
+    _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,combine_kernel", [(1, False), (8, False), (8, True), (40, True)])
+def test_expert_parallel_share_on_gpu(tokens, combine_kernel):
+    """Half of Beam's experts on this device (`expert_offset` 128): the kernel path against the reference;
+    the other half's pairs count zero in either combine."""
     from tests.pallas_kernels.test_moe_gemm import share_of_experts
 
     problem, _ = _layer_problem(tokens, tokens, 5120, 320, 256, 8, tile_k=256)
@@ -347,7 +357,8 @@ def test_expert_parallel_share_on_gpu(tokens):
     share = [share_of_experts(w, 128, 256) for w in (gate, up, down)]
     kernel_weights = (nmm.KernelNvfp4.from_expert_weights(*share[:2], tile_k=256),
                       nmm.KernelNvfp4.from_expert_weights(share[2], tile_k=64))
-    got = jax.jit(functools.partial(nmm.moe_nvfp4, expert_offset=128))(x, weights, ids, *kernel_weights)
+    layer = functools.partial(nmm.moe_nvfp4, expert_offset=128, combine_kernel=combine_kernel)
+    got = jax.jit(layer)(x, weights, ids, *kernel_weights)
     _assert_layer_close((x, weights, ids, *share), got, expert_offset=128)
 
 

@@ -109,7 +109,7 @@ def test_opened_blocks_hold_each_local_pair_once(tokens, top_k, experts, block_t
     assert (rows[block_expert < 0] == -1).all()
 
 
-@pytest.mark.parametrize("program", [{}, dict(columns_per_program=256, num_warps=2)])
+@pytest.mark.parametrize("program", [{}, dict(column_groups=3, columns_per_step=128, num_warps=2)])
 @pytest.mark.parametrize("tokens,top_k,experts,block_t,k", OPENED_CASES)
 def test_opened_blocks_kernel_matches_reference_interpret(tokens, top_k, experts, block_t, k, program):
     _check_opened(tokens, top_k, experts, block_t, k, program, interpret=True)
