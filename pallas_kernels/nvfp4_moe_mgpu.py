@@ -244,14 +244,15 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     if block_builder not in ("shared", "sort", "compare", "opened"):
         raise ValueError(f"block_builder must be 'shared', 'sort', 'compare' or 'opened', got {block_builder!r}")
     local_ids, _ = mg._local_pairs(ids, expert_offset, num_experts)
+    offset = 0 if expert_offset is None else expert_offset  # the kernels find the local pairs themselves
     shared = block_builder == "shared"
     if shared:
         block_t = -(-tokens // 8) * 8
         pair_row, block_expert, row_pair = _shared_blocks(local_ids, num_experts, block_t)
         xs = x if tokens < 8 else jnp.pad(x, ((0, block_t - tokens), (0, 0)))  # under 8 rows the GEMM pads
     elif block_builder == "opened":
-        xs, block_expert, row_pair = rg.gather_opened_blocks_on_backend(x, local_ids.reshape(-1),
-                                                                        num_experts=num_experts, block_t=block_t)
+        xs, block_expert, row_pair = rg.gather_opened_blocks_on_backend(
+            x, ids.reshape(-1), num_experts=num_experts, block_t=block_t, expert_offset=offset)
         # A pair's row, where the layer reads rows back (none with the down GEMM's pair-order epilogue).
         pair_row = jnp.zeros(ids.size, jnp.int32).at[jnp.where(row_pair >= 0, row_pair, ids.size)].set(
             jnp.arange(row_pair.size, dtype=jnp.int32), mode="drop")
@@ -291,4 +292,4 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         expert_out = down_gemm(global_scale=down.global_scale)[0][pair_row]
     combine = config["combine_kernel"] if combine_kernel is None else combine_kernel
     combine_pairs = pc.combine_pairs_on_backend if combine else pc.combine_pairs_reference
-    return combine_pairs(expert_out, weights, local_ids, num_experts=num_experts, dtype=x.dtype)
+    return combine_pairs(expert_out, weights, ids, num_experts=num_experts, expert_offset=offset, dtype=x.dtype)

@@ -18,16 +18,18 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import moe_gemm as mg
 
 
-def combine_pairs_reference(pair_out, weights, pair_expert, *, num_experts: int, dtype=None):
+def combine_pairs_reference(pair_out, weights, ids, *, num_experts: int, expert_offset=0, dtype=None):
     """`pair_out [T * top_k, H]` (rounded to `dtype` first, default its own), `weights [T, top_k]` fp32,
-    `pair_expert [T, top_k]` the pairs' local experts: `num_experts` or more for pairs not computed here,
-    whose rows hold anything and count zero. Returns `[T, H]` in `dtype`."""
+    `ids [T, top_k]` the pairs' experts, computed here from `expert_offset` on (`num_experts` of them); the
+    other pairs' rows (another device's, or negative ids) hold anything and count zero. Returns `[T, H]`
+    in `dtype`."""
     dtype = pair_out.dtype if dtype is None else dtype
     weighted = (pair_out.astype(dtype).astype(jnp.float32) * weights.reshape(-1, 1)).astype(dtype)
-    return mg._add_token_pairs(weighted, pair_expert < num_experts, weights.shape[0])
+    _, local = mg._local_pairs(ids, expert_offset, num_experts)
+    return mg._add_token_pairs(weighted, local, weights.shape[0])
 
 
-def _combine_kernel(pair_out_ref, weight_ref, pair_expert_ref, out_ref, *, num_experts: int, top_k: int,
+def _combine_kernel(pair_out_ref, weight_ref, ids_ref, offset_ref, out_ref, *, num_experts: int, top_k: int,
                     padded_top_k: int, columns_per_program: int):
     token = pl.program_id(0)
     hidden = out_ref.shape[1]
@@ -36,22 +38,23 @@ def _combine_kernel(pair_out_ref, weight_ref, pair_expert_ref, out_ref, *, num_e
     cols = pl.program_id(1) * columns_per_program + jnp.arange(columns_per_program)
     in_cols = cols < hidden
     weight = plgpu.load(weight_ref.at[pair], mask=j < top_k, other=0.0)
-    local = (j < top_k) & (plgpu.load(pair_expert_ref.at[pair], mask=j < top_k, other=num_experts) < num_experts)
+    expert = plgpu.load(ids_ref.at[pair], mask=j < top_k, other=0) - offset_ref[0]
+    local = (j < top_k) & (expert >= 0) & (expert < num_experts)
     rows = plgpu.load(pair_out_ref.at[pair[:, None], cols[None, :]], mask=local[:, None] & in_cols[None, :], other=0)
     weighted = (rows.astype(out_ref.dtype).astype(jnp.float32) * weight[:, None]).astype(out_ref.dtype)
     total = jnp.sum(jnp.where(local[:, None], weighted.astype(jnp.float32), 0.0), axis=0)
     plgpu.store(out_ref.at[token, cols], total.astype(out_ref.dtype), mask=in_cols)
 
 
-def combine_pairs(pair_out, weights, pair_expert, *, num_experts: int, dtype=None, columns_per_program: int = 512,
-                  num_warps: int = 4, interpret: bool = False):
+def combine_pairs(pair_out, weights, ids, *, num_experts: int, expert_offset=0, dtype=None,
+                  columns_per_program: int = 512, num_warps: int = 4, interpret: bool = False):
     """`combine_pairs_reference` in one kernel: program (token, column group) reads the token's local pair
     rows once, as one `[top_k, columns]` tile, and writes their sum."""
     tokens, top_k = weights.shape
     pairs, hidden = pair_out.shape
     dtype = pair_out.dtype if dtype is None else dtype
-    if pairs != tokens * top_k or pair_expert.shape != weights.shape:
-        raise ValueError(f"{pairs} pair rows, weights {weights.shape}, pair_expert {pair_expert.shape}: need "
+    if pairs != tokens * top_k or ids.shape != weights.shape:
+        raise ValueError(f"{pairs} pair rows, weights {weights.shape}, ids {ids.shape}: need "
                          "T * top_k rows and one weight and one expert per pair")
     if tokens == 0:
         return jnp.zeros((0, hidden), dtype)
@@ -64,10 +67,11 @@ def combine_pairs(pair_out, weights, pair_expert, *, num_experts: int, dtype=Non
         grid=(tokens, pl.cdiv(hidden, columns_per_program)),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-    )(pair_out, weights.reshape(-1).astype(jnp.float32), pair_expert.reshape(-1).astype(jnp.int32))
+    )(pair_out, weights.reshape(-1).astype(jnp.float32), ids.reshape(-1).astype(jnp.int32),
+      jnp.asarray(expert_offset, jnp.int32).reshape(1))
 
 
-def combine_pairs_on_backend(pair_out, weights, pair_expert, *, num_experts: int, dtype=None):
+def combine_pairs_on_backend(pair_out, weights, ids, *, num_experts: int, expert_offset=0, dtype=None):
     """The kernel on a GPU, the reference elsewhere (the kernel is Triton's)."""
     combine = combine_pairs if jax.default_backend() == "gpu" else combine_pairs_reference
-    return combine(pair_out, weights, pair_expert, num_experts=num_experts, dtype=dtype)
+    return combine(pair_out, weights, ids, num_experts=num_experts, expert_offset=expert_offset, dtype=dtype)

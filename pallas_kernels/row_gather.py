@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import moe_gemm as mg
+
 
 def _gather_kernel(row_token_ref, block_expert_ref, *refs, block_t: int, tokens: int, rows_per_program: int,
                    columns_per_program: int, zero_padding: bool):
@@ -81,13 +83,15 @@ def gather_rows_on_backend(x, row_token, block_expert, *, block_t: int):
 # --------------------------------------------------------------------------------------------------
 
 
-def opened_blocks_reference(pair_expert, *, num_experts: int, block_t: int):
+def opened_blocks_reference(ids, *, num_experts: int, block_t: int, expert_offset=0):
     """Blocks of `block_t` rows of one expert, one block slot per pair: slot p is used when pair p opens a
     block of its expert (its rank among the expert's pairs, in pair order, is a multiple of `block_t`), and
     its rows are that pair and the expert's next `block_t - 1` pairs. No slot depends on another, so a
     kernel program builds its own (`gather_opened_blocks`) where sorted blocks need prefix sums over
-    experts. `pair_expert [P]` int32 (`num_experts`: another device's pair, in no block). Returns
-    (expert of each slot, -1 unused; pair of each row, -1 for padding)."""
+    experts. `ids [P]` the pairs' experts; the local experts are `expert_offset ..` (`num_experts` of
+    them), other pairs (another device's, or negative ids) are in no block. Returns (local expert of each
+    slot, -1 unused; pair of each row, -1 for padding)."""
+    pair_expert, _ = mg._local_pairs(ids, expert_offset, num_experts)
     pairs = pair_expert.shape[0]
     pair = jnp.arange(pairs)
     same = pair_expert[None, :] == pair_expert[:, None]
@@ -99,13 +103,15 @@ def opened_blocks_reference(pair_expert, *, num_experts: int, block_t: int):
     return jnp.where(opens, pair_expert, -1).astype(jnp.int32), row_pair.reshape(-1).astype(jnp.int32)
 
 
-def _opened_blocks_kernel(pair_expert_ref, x_ref, out_ref, block_expert_ref, row_pair_ref, *, num_experts: int,
+def _opened_blocks_kernel(ids_ref, offset_ref, x_ref, out_ref, block_expert_ref, row_pair_ref, *, num_experts: int,
                           block_t: int, top_k: int, padded_pairs: int, columns_per_program: int,
                           columns_per_step: int):
     slot, column_group = pl.program_id(0), pl.program_id(1)
-    pairs = pair_expert_ref.shape[0]
+    pairs = ids_ref.shape[0]
     pair = jnp.arange(padded_pairs)
-    experts = plgpu.load(pair_expert_ref.at[pair], mask=pair < pairs, other=-1)  # -1 matches no pair
+    experts = plgpu.load(ids_ref.at[pair], mask=pair < pairs, other=0) - offset_ref[0]
+    local = (experts >= 0) & (experts < num_experts)
+    experts = jnp.where(pair < pairs, jnp.where(local, experts, num_experts), -1)  # -1 (past the pairs): no match
     expert = jnp.sum(jnp.where(pair == slot, experts, 0))
     same = experts == expert
     seen = jnp.cumsum(same.astype(jnp.int32))  # pairs of this expert up to and with each pair
@@ -128,16 +134,16 @@ def _opened_blocks_kernel(pair_expert_ref, x_ref, out_ref, block_expert_ref, row
         plgpu.store(out_ref.at[(slot * block_t + row)[:, None], cols[None, :]], values, mask=real)
 
 
-def gather_opened_blocks(x, pair_expert, *, num_experts: int, block_t: int, column_groups: int = 1,
+def gather_opened_blocks(x, ids, *, num_experts: int, block_t: int, expert_offset=0, column_groups: int = 1,
                          columns_per_step: int = 1024, num_warps: int = 4, interpret: bool = False):
     """`opened_blocks_reference`'s blocks and their activation rows in one kernel: program (slot, column
     group) finds its slot's pairs from the ids alone (a cumulative count over the pairs) and copies their
     tokens' rows, `columns_per_step` columns at a time over its `1 / column_groups` of K (fewer programs
-    count the pairs fewer times). `x [T, K]`, `pair_expert [T * top_k]` (token t's pairs at t * top_k ...).
-    Returns (rows [P * block_t, K], unwritten for padding and unused slots; expert of each slot; pair of
+    count the pairs fewer times). `x [T, K]`, `ids [T * top_k]` (token t's pairs at t * top_k ...), local
+    from `expert_offset` (an int or a traced scalar) on, as in the reference. Returns (rows [P * block_t, K], unwritten for padding and unused slots; expert of each slot; pair of
     each row)."""
     tokens, k = x.shape
-    pairs = pair_expert.shape[0]
+    pairs = ids.shape[0]
     if pairs == 0:
         return jnp.zeros((0, k), x.dtype), jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32)
     if tokens == 0 or pairs % tokens:
@@ -154,14 +160,15 @@ def gather_opened_blocks(x, pair_expert, *, num_experts: int, block_t: int, colu
         grid=(pairs, pl.cdiv(k, steps * columns_per_step)),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-    )(pair_expert.astype(jnp.int32), x)
+    )(ids.astype(jnp.int32), jnp.asarray(expert_offset, jnp.int32).reshape(1), x)
 
 
-def gather_opened_blocks_on_backend(x, pair_expert, *, num_experts: int, block_t: int):
+def gather_opened_blocks_on_backend(x, ids, *, num_experts: int, block_t: int, expert_offset=0):
     """(rows, expert of each slot, pair of each row): the kernel on a GPU, the references elsewhere."""
     if jax.default_backend() == "gpu":
-        return gather_opened_blocks(x, pair_expert, num_experts=num_experts, block_t=block_t)
-    block_expert, row_pair = opened_blocks_reference(pair_expert, num_experts=num_experts, block_t=block_t)
-    top_k = pair_expert.shape[0] // x.shape[0]
+        return gather_opened_blocks(x, ids, num_experts=num_experts, block_t=block_t, expert_offset=expert_offset)
+    block_expert, row_pair = opened_blocks_reference(ids, num_experts=num_experts, block_t=block_t,
+                                                     expert_offset=expert_offset)
+    top_k = ids.shape[0] // x.shape[0]
     row_token = jnp.where(row_pair >= 0, row_pair // top_k, x.shape[0])
     return gather_rows_reference(x, row_token, block_expert, block_t=block_t), block_expert, row_pair

@@ -10,12 +10,13 @@ import pytest
 from pallas_kernels import pair_combine as pc
 
 
-EXPERTS = 6
+EXPERTS, OFFSET = 6, 4  # this device's experts: 4 .. 9
 
 
 def _case(tokens, top_k, hidden, seed, dtype=jnp.bfloat16):
-    """Pair rows, routing weights and the pairs' local experts, some pairs not local (expert EXPERTS or
-    past it), whose rows hold inf and NaN (another device's rows are never written here): they count zero."""
+    """Pair rows, routing weights and the pairs' experts, some pairs not local (another device's expert or
+    a negative id), whose rows hold inf and NaN (another device's rows are never written here): they count
+    zero."""
     rng = np.random.default_rng(seed)
     pair_out = rng.standard_normal((tokens * top_k, hidden)).astype(np.float32) * 4
     weights = rng.random((tokens, top_k)).astype(np.float32)
@@ -24,14 +25,16 @@ def _case(tokens, top_k, hidden, seed, dtype=jnp.bfloat16):
     foreign = np.flatnonzero(~local.reshape(-1))
     pair_out[foreign] = np.inf
     pair_out[foreign[::2], ::3] = np.nan
-    pair_expert = np.where(local, rng.integers(0, EXPERTS, local.shape), rng.integers(EXPERTS, 2 * EXPERTS, local.shape))
+    foreign_ids = rng.choice(np.r_[-1, 0:OFFSET, OFFSET + EXPERTS:20], local.shape)
+    pair_expert = np.where(local, rng.integers(OFFSET, OFFSET + EXPERTS, local.shape), foreign_ids)
     return jnp.asarray(pair_out, dtype), jnp.asarray(weights), jnp.asarray(pair_expert, jnp.int32)
 
 
 def _check(pair_out, weights, pair_expert, interpret, dtype=None, **program):
-    got = pc.combine_pairs(pair_out, weights, pair_expert, num_experts=EXPERTS, dtype=dtype, interpret=interpret,
-                           **program)
-    want = pc.combine_pairs_reference(pair_out, weights, pair_expert, num_experts=EXPERTS, dtype=dtype)
+    got = pc.combine_pairs(pair_out, weights, pair_expert, num_experts=EXPERTS, expert_offset=OFFSET, dtype=dtype,
+                           interpret=interpret, **program)
+    want = pc.combine_pairs_reference(pair_out, weights, pair_expert, num_experts=EXPERTS, expert_offset=OFFSET,
+                                      dtype=dtype)
     assert got.dtype == want.dtype == (pair_out.dtype if dtype is None else dtype)
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert np.isfinite(want).all() and np.abs(want).max() > 1
@@ -64,7 +67,7 @@ def test_no_tokens_and_mismatched_shapes():
     pair_out, weights, pair_expert = _case(3, 4, 64, seed=1)
     with pytest.raises(ValueError, match="11 pair rows"):
         combine(pair_out[:-1], weights, pair_expert)
-    with pytest.raises(ValueError, match="pair_expert"):
+    with pytest.raises(ValueError, match="ids"):
         combine(pair_out, weights, pair_expert[:, :2])
 
 

@@ -74,13 +74,19 @@ def test_gather_matches_reference_on_gpu(tokens, k, block_t, program):
     _check(x, row_token, block_expert, block_t, interpret=False, **program)
 
 
+OFFSET = 3  # the local experts' first id; ids below it or past the local ones are other devices'
+
+
 def _pair_experts(tokens, top_k, experts, seed, other_devices=3):
-    """Each token's distinct experts; ids past `experts - 1` (token 0's last pair among them) become `experts`
-    (another device's pair)."""
+    """Each token's distinct experts among `experts + 2 * other_devices`, the local ones `OFFSET ..`;
+    token 0's last pair another device's (at least one) and, with two pairs or more, its first a padding
+    token's -1."""
     rng = np.random.default_rng(seed)
-    ids = np.stack([rng.choice(experts + other_devices, top_k, replace=False) for _ in range(tokens)])
-    ids[0, -1] = experts  # at least one
-    return jnp.asarray(np.minimum(ids, experts).reshape(-1), jnp.int32)
+    ids = np.stack([rng.choice(experts + 2 * other_devices, top_k, replace=False) for _ in range(tokens)])
+    ids[0, -1] = OFFSET + experts
+    if top_k > 1:
+        ids[0, 0] = -1
+    return jnp.asarray(ids.reshape(-1), jnp.int32)
 
 
 # (tokens, top_k, experts, block_t, K): few experts give experts with several blocks and a tail block.
@@ -91,11 +97,11 @@ OPENED_CASES = [(1, 8, 256, 8, 64), (9, 8, 256, 8, 96), (17, 3, 5, 4, 1056), (40
 def test_opened_blocks_hold_each_local_pair_once(tokens, top_k, experts, block_t, k):
     """Every local pair lands in one row of a block of its expert, after the earlier pairs of that expert
     in the block; a slot is used exactly when its pair opens a block; other devices' pairs get no row."""
-    pair_expert = _pair_experts(tokens, top_k, experts, seed=tokens)
-    block_expert, row_pair = map(np.asarray, rg.opened_blocks_reference(pair_expert, num_experts=experts,
-                                                                         block_t=block_t))
-    flat = np.asarray(pair_expert)
-    local = flat < experts
+    ids = _pair_experts(tokens, top_k, experts, seed=tokens)
+    block_expert, row_pair = map(np.asarray, rg.opened_blocks_reference(ids, num_experts=experts, block_t=block_t,
+                                                                         expert_offset=OFFSET))
+    flat = np.asarray(ids) - OFFSET
+    local = (flat >= 0) & (flat < experts)
     assert (~local).any() and local.any()
     rows = row_pair.reshape(-1, block_t)
     placed = rows[rows >= 0]
@@ -116,11 +122,12 @@ def test_opened_blocks_kernel_matches_reference_interpret(tokens, top_k, experts
 
 
 def _check_opened(tokens, top_k, experts, block_t, k, program, interpret):
-    pair_expert = _pair_experts(tokens, top_k, experts, seed=tokens + k)
+    ids = _pair_experts(tokens, top_k, experts, seed=tokens + k)
     x = jnp.asarray(np.random.default_rng(k).standard_normal((tokens, k)), jnp.bfloat16)
-    rows, block_expert, row_pair = rg.gather_opened_blocks(x, pair_expert, num_experts=experts, block_t=block_t,
-                                                          interpret=interpret, **program)
-    want_expert, want_pair = rg.opened_blocks_reference(pair_expert, num_experts=experts, block_t=block_t)
+    rows, block_expert, row_pair = rg.gather_opened_blocks(x, ids, num_experts=experts, block_t=block_t,
+                                                          expert_offset=OFFSET, interpret=interpret, **program)
+    want_expert, want_pair = rg.opened_blocks_reference(ids, num_experts=experts, block_t=block_t,
+                                                        expert_offset=OFFSET)
     np.testing.assert_array_equal(np.asarray(block_expert), np.asarray(want_expert))
     np.testing.assert_array_equal(np.asarray(row_pair), np.asarray(want_pair))
     real = np.asarray(row_pair) >= 0
