@@ -161,6 +161,7 @@ def _shared_blocks(ids, num_experts: int, block_t: int):
 
 
 SHARED_ROWS_MAX_TOKENS = 8
+BLOCK_BUILDERS = ("shared", "sort", "compare", "opened", "counted")
 PAIR_ORDER_MAX_BLOCK_T = 16  # the down GEMM stores a row at a time up to this many rows per block
 
 
@@ -216,8 +217,9 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
     (`_shared_blocks`; its blocks have T rows rounded up to 8, whatever `block_t` says), "sort"
-    (`pair_blocks`), "compare" (`_blocks_by_comparison`) or "opened" (a block slot per pair, built and
-    gathered by one kernel: `rg.gather_opened_blocks`). `gate_up_epilogue` / `down_epilogue`: that GEMM
+    (`pair_blocks`), "compare" (`_blocks_by_comparison`), "opened" (a block slot per pair, built and
+    gathered by one kernel: `rg.gather_opened_blocks`) or "counted" (the opened blocks packed, by one
+    program: `rg.count_blocks`, then `rg.gather_rows`). `gate_up_epilogue` / `down_epilogue`: that GEMM
     applies the global scales and writes bf16 (gate/up only with one K split; `grouped_matmul(global_scale=)`),
     and at decode the down GEMM writes each pair's row in pair order (`row_destination=`).
     `gate_up_decode_chunks`: the gate/up GEMM's `decode_chunks`. `gate_up_swiglu`: the gate/up GEMM applies
@@ -241,8 +243,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     gate_up_decode_chunks = config["gate_up_decode_chunks"] if gate_up_decode_chunks is None else gate_up_decode_chunks
     intermediate = down.packed.shape[1] * down.tile_k
     num_experts = gate_up.packed.shape[0]
-    if block_builder not in ("shared", "sort", "compare", "opened"):
-        raise ValueError(f"block_builder must be 'shared', 'sort', 'compare' or 'opened', got {block_builder!r}")
+    if block_builder not in BLOCK_BUILDERS:
+        raise ValueError(f"block_builder must be one of {BLOCK_BUILDERS}, got {block_builder!r}")
     local_ids, _ = mg._local_pairs(ids, expert_offset, num_experts)
     offset = 0 if expert_offset is None else expert_offset  # the kernels find the local pairs themselves
     shared = block_builder == "shared"
@@ -256,6 +258,11 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         # A pair's row, where the layer reads rows back (none with the down GEMM's pair-order epilogue).
         pair_row = jnp.zeros(ids.size, jnp.int32).at[jnp.where(row_pair >= 0, row_pair, ids.size)].set(
             jnp.arange(row_pair.size, dtype=jnp.int32), mode="drop")
+    elif block_builder == "counted":
+        pair_row, block_expert, row_pair, row_token = rg.count_blocks_on_backend(
+            ids.reshape(-1), tokens, num_experts=num_experts, block_t=block_t,
+            num_blocks=_max_blocks(ids.size, num_experts, block_t), expert_offset=offset)
+        xs = rg.gather_rows_on_backend(x, row_token, block_expert, block_t=block_t)
     else:
         build = _blocks_by_comparison if block_builder == "compare" and tokens > 1 else pair_blocks
         pair_row, block_expert, row_pair = build(local_ids, num_experts, block_t)

@@ -172,3 +172,115 @@ def gather_opened_blocks_on_backend(x, ids, *, num_experts: int, block_t: int, e
     top_k = ids.shape[0] // x.shape[0]
     row_token = jnp.where(row_pair >= 0, row_pair // top_k, x.shape[0])
     return gather_rows_reference(x, row_token, block_expert, block_t=block_t), block_expert, row_pair
+
+
+# --------------------------------------------------------------------------------------------------
+# Blocks counted by one program: the opened blocks, packed
+# --------------------------------------------------------------------------------------------------
+
+
+def counted_blocks_reference(ids, *, num_experts: int, block_t: int, num_blocks: int, expert_offset=0):
+    """`opened_blocks_reference`'s blocks without their unused slots: the blocks in the order of the pairs
+    that open them, then unused ones up to `num_blocks` (a bound, `nvfp4_moe_mgpu._max_blocks`), so a
+    GEMM launches no program per pair. Returns (row of each pair, 0 for other devices' pairs; expert of
+    each block, -1 unused; pair of each row, -1 for padding)."""
+    opened_expert, opened_rows = opened_blocks_reference(ids, num_experts=num_experts, block_t=block_t,
+                                                         expert_offset=expert_offset)
+    used = opened_expert >= 0
+    block = jnp.where(used, jnp.cumsum(used) - 1, num_blocks)  # unused slots: past the end, dropped
+    block_expert = jnp.full(num_blocks, -1, jnp.int32).at[block].set(opened_expert, mode="drop")
+    rows = (block[:, None] * block_t + jnp.arange(block_t)[None, :]).reshape(-1)
+    row_pair = jnp.full(num_blocks * block_t, -1, jnp.int32).at[rows].set(opened_rows, mode="drop")
+    pair_row = jnp.zeros(ids.shape[0], jnp.int32).at[jnp.where(row_pair >= 0, row_pair, ids.shape[0])].set(
+        jnp.arange(row_pair.shape[0], dtype=jnp.int32), mode="drop")
+    return pair_row, block_expert, row_pair
+
+
+def _counted_blocks_kernel(ids_ref, offset_ref, pair_row_ref, block_expert_ref, row_pair_ref, row_token_ref,
+                           rank_ref, slot_ref, *, num_experts: int, block_t: int, top_k: int, padded_pairs: int,
+                           padded_blocks: int, chunk: int, barrier: bool):
+    pairs, num_blocks, num_rows = ids_ref.shape[0], block_expert_ref.shape[0], row_pair_ref.shape[0]
+
+    def local_experts(pair):  # -1 for other devices' pairs and past the pairs: they match no local pair
+        expert = plgpu.load(ids_ref.at[pair], mask=pair < pairs, other=0) - offset_ref[0]
+        return jnp.where((pair < pairs) & (expert >= 0) & (expert < num_experts), expert, -1)
+
+    def over_pairs(count):  # sum over all pairs q of count(q [chunk], expert of q [chunk]) -> [padded_pairs]
+        total = jnp.zeros(padded_pairs, jnp.int32)
+        for start in range(0, padded_pairs, chunk):  # [pairs, chunk] at a time: registers, not [pairs, pairs]
+            q = start + jnp.arange(chunk)
+            total += jnp.sum(count(q, local_experts(q)), axis=1)
+        return total
+
+    p = jnp.arange(padded_pairs)
+    expert = local_experts(p)
+    local = expert >= 0
+    same = lambda q_expert: expert[:, None] == q_expert[None, :]  # noqa: E731
+    rank = over_pairs(lambda q, q_expert: jnp.where(same(q_expert) & (q[None, :] < p[:, None]), 1, 0))
+    opens = local & (rank % block_t == 0)
+    slot = jnp.cumsum(opens.astype(jnp.int32)) - opens.astype(jnp.int32)  # blocks opened by earlier pairs
+    plgpu.store(rank_ref.at[p], rank, mask=p < pairs)
+    plgpu.store(slot_ref.at[p], slot, mask=p < pairs)
+    used = jnp.sum(opens.astype(jnp.int32))
+    first = jnp.min(jnp.where(local, p, padded_pairs))  # the first local pair (padded_pairs: none); it opens slot 0
+    # Scatters write from every lane: lanes with nothing to write repeat the first pair's write (the same
+    # value), as a masked scatter with repeated indices is not safe in interpret mode.
+    first_expert = jnp.max(jnp.where(p == first, expert, -1))  # -1 if no pair is local
+    plgpu.store(block_expert_ref.at[jnp.where(opens, slot, 0)], jnp.where(opens, expert, first_expert))
+    block = jnp.arange(padded_blocks)
+    plgpu.store(block_expert_ref.at[block], jnp.full(padded_blocks, -1, jnp.int32),
+                mask=(block >= used) & (block < num_blocks))
+    row = jnp.arange(padded_blocks * block_t)
+    plgpu.store(row_pair_ref.at[row], jnp.full(row.shape, -1, jnp.int32), mask=row < num_rows)
+    plgpu.store(row_token_ref.at[row], jnp.full(row.shape, pairs // top_k, jnp.int32), mask=row < num_rows)
+    if barrier:  # ranks and slots visible to every thread; padding rows written before the pairs' rows
+        plgpu.debug_barrier()  # (interpret mode runs in order and has no barrier)
+
+    def opener_slot(q, q_expert):  # the slot of the pair that opened p's block: same expert, rank rounded down
+        q_rank = plgpu.load(rank_ref.at[q], mask=q < pairs, other=-1)
+        q_slot = plgpu.load(slot_ref.at[q], mask=q < pairs, other=0)
+        opener = same(q_expert) & (q_rank[None, :] == (rank - rank % block_t)[:, None])
+        return jnp.where(opener, q_slot[None, :], 0)
+
+    pair_row = jnp.where(local, over_pairs(opener_slot) * block_t + rank % block_t, 0)
+    plgpu.store(pair_row_ref.at[p], pair_row, mask=p < pairs)
+    first_row = jnp.sum(jnp.where(p == first, pair_row, 0))
+    row_pair = jnp.where(local, p, jnp.max(jnp.where(p == first, p, -1)))
+    row = jnp.where(local, pair_row, first_row)
+    plgpu.store(row_pair_ref.at[row], row_pair)
+    plgpu.store(row_token_ref.at[row], jnp.where(row_pair >= 0, row_pair // top_k, pairs // top_k))
+
+
+def count_blocks(ids, tokens: int, *, num_experts: int, block_t: int, num_blocks: int, expert_offset=0,
+                 chunk: int = 32, num_warps: int = 8, interpret: bool = False):
+    """`counted_blocks_reference` in one program (a grid of one: the packing needs every pair's rank), by
+    [pairs, chunk] comparisons; plus the token of each row (`tokens` for padding), for `gather_rows`.
+    Meant for decode batches (pairs^2 work). `ids [T * top_k]`. Returns (pair_row, block_expert, row_pair,
+    row_token)."""
+    pairs = ids.shape[0]
+    if tokens == 0 or pairs % tokens:
+        raise ValueError(f"{pairs} pairs for {tokens} tokens: need a whole number of pairs per token")
+    padded_pairs = max(1 << max(pairs - 1, 0).bit_length(), chunk)  # Triton's tensors have power-of-two sizes
+    padded_blocks = 1 << max(num_blocks - 1, 0).bit_length()
+    kernel = functools.partial(_counted_blocks_kernel, num_experts=num_experts, block_t=block_t, top_k=pairs // tokens,
+                               padded_pairs=padded_pairs, padded_blocks=padded_blocks, chunk=min(chunk, padded_pairs),
+                               barrier=not interpret)
+    int32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    pair_row, block_expert, row_pair, row_token, _, _ = pl.pallas_call(
+        kernel,
+        out_shape=(int32((pairs,)), int32((num_blocks,)), int32((num_blocks * block_t,)),
+                   int32((num_blocks * block_t,)), int32((pairs,)), int32((pairs,))),  # the last two: scratch
+        grid=(1,),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+    )(ids.astype(jnp.int32), jnp.asarray(expert_offset, jnp.int32).reshape(1))
+    return pair_row, block_expert, row_pair, row_token
+
+
+def count_blocks_on_backend(ids, tokens: int, *, num_experts: int, block_t: int, num_blocks: int, expert_offset=0):
+    """(pair_row, block_expert, row_pair, row_token): the kernel on a GPU, the reference elsewhere."""
+    settings = dict(num_experts=num_experts, block_t=block_t, num_blocks=num_blocks, expert_offset=expert_offset)
+    if jax.default_backend() == "gpu":
+        return count_blocks(ids, tokens, **settings)
+    pair_row, block_expert, row_pair = counted_blocks_reference(ids, **settings)
+    return pair_row, block_expert, row_pair, jnp.where(row_pair >= 0, row_pair // (ids.shape[0] // tokens), tokens)

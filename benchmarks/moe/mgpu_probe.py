@@ -189,8 +189,8 @@ def time_gathers(t, block_t, configs, repeats=2):
 
 def time_glue(t, opened_shapes, combine_shapes, repeats=4):
     """The layer's glue around its GEMMs at T tokens, each alone, µs per call: blocks of 8 rows built by
-    compare-and-count and gathered (the default past 8 tokens) against `gather_opened_blocks` per program
-    shape (column groups, columns per step, warps); XLA's weighted pair sum against `combine_pairs` per
+    compare-and-count and gathered (the default past 8 tokens) against `count_blocks` and the gather, and
+    `gather_opened_blocks` per program shape (column groups, columns per step, warps); XLA's weighted pair sum against `combine_pairs` per
     program shape (columns, warps)."""
     from pallas_kernels import nvfp4_moe_mgpu as nmm
     from pallas_kernels import pair_combine as pc
@@ -203,7 +203,12 @@ def time_glue(t, opened_shapes, combine_shapes, repeats=4):
         _, block_expert, row_pair = nmm._blocks_by_comparison(ids, bench.E, 8)
         return rg.gather_rows(x, nmm.row_tokens(row_pair, bench.TOP_K, t), block_expert, block_t=8)
 
-    ops = {"compare+gather": compare}
+    def counted(x, ids):
+        _, block_expert, _, row_token = rg.count_blocks(ids.reshape(-1), t, num_experts=bench.E, block_t=8,
+                                                        num_blocks=nmm._max_blocks(t * bench.TOP_K, bench.E, 8))
+        return rg.gather_rows(x, row_token, block_expert, block_t=8)
+
+    ops = {"compare+gather": compare, "counted+gather": counted}
     for groups, step, warps in opened_shapes:
         ops[f"opened g{groups}s{step}w{warps}"] = functools.partial(
             lambda x, ids, **kw: rg.gather_opened_blocks(x, ids.reshape(-1), num_experts=bench.E, block_t=8, **kw),

@@ -200,7 +200,8 @@ def _epilogues(which: str) -> dict:
     (1, None, 4, "shared", "both"), (5, None, 1, "shared", "none"), (5, None, 1, "shared", "both"),
     (5, None, 1, "shared", "down"), (13, None, 2, None, "none"), (5, None, 1, "shared", "swiglu"),
     (30, None, 1, None, "swiglu"), (13, 2, 1, "opened", "both"), (30, None, 1, "opened", "swiglu"),
-    (30, None, 2, "opened", "none")])
+    (30, None, 2, "opened", "none"), (13, 2, 1, "counted", "both"), (30, None, 1, "counted", "swiglu"),
+    (30, None, 2, "counted", "none")])
 def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits, builder, epilogue):
     """Blocks, gathers, splits, scales, SwiGLU and combine, with the GEMM emulated in plain jnp:
     experts with more pairs than a block (tails), experts picked by several tokens, unused experts,
@@ -271,7 +272,7 @@ def test_both_block_builders_agree(tokens, top_k, experts, block_t):
 
 @pytest.mark.parametrize("tokens,builder,epilogue", [
     (1, "sort", "none"), (7, "sort", "both"), (7, "compare", "none"), (1, "shared", "both"), (7, "shared", "down"),
-    (7, "shared", "none"), (7, "opened", "both"), (7, "opened", "none")])
+    (7, "shared", "none"), (7, "opened", "both"), (7, "opened", "none"), (7, "counted", "both")])
 def test_expert_parallel_shares_add_up(tokens, builder, epilogue):
     """Each device's share of the experts (`expert_offset`): equal to the reference on it (other
     shares' pairs count zero), and the shares add up to the whole layer."""
@@ -326,7 +327,8 @@ def test_unknown_block_builder_is_rejected():
     (13, 64, None, "both", None), (32, 64, "shared", "none", None), (64, 256, None, "both", None),
     (300, 64, None, "both", None), (8, 128, None, "down", 4), (40, 128, None, "both", 2),
     (8, 128, None, "swiglu", None), (40, 256, None, "swiglu", None), (16, 256, "opened", "swiglu", None),
-    (64, 256, "opened", "swiglu", None), (13, 128, "opened", "none", None)])
+    (64, 256, "opened", "swiglu", None), (13, 128, "opened", "none", None), (16, 256, "counted", "swiglu", None),
+    (64, 256, "counted", "swiglu", None), (13, 128, "counted", "none", None)])
 def test_layer_matches_reference_on_gpu(tokens, down_tile_n, builder, epilogue, chunks):
     """Beam's per-GPU TP8 expert shape on the kernel (None: `default_config`'s blocks and gate/up decode
     chunks), with and without the kernel's own epilogue."""
@@ -337,7 +339,7 @@ def test_layer_matches_reference_on_gpu(tokens, down_tile_n, builder, epilogue, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens,builder", [(1, None), (13, "opened"), (64, None)])
+@pytest.mark.parametrize("tokens,builder", [(1, None), (13, "opened"), (64, None), (40, "counted")])
 def test_layer_with_combine_kernel_on_gpu(tokens, builder):
     """The pairs weighted and added by `pair_combine.combine_pairs` instead of XLA."""
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 5120, 320, 256, 8, tile_k=256)
@@ -362,7 +364,7 @@ def test_expert_parallel_share_on_gpu(tokens, combine_kernel):
     _assert_layer_close((x, weights, ids, *share), got, expert_offset=128)
 
 
-@pytest.mark.parametrize("builder", ["shared", "sort", "compare", "opened"])
+@pytest.mark.parametrize("builder", nmm.BLOCK_BUILDERS)
 def test_negative_ids_are_not_computed(builder):
     """Padding tokens masked by the MoE layer (id -1 on every pair): zeros, and the real tokens as the
     reference on them alone; every block builder (the emulated GEMM)."""
