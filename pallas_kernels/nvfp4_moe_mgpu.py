@@ -204,13 +204,15 @@ def default_config(tokens: int) -> dict:
                 block_t=8 if tokens <= 64 else 32 if small_blocks else 64, gate_up_splits=4 if tokens == 1 else 1,
                 gate_up_stages=2, gate_up_tile_n=128 if 64 < tokens <= 1024 else 64,
                 down_tile_n=64 if tokens == 1 else 256 if 16 <= tokens <= 64 else 128, down_stages=4,
+                down_tiles_per_program=1,
                 gate_up_epilogue=tokens > 1, down_epilogue=not shared,
                 gate_up_decode_chunks=2 if tokens <= 8 else 1, gate_up_swiglu=True, combine_kernel=False)
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
               gate_up_splits: int | None = None, gate_up_stages: int | None = None, gate_up_tile_n: int | None = None,
-              down_tile_n: int | None = None, down_stages: int | None = None, block_builder: str | None = None,
+              down_tile_n: int | None = None, down_stages: int | None = None, down_tiles_per_program: int | None = None,
+              block_builder: str | None = None,
               gate_up_epilogue: bool | None = None, down_epilogue: bool | None = None,
               gate_up_decode_chunks: int | None = None, gate_up_swiglu: bool | None = None,
               combine_kernel: bool | None = None, expert_offset: int | jax.Array | None = None, matmul=nm.grouped_matmul):
@@ -222,7 +224,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     program: `rg.count_blocks`, then `rg.gather_rows`). `gate_up_epilogue` / `down_epilogue`: that GEMM
     applies the global scales and writes bf16 (gate/up only with one K split; `grouped_matmul(global_scale=)`),
     and at decode the down GEMM writes each pair's row in pair order (`row_destination=`).
-    `gate_up_decode_chunks`: the gate/up GEMM's `decode_chunks`. `gate_up_swiglu`: the gate/up GEMM applies
+    `gate_up_decode_chunks`: the gate/up GEMM's `decode_chunks`; `down_tiles_per_program`: the down GEMM's
+    `tiles_per_program`. `gate_up_swiglu`: the gate/up GEMM applies
     SwiGLU too (`grouped_matmul(swiglu=True)`; needs its epilogue, one K split and tile_k >= 256; unset, on
     wherever those hold). `combine_kernel`: the pairs are weighted and added by `pc.combine_pairs` (on a GPU)
     instead of XLA. `expert_offset`: the
@@ -236,6 +239,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         gate_up_splits = math.gcd(config["gate_up_splits"], x.shape[1] // gate_up.tile_k)
     down_tile_n = config["down_tile_n"] if down_tile_n is None else down_tile_n
     down_stages = config["down_stages"] if down_stages is None else down_stages
+    if down_tiles_per_program is None:
+        down_tiles_per_program = config["down_tiles_per_program"]
     gate_up_stages = config["gate_up_stages"] if gate_up_stages is None else gate_up_stages
     gate_up_epilogue = config["gate_up_epilogue"] if gate_up_epilogue is None else gate_up_epilogue
     down_epilogue = config["down_epilogue"] if down_epilogue is None else down_epilogue
@@ -285,7 +290,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         gu = gu.reshape(1, -1, 2 * intermediate).astype(x.dtype)
     act = gu[0] if gate_up_swiglu else mg._swiglu(gu[0, :, :intermediate], gu[0, :, intermediate:]).astype(x.dtype)
     down_gemm = functools.partial(matmul, act, block_expert, down.packed, down.scales, block_t=block_t,
-                                  tile_k=down.tile_k, splits=1, stages=down_stages, tile_n=down_tile_n)
+                                  tile_k=down.tile_k, splits=1, stages=down_stages, tile_n=down_tile_n,
+                                  tiles_per_program=down_tiles_per_program)
     if not down_epilogue:
         # Only the pairs' rows are scaled and weighted (rows of unused blocks and padding are not).
         pair_expert = jnp.minimum(local_ids.reshape(-1), num_experts - 1)
