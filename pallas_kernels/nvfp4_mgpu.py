@@ -411,9 +411,9 @@ def _fold_scales(scales, tile_k: int) -> jax.Array:
 
 def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool, line_box: bool, chunks: int,
                    paired_steps: int | None = None):
-    """What a program of `tile_n` rows needs: `in_specs(expert, k0, n0, x_block)` (the pipeline's BlockSpecs:
-    step (t, kk) takes the expert's packed bytes and folded scales of K step k0 + kk and row tile n0 + t, and
-    block x_block's activations), the scale staging, the decode of each of the step's `chunks` K chunks and the
+    """What a program of `tile_n` rows needs: `in_specs(expert, k0, ni, x_block)` (the pipeline's BlockSpecs:
+    step kk takes the expert's packed bytes and folded scales of K step k0 + kk and row tile ni, and block
+    x_block's activations), the scale staging, the decode of each of the step's `chunks` K chunks and the
     transposed store (`inline_mgpu` ops). `line_box`: the packed bytes come as `_LINE`-byte lines,
     unswizzled, a box of `tile_n * tile_k / 2 / _LINE` lines. `paired_steps` (SwiGLU programs; the weights'
     K steps): bytes and scales are read through `[E * K steps, 2, I, ...]` views (`_paired_views`), and a
@@ -432,16 +432,16 @@ def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool, line_bo
     scale_block = (scale_rows, _SCALE_ROW)
     x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
 
-    def in_specs(expert, k0, n0, x_block):
+    def in_specs(expert, k0, ni, x_block):
         if paired_steps is None:
-            lead, at = (None, None), lambda t, kk: (expert, k0 + kk, n0 + t, 0)
+            lead, at = (None, None), lambda kk: (expert, k0 + kk, ni, 0)
             shapes = (packed_block, scale_block)
-        else:  # both projections' halves of row tile n0 + t, in views with experts and K steps merged
-            lead, at = (None, 2), lambda t, kk: (expert * paired_steps + k0 + kk, 0, n0 + t, 0)
+        else:  # both projections' halves of row tile ni, in views with experts and K steps merged
+            lead, at = (None, 2), lambda kk: (expert * paired_steps + k0 + kk, 0, ni, 0)
             shapes = ((packed_block[0] // 2, packed_block[1]), (scale_block[0] // 2, scale_block[1]))
         return [plgpu.BlockSpec((*lead, *shapes[0]), at, transforms=packed_transforms),
                 plgpu.BlockSpec((*lead, *shapes[1]), at),
-                plgpu.BlockSpec((block_t, tile_k), lambda t, kk: (x_block, k0 + kk), transforms=x_transforms)]
+                plgpu.BlockSpec((block_t, tile_k), lambda kk: (x_block, k0 + kk), transforms=x_transforms)]
 
     stage = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 2)(_stage_scales(tile_n, tile_k))
     decodes = [plgpu.inline_mgpu(
@@ -459,16 +459,15 @@ def _paired_views(packed, scales):
     return tuple(a.reshape(a.shape[0] * a.shape[1], 2, a.shape[2] // 2, a.shape[3]) for a in (packed, scales))
 
 
-def _scratch(tile_n: int, tile_k: int, block_t: int, out_dtype, scaled: bool, scattered: bool, swiglu: bool,
-             tiles: int) -> dict:
+def _scratch(tile_n: int, tile_k: int, block_t: int, out_dtype, scaled: bool, scattered: bool, swiglu: bool) -> dict:
     """A program's shared memory besides its pipeline: the output tile, the staged block scales and, with
-    global scales, its `tiles` tiles' scales and their barrier; with row destinations, the block's and theirs; with
+    global scales, the tile's scales and their barrier; with row destinations, the block's and theirs; with
     SwiGLU, its output tile."""
     scratch = dict(out_smem=plgpu.SMEM((block_t, tile_n), out_dtype),
                    staged_smem=plgpu.SMEM((tile_n * tile_k // 16,), jnp.uint32))  # a word per block scale
-    if scaled:  # SwiGLU programs copy their gate rows' scales and their up rows' in two copies, others a copy a tile
-        scratch.update(scale_smem=plgpu.SMEM((tiles * tile_n,), jnp.float32),
-                       scale_barrier=plgpu.Barrier(num_arrivals=2 if swiglu else tiles))
+    if scaled:  # SwiGLU programs copy their gate rows' scales and their up rows' in two copies
+        scratch.update(scale_smem=plgpu.SMEM((tile_n,), jnp.float32),
+                       scale_barrier=plgpu.Barrier(num_arrivals=2 if swiglu else 1))
     if swiglu:
         scratch.update(swiglu_smem=plgpu.SMEM((block_t, tile_n // 2), out_dtype))
     if scattered:
@@ -497,8 +496,7 @@ def _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, *, block_t
 
 def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
                    stages: int = 4, tile_n: int = 64, decode_chunks: int = 1, shared_rows: bool = False,
-                   global_scale=None, row_destination=None, out_rows: int | None = None, swiglu: bool = False,
-                   tiles_per_program: int = 1):
+                   global_scale=None, row_destination=None, out_rows: int | None = None, swiglu: bool = False):
     """`xs [B*block_t, K]` bf16, `block_expert [B]` int32 (-1: skip the block),
     `packed [E, K/tile_k, N, tile_k/2]` uint8 and `scales [E, K/tile_k, N, tile_k/64]` uint32 (`pack_weights`) ->
     `[splits, B*block_t, N]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
@@ -520,10 +518,7 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     program takes tile_n / 2 gate rows and their up rows (one box a step, `_tile_programs`), and the output is
     `[1, B*block_t, I]` bf16, `moe_gemm._swiglu` of the two finished projections: XLA's SwiGLU pass and half
     the bytes go. (Session 19's version, two boxes of 32 rows read by the decode from swizzled smem, made the
-    GEMM 3-10 us slower at T = 8-64, more than the 2.2-3.0 us of XLA's SwiGLU it saved; H200, session 20.)
-    `tiles_per_program` (not with `swiglu`): a program computes that many consecutive row tiles, one pipeline
-    over all their K steps, each tile written out at its last step while the next tile's loads are in flight
-    (for short K, as the down GEMM's 5 steps: fewer programs, and no pipeline fill between tiles)."""
+    GEMM 3-10 us slower at T = 8-64, more than the 2.2-3.0 us of XLA's SwiGLU it saved; H200, session 20.)"""
     scaled, scattered = _check_operands(xs, block_expert, packed, scales, block_t=block_t, tile_k=tile_k, splits=splits,
                                         tile_n=tile_n, shared_rows=shared_rows, global_scale=global_scale,
                                         row_destination=row_destination, out_rows=out_rows)
@@ -533,9 +528,6 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     line_box = tile_k // 2 < _LINE
     half_n = tile_n // 2  # SwiGLU programs: gate rows, and as many up rows
     # (Gate and up rows come in multiples of tile_n / 2: N = 2 I is a multiple of tile_n, `_check_operands`.)
-    if tiles_per_program < 1 or n % (tile_n * tiles_per_program) or (swiglu and tiles_per_program > 1):
-        raise ValueError(f"tiles_per_program={tiles_per_program} must divide N={n} into whole programs of "
-                         f"{tile_n}-row tiles, and be 1 with swiglu")
     if swiglu and (not scaled or scattered or tile_k < SWIGLU_MIN_TILE_K):
         raise ValueError(f"swiglu needs global_scale, no row_destination and tile_k >= {SWIGLU_MIN_TILE_K}: "
                          f"tile_k {tile_k}, global_scale {global_scale is not None}, row_destination {scattered}")
@@ -553,32 +545,16 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     # Optional inputs, in this order: the global scales (scaled), the row destinations (scattered).
     optional = [a for a in (global_scale, row_destination) if a is not None]
 
-    tiles = tiles_per_program
-
     def kernel(block_expert_gmem, xs_gmem, packed_gmem, scales_gmem, *gmem, out_smem, staged_smem, scale_smem=None,
                scale_barrier=None, destination_smem=None, destination_barrier=None, swiglu_smem=None):
         *optional_gmem, out_gmem = gmem
         global_scale_gmem, row_destination_gmem = (*optional_gmem, None, None)[:2]
-        b, nj, si = (jax.lax.axis_index(a) for a in ("b", "n", "s"))
+        b, ni, si = (jax.lax.axis_index(a) for a in ("b", "n", "s"))
         expert = block_expert_gmem[b]
-        k0, n0 = si * k_steps, nj * tiles
-
-        def wait_for_operands():
-            for barrier in (scale_barrier, destination_barrier):
-                if barrier is not None:
-                    plgpu.barrier_wait(barrier)
-
-        def write_tile(acc, t):
-            scale = None if scale_smem is None else scale_smem.at[pl.ds(t * tile_n, tile_n)]
-            _write_tile(store_transposed, acc, out_smem, out_gmem, b, n0 + t, si, block_t=block_t, tile_n=tile_n,
-                        scale_smem=scale, destination_smem=destination_smem)
+        k0 = si * k_steps
 
         def acc_scope(acc_ref):
-            def step(indices, w_smem, s_smem, x_smem):
-                t, kk = indices
-                if tiles > 1:  # a new tile starts from zero
-                    fresh = jnp.broadcast_to(kk == 0, acc_ref.shape)  # (warpgroup code broadcasts nothing itself)
-                    acc_ref[...] = jnp.where(fresh, jnp.zeros(acc_ref.shape, acc_ref.dtype), acc_ref[...])
+            def step(_, w_smem, s_smem, x_smem):
                 if swiglu:  # [2, tile_n / 2, ...] boxes: the rows of one tile (`_tile_programs`)
                     w_smem, s_smem = w_smem.reshape(tile_n, tile_k // 2), s_smem.reshape(-1, _SCALE_ROW)
                 weights = w_smem if line_box else plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT)
@@ -590,58 +566,48 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                     if chunk + 1 < decode_chunks:  # the next chunk decodes while this one multiplies
                         plgpu.wgmma_wait(1)
                 plgpu.wgmma_wait(0)
-                if tiles > 1:  # a finished tile goes out while the pipeline goes on with the next one's loads
-                    acc = acc_ref[...]
 
-                    @pl.when(kk == k_steps - 1)
-                    def _():
-                        @pl.when(t == 0)
-                        def _():
-                            wait_for_operands()
-
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's copies left out_smem
-                        write_tile(acc, t)
-
-            plgpu.emit_pipeline(step, grid=(tiles, k_steps), in_specs=in_specs(expert, k0, n0, 0 if shared_rows else b),
+            plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=in_specs(expert, k0, ni, 0 if shared_rows else b),
                                 max_concurrent_steps=stages)(packed_gmem, scales_gmem, xs_gmem)
             return acc_ref[...]
 
         @pl.when(expert >= 0)  # unused blocks (expert -1) are skipped; their output is left unwritten
         def _():
-            # The tiles' global scales and the block's row destinations arrive while the K loop runs (read
+            # The tile's global scales and the block's row destinations arrive while the K loop runs (read
             # from global memory after it, each destination cost a load's latency at the program's end).
             if swiglu:  # the gate rows' scales, then their up rows'
                 for piece, first in enumerate((0, intermediate)):
-                    rows = pl.ds(first + nj * half_n, half_n)
+                    rows = pl.ds(first + ni * half_n, half_n)
                     plgpu.copy_gmem_to_smem(global_scale_gmem.at[expert, rows],
                                             scale_smem.at[pl.ds(piece * half_n, half_n)], scale_barrier)
-            elif scaled:  # a copy a tile (TMA boxes take up to 256 values)
-                for t in range(tiles):
-                    plgpu.copy_gmem_to_smem(global_scale_gmem.at[expert, pl.ds((n0 + t) * tile_n, tile_n)],
-                                            scale_smem.at[pl.ds(t * tile_n, tile_n)], scale_barrier)
+            elif scaled:
+                plgpu.copy_gmem_to_smem(global_scale_gmem.at[expert, pl.ds(ni * tile_n, tile_n)], scale_smem,
+                                        scale_barrier)
             if scattered:
                 plgpu.copy_gmem_to_smem(row_destination_gmem.at[b], destination_smem, destination_barrier)
             acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, block_t)))
-            if tiles == 1:
-                wait_for_operands()
-                if swiglu:
-                    store_transposed(acc, out_smem, scale_smem)
-                    plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))(
-                        _swiglu_rows(block_t, half_n))(out_smem, swiglu_smem)
-                    plgpu.commit_smem()
-                    columns = pl.ds(nj * half_n, half_n)
-                    plgpu.copy_smem_to_gmem(swiglu_smem, out_gmem.at[0, pl.ds(b * block_t, block_t), columns])
-                else:
-                    write_tile(acc, 0)
+            for barrier in (scale_barrier, destination_barrier):
+                if barrier is not None:
+                    plgpu.barrier_wait(barrier)
+            if swiglu:
+                store_transposed(acc, out_smem, scale_smem)
+                plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))(
+                    _swiglu_rows(block_t, half_n))(out_smem, swiglu_smem)
+                plgpu.commit_smem()
+                columns = pl.ds(ni * half_n, half_n)
+                plgpu.copy_smem_to_gmem(swiglu_smem, out_gmem.at[0, pl.ds(b * block_t, block_t), columns])
+            else:
+                _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, block_t=block_t, tile_n=tile_n,
+                            scale_smem=scale_smem, destination_smem=destination_smem)
             plgpu.wait_smem_to_gmem(0)
 
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((splits, out_rows if scattered else blocks * block_t,
                                        intermediate if swiglu else n), out_dtype),
-        grid=(blocks, n // (tile_n * tiles), splits),
+        grid=(blocks, n // tile_n, splits),
         grid_names=("b", "n", "s"),
-        scratch_types=_scratch(tile_n, tile_k, block_t, out_dtype, scaled, scattered, swiglu, tiles),
+        scratch_types=_scratch(tile_n, tile_k, block_t, out_dtype, scaled, scattered, swiglu),
     )
     return call(block_expert, xs, packed, scales, *optional)
 
@@ -657,12 +623,11 @@ def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: 
 
 def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int = 1,
                             stages: int = 4, tile_n: int = 64, decode_chunks: int = 1, shared_rows: bool = False,
-                            global_scale=None, row_destination=None, out_rows: int | None = None, swiglu: bool = False,
-                            tiles_per_program: int = 1):
+                            global_scale=None, row_destination=None, out_rows: int | None = None, swiglu: bool = False):
     """`grouped_matmul`'s contract in plain jnp, from the kernel layouts (for CPU tests of code that
     calls the kernel): decodes the words as the PTX does, then `grouped_matmul_reference`. Blocks
     of expert -1 get NaN, as the kernel leaves them unwritten (any bits); one split holds the whole sum."""
-    del splits, stages, tile_n, decode_chunks, tiles_per_program
+    del splits, stages, tile_n, decode_chunks
     e, k_steps, n, _ = packed.shape
     k = k_steps * tile_k
     rows = jnp.moveaxis(packed, 1, 2).reshape(e, n, k // 32, 4, 4)  # back to [E, N, K/2], by 32 values and thread

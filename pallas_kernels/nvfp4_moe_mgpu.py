@@ -1,15 +1,17 @@
 """Beam's NVFP4 MoE layer on the Mosaic GPU grouped GEMM (`nvfp4_mgpu.grouped_matmul`), Hopper only.
 
 The weights are repacked once into the kernel's layouts (`KernelNvfp4.from_expert_weights`; the model
-does it at load time on Hopper, `beam_jax.quant.kernel_layout`). Per call, XLA builds the blocks of
-one expert each (decode: one block per distinct expert, multiplying all the step's tokens; larger
-batches: pairs sorted into blocks of `block_t` rows), and after each GEMM adds the K splits, applies
-the global scales, SwiGLU and the routing weights (with `gate_up_epilogue` / `down_epilogue` and `gate_up_swiglu`,
-the GEMMs apply the scales and SwiGLU themselves). Rounding follows `moe_gemm_reference`.
+does it at load time on Hopper, `beam_jax.quant.kernel_layout`). Per call the pairs are put into blocks
+of one expert each (decode: one block per distinct expert, multiplying all the step's tokens; 9-32
+tokens: a block slot per pair, built and gathered by one kernel, `row_gather.gather_opened_blocks`;
+larger batches: pairs sorted or counted by XLA into blocks of `block_t` rows), and after each GEMM XLA
+adds the K splits, applies the global scales, SwiGLU and the routing weights (with `gate_up_epilogue` /
+`down_epilogue` and `gate_up_swiglu`, the GEMMs apply the scales and SwiGLU themselves). Rounding follows
+`moe_gemm_reference`.
 
-H200 (benchmarks/moe/RESULTS.md, session 20 run G): 18.4 / 59.0 / 99.6 / 147.4 / 199.0 us at T = 1 / 8 / 16 /
-32 / 64, against 24.9 / 104.2 / 203.5 / 272.0 / 357.0 for the Triton NVFP4 layer in the same run; the two
-GEMMs are 89-92 % of the time at T = 8-64, 67 % at T = 1.
+H200 (benchmarks/moe/RESULTS.md, session 22 run D): 58.7 / 92.9 / 141.2 / 200.4 us at T = 8 / 16 / 32 / 64
+(61.7 / 72.3 / 74.1 / 75.2 % of the HBM floor), 2.71-2.90x faster than the bf16 layer in the same run;
+at T = 1 18.4 us (session 20 run G). The two GEMMs are 90-98 % of the time at T = 8-64.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import numpy as np
 
 from pallas_kernels import moe_gemm as mg
 from pallas_kernels import nvfp4_mgpu as nm
-from pallas_kernels import pair_combine as pc
 from pallas_kernels import row_gather as rg
 
 
@@ -161,7 +162,7 @@ def _shared_blocks(ids, num_experts: int, block_t: int):
 
 
 SHARED_ROWS_MAX_TOKENS = 8
-BLOCK_BUILDERS = ("shared", "sort", "compare", "opened", "counted")
+BLOCK_BUILDERS = ("shared", "sort", "compare", "opened")
 PAIR_ORDER_MAX_BLOCK_T = 16  # the down GEMM stores a row at a time up to this many rows per block
 
 
@@ -180,13 +181,15 @@ def default_config(tokens: int) -> dict:
     20.3 against 18.5 at T = 1; run V). Up to 1024 tokens, sorted blocks take gate/up programs of 128
     rows (2 % faster at T = 32, 64 and 512, 2-5 % slower with shared rows; runs Z, AA; not timed at
     prefill) and blocks of 32 rows, where an expert gets ~32 pairs or fewer (T = 512: 389.6 us against
-    516.5 with 64 rows and 416.1 with 16; run AA). Down GEMM pipelines: 4 stages, never swept (its K is
-    5 steps). Since the one-byte scales (session 16) a 128-row gate/up program with the epilogue takes
-    175 registers, two programs per SM: up to 64 tokens programs of 64 rows (96 registers) are faster
-    (223.1 against 231.6 us at T = 64, 172.4 against 175.8 at T = 32); 65-1024 tokens are untimed since.
+    516.5 with 64 rows and 416.1 with 16; run AA). Down GEMM pipelines: 2 stages past one token (its K is
+    5 steps; with opened blocks 94.0 / 141.7 us at T = 16 / 32 against 94.7 / 143.5 with 4 and 98.4 / 148.4
+    with 5; 58.8 / 200.2 against 59.0 / 200.3 at T = 8 / 64; session 22 run B). Since the one-byte scales
+    (session 16) a 128-row gate/up program with the epilogue takes 175 registers, two programs per SM: up to
+    64 tokens programs of 64 rows (96 registers) are faster (223.1 against 231.6 us at T = 64, 172.4 against
+    175.8 at T = 32); 65-1024 tokens are untimed since.
     With shared rows the down GEMM's epilogue alone still gains nothing (session 17, run B: the combine
     reads 16x fewer bytes, 4.6 -> 2.0 us at T = 8, but the GEMM takes 1.5-3 us longer and the row
-    destinations cost two XLA kernels). Past 8 tokens and up to 64 the blocks are built by compare-and-count
+    destinations cost two XLA kernels). From 33 to 64 tokens the blocks are built by compare-and-count
     (`_blocks_by_comparison`: 8-9 us faster than sorting them at T = 32 and 64, session 19 run D; at T = 16
     101.7-102.7 us against 103.8-104.4 with shared rows, whose down GEMM writes 16 rows for each expert's ~1.2
     pairs, session 20 runs D-E; 9-15 tokens are untimed). Up to 8 tokens the gate/up GEMM decodes and
@@ -198,38 +201,40 @@ def default_config(tokens: int) -> dict:
     against 58.6, run F); 17-31 tokens are untimed. Past one token the gate/up GEMM applies the global scales
     and SwiGLU itself (its epilogue alone gained nothing with shared rows, above; with SwiGLU the layer took
     58.7 / 103.7 / 148.0 / 200.6 us against 60.5 / 104.4 / 149.7 / 202.9 at T = 8 / 16 / 32 / 64, session 20
-    run C, and 364.6 / 2223.0 against 365.8 / 2227.0 at T = 512 / 8192, run D)."""
+    run C, and 364.6 / 2223.0 against 365.8 / 2227.0 at T = 512 / 8192, run D). From 9 to 32 tokens the
+    blocks are opened by pairs (`rg.gather_opened_blocks`: one kernel where compare-and-count and the gather
+    take seven) with the down GEMM's pair-order epilogue: 94.5 / 143.4 us against 101.4 / 149.6 at T = 16 /
+    32; at T = 8 and 64 they are slower (60.9 against 59.5, 204.1 against 200.7: at T = 64 the GEMMs run
+    ~290 slots of pairs whose expert an earlier pair opened, idle programs that cost 6-7 us each; session 22
+    run A). 9-15 and 17-31 tokens are untimed."""
     shared, small_blocks = tokens <= SHARED_ROWS_MAX_TOKENS, tokens <= 1024
-    return dict(block_builder="shared" if shared else "compare" if tokens <= 64 else "sort",
+    builder = "shared" if shared else "opened" if tokens <= 32 else "compare" if tokens <= 64 else "sort"
+    return dict(block_builder=builder,
                 block_t=8 if tokens <= 64 else 32 if small_blocks else 64, gate_up_splits=4 if tokens == 1 else 1,
                 gate_up_stages=2, gate_up_tile_n=128 if 64 < tokens <= 1024 else 64,
-                down_tile_n=64 if tokens == 1 else 256 if 16 <= tokens <= 64 else 128, down_stages=4,
-                down_tiles_per_program=1,
+                down_tile_n=64 if tokens == 1 else 256 if 16 <= tokens <= 64 else 128,
+                down_stages=4 if tokens == 1 else 2,
                 gate_up_epilogue=tokens > 1, down_epilogue=not shared,
-                gate_up_decode_chunks=2 if tokens <= 8 else 1, gate_up_swiglu=True, combine_kernel=False)
+                gate_up_decode_chunks=2 if tokens <= 8 else 1, gate_up_swiglu=True)
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
               gate_up_splits: int | None = None, gate_up_stages: int | None = None, gate_up_tile_n: int | None = None,
-              down_tile_n: int | None = None, down_stages: int | None = None, down_tiles_per_program: int | None = None,
-              block_builder: str | None = None,
+              down_tile_n: int | None = None, down_stages: int | None = None, block_builder: str | None = None,
               gate_up_epilogue: bool | None = None, down_epilogue: bool | None = None,
               gate_up_decode_chunks: int | None = None, gate_up_swiglu: bool | None = None,
-              combine_kernel: bool | None = None, expert_offset: int | jax.Array | None = None, matmul=nm.grouped_matmul):
+              expert_offset: int | jax.Array | None = None, matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
     (`_shared_blocks`; its blocks have T rows rounded up to 8, whatever `block_t` says), "sort"
     (`pair_blocks`), "compare" (`_blocks_by_comparison`), "opened" (a block slot per pair, built and
-    gathered by one kernel: `rg.gather_opened_blocks`) or "counted" (the opened blocks packed, by one
-    program: `rg.count_blocks`, then `rg.gather_rows`). `gate_up_epilogue` / `down_epilogue`: that GEMM
+    gathered by one kernel: `rg.gather_opened_blocks`). `gate_up_epilogue` / `down_epilogue`: that GEMM
     applies the global scales and writes bf16 (gate/up only with one K split; `grouped_matmul(global_scale=)`),
     and at decode the down GEMM writes each pair's row in pair order (`row_destination=`).
-    `gate_up_decode_chunks`: the gate/up GEMM's `decode_chunks`; `down_tiles_per_program`: the down GEMM's
-    `tiles_per_program`. `gate_up_swiglu`: the gate/up GEMM applies
+    `gate_up_decode_chunks`: the gate/up GEMM's `decode_chunks`. `gate_up_swiglu`: the gate/up GEMM applies
     SwiGLU too (`grouped_matmul(swiglu=True)`; needs its epilogue, one K split and tile_k >= 256; unset, on
-    wherever those hold). `combine_kernel`: the pairs are weighted and added by `pc.combine_pairs` (on a GPU)
-    instead of XLA. `expert_offset`: the
-    weights are one device's experts from that index on (expert parallelism); other pairs count zero.
+    wherever those hold). `expert_offset`: the weights are one device's experts from that index on (expert
+    parallelism); other pairs count zero.
     `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation)."""
     tokens, top_k = ids.shape
     config = default_config(tokens)
@@ -239,8 +244,6 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         gate_up_splits = math.gcd(config["gate_up_splits"], x.shape[1] // gate_up.tile_k)
     down_tile_n = config["down_tile_n"] if down_tile_n is None else down_tile_n
     down_stages = config["down_stages"] if down_stages is None else down_stages
-    if down_tiles_per_program is None:
-        down_tiles_per_program = config["down_tiles_per_program"]
     gate_up_stages = config["gate_up_stages"] if gate_up_stages is None else gate_up_stages
     gate_up_epilogue = config["gate_up_epilogue"] if gate_up_epilogue is None else gate_up_epilogue
     down_epilogue = config["down_epilogue"] if down_epilogue is None else down_epilogue
@@ -250,8 +253,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     num_experts = gate_up.packed.shape[0]
     if block_builder not in BLOCK_BUILDERS:
         raise ValueError(f"block_builder must be one of {BLOCK_BUILDERS}, got {block_builder!r}")
-    local_ids, _ = mg._local_pairs(ids, expert_offset, num_experts)
-    offset = 0 if expert_offset is None else expert_offset  # the kernels find the local pairs themselves
+    local_ids, local = mg._local_pairs(ids, expert_offset, num_experts)
     shared = block_builder == "shared"
     if shared:
         block_t = -(-tokens // 8) * 8
@@ -259,15 +261,11 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         xs = x if tokens < 8 else jnp.pad(x, ((0, block_t - tokens), (0, 0)))  # under 8 rows the GEMM pads
     elif block_builder == "opened":
         xs, block_expert, row_pair = rg.gather_opened_blocks_on_backend(
-            x, ids.reshape(-1), num_experts=num_experts, block_t=block_t, expert_offset=offset)
+            x, ids.reshape(-1), num_experts=num_experts, block_t=block_t,
+            expert_offset=0 if expert_offset is None else expert_offset)  # (the kernel finds the local pairs)
         # A pair's row, where the layer reads rows back (none with the down GEMM's pair-order epilogue).
         pair_row = jnp.zeros(ids.size, jnp.int32).at[jnp.where(row_pair >= 0, row_pair, ids.size)].set(
             jnp.arange(row_pair.size, dtype=jnp.int32), mode="drop")
-    elif block_builder == "counted":
-        pair_row, block_expert, row_pair, row_token = rg.count_blocks_on_backend(
-            ids.reshape(-1), tokens, num_experts=num_experts, block_t=block_t,
-            num_blocks=_max_blocks(ids.size, num_experts, block_t), expert_offset=offset)
-        xs = rg.gather_rows_on_backend(x, row_token, block_expert, block_t=block_t)
     else:
         build = _blocks_by_comparison if block_builder == "compare" and tokens > 1 else pair_blocks
         pair_row, block_expert, row_pair = build(local_ids, num_experts, block_t)
@@ -290,8 +288,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         gu = gu.reshape(1, -1, 2 * intermediate).astype(x.dtype)
     act = gu[0] if gate_up_swiglu else mg._swiglu(gu[0, :, :intermediate], gu[0, :, intermediate:]).astype(x.dtype)
     down_gemm = functools.partial(matmul, act, block_expert, down.packed, down.scales, block_t=block_t,
-                                  tile_k=down.tile_k, splits=1, stages=down_stages, tile_n=down_tile_n,
-                                  tiles_per_program=down_tiles_per_program)
+                                  tile_k=down.tile_k, splits=1, stages=down_stages, tile_n=down_tile_n)
     if not down_epilogue:
         # Only the pairs' rows are scaled and weighted (rows of unused blocks and padding are not).
         pair_expert = jnp.minimum(local_ids.reshape(-1), num_experts - 1)
@@ -303,6 +300,5 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
                                out_rows=ids.size)[0]
     else:
         expert_out = down_gemm(global_scale=down.global_scale)[0][pair_row]
-    combine = config["combine_kernel"] if combine_kernel is None else combine_kernel
-    combine_pairs = pc.combine_pairs_on_backend if combine else pc.combine_pairs_reference
-    return combine_pairs(expert_out, weights, ids, num_experts=num_experts, expert_offset=offset, dtype=x.dtype)
+    pair_out = (expert_out.astype(x.dtype).astype(jnp.float32) * weights.reshape(-1, 1)).astype(x.dtype)
+    return mg._add_token_pairs(pair_out, local, tokens)

@@ -187,42 +187,27 @@ def time_gathers(t, block_t, configs, repeats=2):
     return row
 
 
-def time_glue(t, opened_shapes, combine_shapes, repeats=4):
-    """The layer's glue around its GEMMs at T tokens, each alone, µs per call: blocks of 8 rows built by
-    compare-and-count and gathered (the default past 8 tokens) against `count_blocks` and the gather, and
-    `gather_opened_blocks` per program shape (column groups, columns per step, warps); XLA's weighted pair sum against `combine_pairs` per
-    program shape (columns, warps)."""
+def time_glue(t, opened_shapes, repeats=4):
+    """The blocks at T tokens, alone, µs per call: blocks of 8 rows built by compare-and-count and gathered
+    against `gather_opened_blocks` per program shape (column groups, columns per step, warps)."""
     from pallas_kernels import nvfp4_moe_mgpu as nmm
-    from pallas_kernels import pair_combine as pc
     from pallas_kernels import row_gather as rg
 
-    x, w, ids = bench.make_tokens(t, repeats, jax.random.key(t))
-    pair_out = jax.random.normal(jax.random.key(1), (repeats, t * bench.TOP_K, bench.H), jnp.bfloat16)
+    x, _, ids = bench.make_tokens(t, repeats, jax.random.key(t))
 
     def compare(x, ids):
         _, block_expert, row_pair = nmm._blocks_by_comparison(ids, bench.E, 8)
         return rg.gather_rows(x, nmm.row_tokens(row_pair, bench.TOP_K, t), block_expert, block_t=8)
 
-    def counted(x, ids):
-        _, block_expert, _, row_token = rg.count_blocks(ids.reshape(-1), t, num_experts=bench.E, block_t=8,
-                                                        num_blocks=nmm._max_blocks(t * bench.TOP_K, bench.E, 8))
-        return rg.gather_rows(x, row_token, block_expert, block_t=8)
-
-    ops = {"compare+gather": compare, "counted+gather": counted}
+    ops = {"compare+gather": compare}
     for groups, step, warps in opened_shapes:
         ops[f"opened g{groups}s{step}w{warps}"] = functools.partial(
             lambda x, ids, **kw: rg.gather_opened_blocks(x, ids.reshape(-1), num_experts=bench.E, block_t=8, **kw),
             column_groups=groups, columns_per_step=step, num_warps=warps)
-    ops["combine xla"] = lambda pair_out, w, ids: pc.combine_pairs_reference(pair_out, w, ids, num_experts=bench.E)
-    for cols, warps in combine_shapes:
-        ops[f"combine c{cols}w{warps}"] = functools.partial(
-            lambda pair_out, w, ids, **kw: pc.combine_pairs(pair_out, w, ids, num_experts=bench.E, **kw),
-            columns_per_program=cols, num_warps=warps)
     row = dict(kind="glue", t=t)
     for name, op in ops.items():
-        stacked = (pair_out, w, ids) if name.startswith("combine") else (x, ids)
         try:
-            us, kernels, _ = bench.time_calls(op, stacked)
+            us, kernels, _ = bench.time_calls(op, (x, ids))
         except Exception as e:  # noqa: BLE001 - report and go on
             row[name] = dict(error=repr(e)[:1000])
             continue
@@ -299,11 +284,10 @@ def main():
             record(time_gathers(t, block_t, configs))
         return
     if args.glue:
-        # Session 21: the opened-blocks kernel and the pair combine's program shapes.
+        # Sessions 21-22: the opened-blocks kernel's program shapes (and, removed since, two other glue kernels).
         opened = [(5, 1024, 4), (1, 1024, 4), (1, 1024, 8), (2, 512, 4), (1, 2048, 8)]
-        combine = [(256, 4), (512, 4), (1024, 4), (1024, 8), (2048, 8)]
         for t in [int(t) for t in args.tokens.split(",")]:
-            record(time_glue(t, opened, combine))
+            record(time_glue(t, opened))
         return
     if args.epilogues:
         # Session 17: the GEMMs' own epilogues (global scales, bf16 out; the down GEMM writing pair rows) per

@@ -111,18 +111,16 @@ def _specs(experts, n, k, blocks, block_t, tile_k, shared_rows=False):
             spec((experts, k // tile_k, n, tile_k // 64), jnp.uint32))
 
 
-@pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,stages,output,chunks,tiles", [
-    (640, 5120, 8, 8, 256, 4, 64, False, 2, "sums", 1, 1), (640, 5120, 8, 8, 256, 1, 128, False, 4, "scaled", 1, 1),
-    (5120, 320, 5, 16, 64, 1, 256, False, 4, "by_pair", 1, 1), (640, 5120, 64, 16, 256, 1, 64, True, 2, "scaled", 1, 1),
-    (5120, 320, 57, 8, 64, 1, 128, True, 4, "sums", 1, 1), (5120, 320, 8, 8, 64, 1, 64, True, 4, "scaled", 1, 1),
-    (640, 5120, 57, 8, 256, 1, 64, True, 2, "sums", 4, 1), (640, 5120, 30, 8, 256, 1, 64, False, 2, "scaled", 2, 1),
-    (640, 5120, 57, 8, 256, 1, 64, True, 2, "swiglu", 2, 1), (640, 5120, 30, 16, 256, 1, 64, False, 2, "swiglu", 1, 1),
-    (5120, 320, 5, 16, 64, 1, 256, False, 2, "by_pair", 1, 4), (5120, 320, 57, 8, 64, 1, 128, True, 4, "sums", 1, 5),
-    (5120, 320, 9, 8, 64, 1, 256, False, 2, "scaled", 1, 2)])
-def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, stages, output, chunks, tiles):
+@pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,stages,output,chunks", [
+    (640, 5120, 8, 8, 256, 4, 64, False, 2, "sums", 1), (640, 5120, 8, 8, 256, 1, 128, False, 4, "scaled", 1),
+    (5120, 320, 5, 16, 64, 1, 256, False, 4, "by_pair", 1), (640, 5120, 64, 16, 256, 1, 64, True, 2, "scaled", 1),
+    (5120, 320, 57, 8, 64, 1, 128, True, 4, "sums", 1), (5120, 320, 8, 8, 64, 1, 64, True, 4, "scaled", 1),
+    (640, 5120, 57, 8, 256, 1, 64, True, 2, "sums", 4), (640, 5120, 30, 8, 256, 1, 64, False, 2, "scaled", 2),
+    (640, 5120, 57, 8, 256, 1, 64, True, 2, "swiglu", 2), (640, 5120, 30, 16, 256, 1, 64, False, 2, "swiglu", 1)])
+def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, stages, output, chunks):
     """Beam's gate/up and down shapes lower to Mosaic GPU on the CPU (the PTX is built on the GPU)."""
     op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits, tile_n=tile_n,
-                           decode_chunks=chunks, shared_rows=shared_rows, stages=stages, tiles_per_program=tiles)
+                           decode_chunks=chunks, shared_rows=shared_rows, stages=stages)
     specs = _specs(256, n, k, blocks, block_t, tile_k, shared_rows)
     if output != "sums":
         spec = jax.ShapeDtypeStruct
@@ -135,19 +133,16 @@ def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_r
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("experts,n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,chunks,tiles", [
-    (16, 128, 512, 3, 8, 256, 1, 64, False, 1, 1), (16, 192, 320, 5, 16, 64, 1, 64, False, 1, 1),
-    (8, 64, 1024, 2, 8, 256, 2, 64, False, 1, 1), (32, 640, 5120, 4, 8, 256, 4, 64, False, 1, 1),
-    (16, 384, 320, 3, 8, 64, 1, 128, False, 1, 1), (16, 512, 320, 2, 8, 64, 1, 256, False, 1, 1),
-    (16, 128, 512, 5, 24, 256, 2, 128, True, 1, 1), (8, 192, 320, 4, 8, 64, 1, 64, True, 1, 1),
-    (16, 128, 512, 3, 8, 256, 1, 64, False, 4, 1), (16, 256, 768, 5, 16, 256, 1, 128, True, 2, 1),
-    (16, 768, 320, 3, 8, 64, 1, 128, False, 1, 3), (8, 192, 320, 4, 8, 64, 1, 64, True, 1, 3),
-    (16, 512, 320, 5, 16, 64, 1, 256, False, 1, 2), (16, 256, 512, 3, 8, 256, 2, 64, False, 1, 2),
+@pytest.mark.parametrize("experts,n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,chunks", [
+    (16, 128, 512, 3, 8, 256, 1, 64, False, 1), (16, 192, 320, 5, 16, 64, 1, 64, False, 1),
+    (8, 64, 1024, 2, 8, 256, 2, 64, False, 1), (32, 640, 5120, 4, 8, 256, 4, 64, False, 1),
+    (16, 384, 320, 3, 8, 64, 1, 128, False, 1), (16, 512, 320, 2, 8, 64, 1, 256, False, 1),
+    (16, 128, 512, 5, 24, 256, 2, 128, True, 1), (8, 192, 320, 4, 8, 64, 1, 64, True, 1),
+    (16, 128, 512, 3, 8, 256, 1, 64, False, 4), (16, 256, 768, 5, 16, 256, 1, 128, True, 2),
 ])
-def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, chunks, tiles):
+def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, chunks):
     """The fp32 partial sums; with one split also the finished bf16 projection (`global_scale`); steps
-    decoded and multiplied whole or in K chunks (`decode_chunks`); programs of one tile or several
-    (`tiles_per_program`)."""
+    decoded and multiplied whole or in K chunks (`decode_chunks`)."""
     rng = np.random.default_rng(n + k)
     codes = rng.integers(0, 16, (experts, n, k), dtype=np.uint8)
     scale = e4m3_scales(rng, (experts, n, k // 16), signed=True)
@@ -156,8 +151,7 @@ def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits
     block_expert = rng.integers(0, experts, blocks).astype(np.int32)
     operands = (jnp.asarray(x), jnp.asarray(block_expert),
                 *nm.pack_weights(codes, scale, tile_k))
-    settings = dict(block_t=block_t, tile_k=tile_k, tile_n=tile_n, decode_chunks=chunks, shared_rows=shared_rows,
-                    tiles_per_program=tiles)
+    settings = dict(block_t=block_t, tile_k=tile_k, tile_n=tile_n, decode_chunks=chunks, shared_rows=shared_rows)
     got = np.asarray(nm.grouped_matmul(*operands, splits=splits, **settings)).sum(0) * nm.OUTPUT_FACTOR
     w = jnp.asarray(E2M1[codes] * np.repeat(scale.astype(np.float32), 16, axis=-1))
     want = np.asarray(nm.grouped_matmul_reference(jnp.asarray(x), jnp.asarray(block_expert), w, block_t=block_t,
@@ -169,7 +163,7 @@ def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits
         want = want * np.repeat(global_scale[block_expert], block_t, axis=0)
         np.testing.assert_allclose(np.asarray(scaled[0], np.float32), want, rtol=2.0**-8,
                                    atol=1e-5 * np.abs(want).max())
-        if tile_n == 64 and tile_k == 256 and n % 64 == 0 and tiles == 1:  # gate rows then up rows: the SwiGLU epilogue
+        if tile_n == 64 and tile_k == 256 and n % 64 == 0:  # gate rows then up rows: the SwiGLU epilogue
             activated = nm.grouped_matmul(*operands, global_scale=jnp.asarray(global_scale), swiglu=True, **settings)
             rounded = np.asarray(scaled[0], np.float32)
             want = np.asarray(mg._swiglu(rounded[:, :n // 2], rounded[:, n // 2:]), np.float32)
@@ -206,8 +200,7 @@ def _epilogues(which: str) -> dict:
     (1, None, 4, "shared", "both"), (5, None, 1, "shared", "none"), (5, None, 1, "shared", "both"),
     (5, None, 1, "shared", "down"), (13, None, 2, None, "none"), (5, None, 1, "shared", "swiglu"),
     (30, None, 1, None, "swiglu"), (13, 2, 1, "opened", "both"), (30, None, 1, "opened", "swiglu"),
-    (30, None, 2, "opened", "none"), (13, 2, 1, "counted", "both"), (30, None, 1, "counted", "swiglu"),
-    (30, None, 2, "counted", "none")])
+    (30, None, 2, "opened", "none")])
 def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits, builder, epilogue):
     """Blocks, gathers, splits, scales, SwiGLU and combine, with the GEMM emulated in plain jnp:
     experts with more pairs than a block (tails), experts picked by several tokens, unused experts,
@@ -278,7 +271,7 @@ def test_both_block_builders_agree(tokens, top_k, experts, block_t):
 
 @pytest.mark.parametrize("tokens,builder,epilogue", [
     (1, "sort", "none"), (7, "sort", "both"), (7, "compare", "none"), (1, "shared", "both"), (7, "shared", "down"),
-    (7, "shared", "none"), (7, "opened", "both"), (7, "opened", "none"), (7, "counted", "both")])
+    (7, "shared", "none"), (7, "opened", "both"), (7, "opened", "none")])
 def test_expert_parallel_shares_add_up(tokens, builder, epilogue):
     """Each device's share of the experts (`expert_offset`): equal to the reference on it (other
     shares' pairs count zero), and the shares add up to the whole layer."""
@@ -333,8 +326,7 @@ def test_unknown_block_builder_is_rejected():
     (13, 64, None, "both", None), (32, 64, "shared", "none", None), (64, 256, None, "both", None),
     (300, 64, None, "both", None), (8, 128, None, "down", 4), (40, 128, None, "both", 2),
     (8, 128, None, "swiglu", None), (40, 256, None, "swiglu", None), (16, 256, "opened", "swiglu", None),
-    (64, 256, "opened", "swiglu", None), (13, 128, "opened", "none", None), (16, 256, "counted", "swiglu", None),
-    (64, 256, "counted", "swiglu", None), (13, 128, "counted", "none", None)])
+    (64, 256, "opened", "swiglu", None), (13, 128, "opened", "none", None)])
 def test_layer_matches_reference_on_gpu(tokens, down_tile_n, builder, epilogue, chunks):
     """Beam's per-GPU TP8 expert shape on the kernel (None: `default_config`'s blocks and gate/up decode
     chunks), with and without the kernel's own epilogue."""
@@ -345,29 +337,10 @@ def test_layer_matches_reference_on_gpu(tokens, down_tile_n, builder, epilogue, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens,builder,tiles", [(8, None, 4), (16, "opened", 5), (40, None, 2), (300, None, 4)])
-def test_layer_with_down_programs_of_several_tiles_on_gpu(tokens, builder, tiles):
-    """The down GEMM's programs computing several row tiles each, writing rows in pair order (T <= 64) or
-    whole blocks (T = 300)."""
-    problem, (gate_up, down) = _layer_problem(tokens + 1, tokens, 5120, 320, 256, 8, tile_k=256)
-    layer = functools.partial(nmm.moe_nvfp4, block_builder=builder, down_epilogue=True, down_tiles_per_program=tiles)
-    _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens,builder", [(1, None), (13, "opened"), (64, None), (40, "counted")])
-def test_layer_with_combine_kernel_on_gpu(tokens, builder):
-    """The pairs weighted and added by `pair_combine.combine_pairs` instead of XLA."""
-    problem, (gate_up, down) = _layer_problem(tokens, tokens, 5120, 320, 256, 8, tile_k=256)
-    layer = functools.partial(nmm.moe_nvfp4, block_builder=builder, combine_kernel=True)
-    _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens,combine_kernel", [(1, False), (8, False), (8, True), (40, True)])
-def test_expert_parallel_share_on_gpu(tokens, combine_kernel):
+@pytest.mark.parametrize("tokens", [1, 8, 16, 40])
+def test_expert_parallel_share_on_gpu(tokens):
     """Half of Beam's experts on this device (`expert_offset` 128): the kernel path against the reference;
-    the other half's pairs count zero in either combine."""
+    the other half's pairs count zero."""
     from tests.pallas_kernels.test_moe_gemm import share_of_experts
 
     problem, _ = _layer_problem(tokens, tokens, 5120, 320, 256, 8, tile_k=256)
@@ -375,7 +348,7 @@ def test_expert_parallel_share_on_gpu(tokens, combine_kernel):
     share = [share_of_experts(w, 128, 256) for w in (gate, up, down)]
     kernel_weights = (nmm.KernelNvfp4.from_expert_weights(*share[:2], tile_k=256),
                       nmm.KernelNvfp4.from_expert_weights(share[2], tile_k=64))
-    layer = functools.partial(nmm.moe_nvfp4, expert_offset=128, combine_kernel=combine_kernel)
+    layer = functools.partial(nmm.moe_nvfp4, expert_offset=128)
     got = jax.jit(layer)(x, weights, ids, *kernel_weights)
     _assert_layer_close((x, weights, ids, *share), got, expert_offset=128)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import row_gather as rg
-from pallas_kernels.nvfp4_moe_mgpu import _max_blocks, pair_blocks, row_tokens
+from pallas_kernels.nvfp4_moe_mgpu import pair_blocks, row_tokens
 
 
 def _case(tokens, k, block_t, seed, top_k=3, num_experts=7):
@@ -153,66 +153,3 @@ def test_opened_blocks_kernel_lowers_for_cuda(triton_for_sm90, tokens):
 @pytest.mark.parametrize("tokens,top_k,experts,block_t,k", OPENED_CASES + [(16, 8, 256, 8, 5120), (33, 8, 256, 8, 5120)])
 def test_opened_blocks_kernel_matches_reference_on_gpu(tokens, top_k, experts, block_t, k):
     _check_opened(tokens, top_k, experts, block_t, k, {}, interpret=False)
-
-
-def _counted(tokens, top_k, experts, block_t):
-    ids = _pair_experts(tokens, top_k, experts, seed=tokens + 1)
-    return ids, dict(num_experts=experts, block_t=block_t, num_blocks=_max_blocks(ids.size, experts, block_t),
-                     expert_offset=OFFSET)
-
-
-@pytest.mark.parametrize("tokens,top_k,experts,block_t,k", OPENED_CASES)
-def test_counted_blocks_are_the_opened_ones_packed(tokens, top_k, experts, block_t, k):
-    """The used blocks first, in the order of their opening pairs, each with the opened slot's rows; every
-    local pair's row holds it."""
-    ids, settings = _counted(tokens, top_k, experts, block_t)
-    pair_row, block_expert, row_pair = map(np.asarray, rg.counted_blocks_reference(ids, **settings))
-    opened_expert, opened_rows = map(np.asarray, rg.opened_blocks_reference(
-        ids, num_experts=experts, block_t=block_t, expert_offset=OFFSET))
-    used = opened_expert >= 0
-    np.testing.assert_array_equal(block_expert[:used.sum()], opened_expert[used])
-    assert (block_expert[used.sum():] == -1).all()
-    np.testing.assert_array_equal(row_pair.reshape(-1, block_t)[:used.sum()], opened_rows.reshape(-1, block_t)[used])
-    local = np.flatnonzero(row_pair >= 0)
-    np.testing.assert_array_equal(pair_row[row_pair[local]], local)
-
-
-def _check_counted(tokens, top_k, experts, block_t, interpret, **program):
-    ids, settings = _counted(tokens, top_k, experts, block_t)
-    got = rg.count_blocks(ids, tokens, **settings, interpret=interpret, **program)
-    want = rg.counted_blocks_reference(ids, **settings)
-    for name, g, w in zip(("pair_row", "block_expert", "row_pair"), got, want):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
-    row_pair = np.asarray(want[2])
-    np.testing.assert_array_equal(np.asarray(got[3]), np.where(row_pair >= 0, row_pair // top_k, tokens))
-
-
-@pytest.mark.parametrize("program", [{}, dict(chunk=8, num_warps=4)])
-@pytest.mark.parametrize("tokens,top_k,experts,block_t,k", OPENED_CASES)
-def test_counted_blocks_kernel_matches_reference_interpret(tokens, top_k, experts, block_t, k, program):
-    _check_counted(tokens, top_k, experts, block_t, interpret=True, **program)
-
-
-def test_counted_blocks_with_no_local_pair_interpret():
-    ids = jnp.asarray([-1, 0, 1, 9, 9, 2], jnp.int32)  # experts 3 .. 8 are local: none is picked
-    got = rg.count_blocks(ids, 3, num_experts=6, block_t=4, num_blocks=8, expert_offset=3, interpret=True)
-    want = rg.counted_blocks_reference(ids, num_experts=6, block_t=4, num_blocks=8, expert_offset=3)
-    assert (np.asarray(want[1]) == -1).all()
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-    assert (np.asarray(got[3]) == 3).all()
-
-
-@pytest.mark.parametrize("tokens", [9, 64])
-def test_counted_blocks_kernel_lowers_for_cuda(triton_for_sm90, tokens):
-    op = functools.partial(rg.count_blocks, tokens=tokens, num_experts=256, block_t=8,
-                           num_blocks=_max_blocks(tokens * 8, 256, 8))
-    text = jax.jit(op).trace(jax.ShapeDtypeStruct((tokens * 8,), jnp.int32)).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert text.count("triton") == 1
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens,top_k,experts,block_t,k", OPENED_CASES + [(16, 8, 256, 8, 0), (33, 8, 256, 8, 0)])
-def test_counted_blocks_kernel_matches_reference_on_gpu(tokens, top_k, experts, block_t, k):
-    _check_counted(tokens, top_k, experts, block_t, interpret=False)
