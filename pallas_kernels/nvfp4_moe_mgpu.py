@@ -189,7 +189,7 @@ def default_config(tokens: int) -> dict:
     175.8 at T = 32); 65-1024 tokens are untimed since.
     With shared rows the down GEMM's epilogue alone still gains nothing (session 17, run B: the combine
     reads 16x fewer bytes, 4.6 -> 2.0 us at T = 8, but the GEMM takes 1.5-3 us longer and the row
-    destinations cost two XLA kernels). From 33 to 64 tokens the blocks are built by compare-and-count
+    destinations cost two XLA kernels). From 49 to 64 tokens the blocks are built by compare-and-count
     (`_blocks_by_comparison`: 8-9 us faster than sorting them at T = 32 and 64, session 19 run D; at T = 16
     101.7-102.7 us against 103.8-104.4 with shared rows, whose down GEMM writes 16 rows for each expert's ~1.2
     pairs, session 20 runs D-E; 9-15 tokens are untimed). Up to 8 tokens the gate/up GEMM decodes and
@@ -201,21 +201,25 @@ def default_config(tokens: int) -> dict:
     against 58.6, run F); 17-31 tokens are untimed. Past one token the gate/up GEMM applies the global scales
     and SwiGLU itself (its epilogue alone gained nothing with shared rows, above; with SwiGLU the layer took
     58.7 / 103.7 / 148.0 / 200.6 us against 60.5 / 104.4 / 149.7 / 202.9 at T = 8 / 16 / 32 / 64, session 20
-    run C, and 364.6 / 2223.0 against 365.8 / 2227.0 at T = 512 / 8192, run D). From 9 to 32 tokens the
+    run C, and 364.6 / 2223.0 against 365.8 / 2227.0 at T = 512 / 8192, run D). From 9 to 48 tokens the
     blocks are opened by pairs (`rg.gather_opened_blocks`: one kernel where compare-and-count and the gather
     take seven) with the down GEMM's pair-order epilogue: 94.5 / 143.4 us against 101.4 / 149.6 at T = 16 /
     32; at T = 8 and 64 they are slower (60.9 against 59.5, 204.1 against 200.7: at T = 64 the GEMMs run
     ~290 slots of pairs whose expert an earlier pair opened, idle programs that cost 6-7 us each; session 22
-    run A). 9-15 and 17-31 tokens are untimed."""
+    run A), and at T = 40 / 48 too: 160.5 / 175.9 us against 164.8 / 180.1 (session 22 run F). Up to 16
+    tokens its programs take a fifth of the columns each (`column_groups=5`): 79.0 / 91.7 us against 81.1 /
+    93.8 at T = 12 / 16, but 125.2 / 143.2 against 122.8 / 141.3 at T = 24 / 32 (run F). Other token counts
+    from 9 to 48 are untimed."""
     shared, small_blocks = tokens <= SHARED_ROWS_MAX_TOKENS, tokens <= 1024
-    builder = "shared" if shared else "opened" if tokens <= 32 else "compare" if tokens <= 64 else "sort"
+    builder = "shared" if shared else "opened" if tokens <= 48 else "compare" if tokens <= 64 else "sort"
     return dict(block_builder=builder,
                 block_t=8 if tokens <= 64 else 32 if small_blocks else 64, gate_up_splits=4 if tokens == 1 else 1,
                 gate_up_stages=2, gate_up_tile_n=128 if 64 < tokens <= 1024 else 64,
                 down_tile_n=64 if tokens == 1 else 256 if 16 <= tokens <= 64 else 128,
                 down_stages=4 if tokens == 1 else 2,
                 gate_up_epilogue=tokens > 1, down_epilogue=not shared,
-                gate_up_decode_chunks=2 if tokens <= 8 else 1, gate_up_swiglu=True)
+                gate_up_decode_chunks=2 if tokens <= 8 else 1, gate_up_swiglu=True,
+                opened_program=dict(column_groups=5) if tokens <= 16 else {})
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
@@ -223,12 +227,14 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
               down_tile_n: int | None = None, down_stages: int | None = None, block_builder: str | None = None,
               gate_up_epilogue: bool | None = None, down_epilogue: bool | None = None,
               gate_up_decode_chunks: int | None = None, gate_up_swiglu: bool | None = None,
-              expert_offset: int | jax.Array | None = None, matmul=nm.grouped_matmul):
+              opened_program: dict | None = None, expert_offset: int | jax.Array | None = None,
+              matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
     (`_shared_blocks`; its blocks have T rows rounded up to 8, whatever `block_t` says), "sort"
     (`pair_blocks`), "compare" (`_blocks_by_comparison`), "opened" (a block slot per pair, built and
-    gathered by one kernel: `rg.gather_opened_blocks`). `gate_up_epilogue` / `down_epilogue`: that GEMM
+    gathered by one kernel: `rg.gather_opened_blocks`, with `opened_program` its program shape).
+    `gate_up_epilogue` / `down_epilogue`: that GEMM
     applies the global scales and writes bf16 (gate/up only with one K split; `grouped_matmul(global_scale=)`),
     and at decode the down GEMM writes each pair's row in pair order (`row_destination=`).
     `gate_up_decode_chunks`: the gate/up GEMM's `decode_chunks`. `gate_up_swiglu`: the gate/up GEMM applies
@@ -249,6 +255,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     down_epilogue = config["down_epilogue"] if down_epilogue is None else down_epilogue
     gate_up_tile_n = config["gate_up_tile_n"] if gate_up_tile_n is None else gate_up_tile_n
     gate_up_decode_chunks = config["gate_up_decode_chunks"] if gate_up_decode_chunks is None else gate_up_decode_chunks
+    opened_program = config["opened_program"] if opened_program is None else opened_program
     intermediate = down.packed.shape[1] * down.tile_k
     num_experts = gate_up.packed.shape[0]
     if block_builder not in BLOCK_BUILDERS:
@@ -262,7 +269,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     elif block_builder == "opened":
         xs, block_expert, row_pair = rg.gather_opened_blocks_on_backend(
             x, ids.reshape(-1), num_experts=num_experts, block_t=block_t,
-            expert_offset=0 if expert_offset is None else expert_offset)  # (the kernel finds the local pairs)
+            expert_offset=0 if expert_offset is None else expert_offset,  # (the kernel finds the local pairs)
+            **opened_program)
         # A pair's row, where the layer reads rows back (none with the down GEMM's pair-order epilogue).
         pair_row = jnp.zeros(ids.size, jnp.int32).at[jnp.where(row_pair >= 0, row_pair, ids.size)].set(
             jnp.arange(row_pair.size, dtype=jnp.int32), mode="drop")

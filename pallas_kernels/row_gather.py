@@ -163,10 +163,12 @@ def gather_opened_blocks(x, ids, *, num_experts: int, block_t: int, expert_offse
     )(ids.astype(jnp.int32), jnp.asarray(expert_offset, jnp.int32).reshape(1), x)
 
 
-def gather_opened_blocks_on_backend(x, ids, *, num_experts: int, block_t: int, expert_offset=0):
-    """(rows, expert of each slot, pair of each row): the kernel on a GPU, the references elsewhere."""
+def gather_opened_blocks_on_backend(x, ids, *, num_experts: int, block_t: int, expert_offset=0, **program):
+    """(rows, expert of each slot, pair of each row): the kernel on a GPU (`program`: its program shape,
+    `gather_opened_blocks`' column_groups, columns_per_step, num_warps), the references elsewhere."""
     if jax.default_backend() == "gpu":
-        return gather_opened_blocks(x, ids, num_experts=num_experts, block_t=block_t, expert_offset=expert_offset)
+        return gather_opened_blocks(x, ids, num_experts=num_experts, block_t=block_t, expert_offset=expert_offset,
+                                    **program)
     block_expert, row_pair = opened_blocks_reference(ids, num_experts=num_experts, block_t=block_t,
                                                      expert_offset=expert_offset)
     top_k = ids.shape[0] // x.shape[0]
