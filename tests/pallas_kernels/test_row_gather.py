@@ -141,15 +141,16 @@ def test_opened_blocks_need_whole_tokens():
                                 interpret=True)
 
 
-@pytest.mark.parametrize("tokens", [9, 64])
-def test_opened_blocks_kernel_lowers_for_cuda(triton_for_sm90, tokens):
+@pytest.mark.parametrize("tokens,program", [(9, dict(column_groups=5)), (64, {})])
+def test_opened_blocks_kernel_lowers_for_cuda(triton_for_sm90, tokens, program):
     shapes = (jax.ShapeDtypeStruct((tokens, 5120), jnp.bfloat16), jax.ShapeDtypeStruct((tokens * 8,), jnp.int32))
-    op = functools.partial(rg.gather_opened_blocks, num_experts=256, block_t=8)
+    op = functools.partial(rg.gather_opened_blocks, num_experts=256, block_t=8, **program)
     text = jax.jit(op).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("triton") == 1
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("program", [{}, dict(column_groups=5)])  # the layer's shapes (`nvfp4_moe_mgpu.default_config`)
 @pytest.mark.parametrize("tokens,top_k,experts,block_t,k", OPENED_CASES + [(16, 8, 256, 8, 5120), (33, 8, 256, 8, 5120)])
-def test_opened_blocks_kernel_matches_reference_on_gpu(tokens, top_k, experts, block_t, k):
-    _check_opened(tokens, top_k, experts, block_t, k, {}, interpret=False)
+def test_opened_blocks_kernel_matches_reference_on_gpu(tokens, top_k, experts, block_t, k, program):
+    _check_opened(tokens, top_k, experts, block_t, k, program, interpret=False)
