@@ -4,6 +4,7 @@ the MoE layer built on it (its glue on the CPU with the GEMM emulated; the whole
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -391,6 +392,32 @@ def test_decode_cost_stand_ins_lower_for_cuda(mode, n, k, tile_k, splits, tile_n
     with decode_cost.stand_in(mode):
         text = jax.jit(op).trace(*_specs(256, n, k, 8, 8, tile_k)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and ("wgmma.mma_async" in text) == (mode != "copy")
+
+
+@pytest.mark.parametrize("builder", ["opened", "compare"])
+def test_down_epilogue_cost_paths_lower_for_cuda(builder, monkeypatch):
+    """benchmarks/moe/down_epilogue_cost.py: the layer's blocks from routed ids, and the down GEMM with each
+    output path it times (the copy stand-in without wgmma) built for the GPU."""
+    cost = _moe_benchmark("down_epilogue_cost", monkeypatch)
+    tokens = 5
+    _, _, ids = cost.bench.make_tokens(tokens, 2, jax.random.key(0))
+    block_expert, row_pair = jax.vmap(functools.partial(cost.layer_blocks, builder=builder))(ids)
+    for r in range(2):  # each local pair in one row of a block of its expert
+        experts, rows = np.asarray(block_expert[r]), np.asarray(row_pair[r])
+        used = np.flatnonzero(rows >= 0)
+        np.testing.assert_array_equal(np.sort(rows[used]), np.arange(tokens * cost.bench.TOP_K))
+        np.testing.assert_array_equal(experts[used // cost.BLOCK_T], np.asarray(ids[r]).reshape(-1)[rows[used]])
+    packed, scales, global_scale = cost.down_weights(jax.random.key(1))
+    spec = jax.ShapeDtypeStruct
+    specs = (spec((block_expert.shape[1] * cost.BLOCK_T, cost.K), jnp.bfloat16),
+             spec(block_expert.shape[1:], jnp.int32), spec(row_pair.shape[1:], jnp.int32),
+             spec(packed.shape, packed.dtype), spec(scales.shape, scales.dtype))
+    for path in cost.PATHS:
+        stand_in = cost.decode_cost.stand_in("copy") if path.endswith("_copy") else contextlib.nullcontext()
+        with stand_in:
+            op = cost.path_op(path.removesuffix("_copy"), tokens, 256, 2, global_scale)
+            text = jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text and ("wgmma.mma_async" in text) == (not path.endswith("_copy"))
 
 
 def test_copy_ceiling_kernels_lower_for_cuda(monkeypatch):

@@ -1,0 +1,107 @@
+"""Where the NVFP4 layer's down GEMM spends the time its stand-alone timing does not (session 22's question).
+
+Session 20's `decode_cost.py` timed the down GEMM alone at ~64 us at T = 64, ~55 us (89 % of its floor)
+once its ~36 MB of fp32 output rows are set aside, yet inside the layer it takes ~70 us (RESULTS.md, session
+22). This times the down GEMM alone on the layer's own blocks (built from routed ids as the layer builds
+them: compare-and-count or opened slots) with each of its output paths:
+  sums        fp32 rows of every block (the stand-alone timing's path);
+  scaled      bf16 rows times the global scales, whole blocks (`global_scale=`);
+  pair_order  the layer's path: scaled rows stored one at a time to their pair's row (`row_destination=`);
+  pair_order_copy  the same with the decode and wgmma swapped out (`decode_cost.stand_in("copy")`).
+The floor is the bytes of the distinct experts' weights (values and one-byte scales) at 4.2 TB/s.
+
+Usage (GPU): OUT=dir python3 -u benchmarks/moe/down_epilogue_cost.py [--tokens 16,32,48,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # noqa: E402
+import decode_cost  # noqa: E402
+from mgpu_probe import HBM_BYTES_PER_S  # noqa: E402
+from pallas_kernels import nvfp4_mgpu as nm  # noqa: E402
+from pallas_kernels import nvfp4_moe_mgpu as nmm  # noqa: E402
+from pallas_kernels import row_gather as rg  # noqa: E402
+
+N, K, TILE_K, BLOCK_T = bench.H, 320, 64, 8  # Beam's TP8 down projection per GPU; decode blocks of 8 rows
+PATHS = ("sums", "scaled", "pair_order", "pair_order_copy")
+
+
+def layer_blocks(ids, builder: str):
+    """(expert of each block, pair of each row) as the layer builds them from `ids [T, top_k]`."""
+    if builder == "opened":
+        return rg.opened_blocks_reference(ids.reshape(-1), num_experts=bench.E, block_t=BLOCK_T)
+    _, block_expert, row_pair = nmm._blocks_by_comparison(ids, bench.E, BLOCK_T)
+    return block_expert, row_pair
+
+
+def down_weights(key):
+    """Random bytes, block scales and global scales in the kernel's layouts (timing needs no known values)."""
+    kp, ks, kg = jax.random.split(key, 3)
+    packed = jax.random.bits(kp, (bench.E, K // TILE_K, N, TILE_K // 2), jnp.uint8)
+    scales = jax.random.bits(ks, (bench.E, K // TILE_K, N, TILE_K // 64), jnp.uint32)
+    return packed, scales, jax.random.uniform(kg, (bench.E, N), jnp.float32, 0.5, 2.0)
+
+
+def path_op(path: str, tokens: int, tile_n: int, stages: int, global_scale):
+    """The down GEMM with `path`'s output: a function of (activations, block experts, row pairs, packed, scales)."""
+    gemm = functools.partial(nm.grouped_matmul, block_t=BLOCK_T, tile_k=TILE_K, stages=stages, tile_n=tile_n)
+
+    def op(act, block_expert, row_pair, packed, scales):
+        if path == "sums":
+            return gemm(act, block_expert, packed, scales)
+        if path == "scaled":
+            return gemm(act, block_expert, packed, scales, global_scale=global_scale)
+        return gemm(act, block_expert, packed, scales, global_scale=global_scale,
+                    row_destination=row_pair.reshape(-1, BLOCK_T), out_rows=tokens * bench.TOP_K)
+
+    return op
+
+
+def time_paths(tokens: int, builder: str, *, tile_n: int = 256, stages: int = 2, repeats: int = 4):
+    """One row per path: µs per call, % of the floor, and the block count the grid runs."""
+    _, _, ids = bench.make_tokens(tokens, repeats, jax.random.key(tokens))
+    block_expert, row_pair = jax.vmap(functools.partial(layer_blocks, builder=builder))(ids)
+    act = jax.random.normal(jax.random.key(1), (repeats, block_expert.shape[1] * BLOCK_T, K), jnp.bfloat16)
+    packed, scales, global_scale = down_weights(jax.random.key(2))
+    distinct = np.mean([len(np.unique(np.asarray(i))) for i in ids])
+    floor_us = distinct * N * K * (1 / 2 + 1 / 16) / HBM_BYTES_PER_S * 1e6
+    rows = []
+    for path in PATHS:
+        stand_in = decode_cost.stand_in("copy") if path.endswith("_copy") else contextlib.nullcontext()
+        with stand_in:
+            op = path_op(path.removesuffix("_copy"), tokens, tile_n, stages, global_scale)
+            us, kernels, _ = bench.time_calls(op, (act, block_expert, row_pair), packed, scales)
+        rows.append(dict(kind="down_path", t=tokens, builder=builder, path=path, tile_n=tile_n, stages=stages,
+                         blocks=int(block_expert.shape[1]), us=us, floor_us=floor_us, pct_floor=100 * floor_us / us,
+                         kernels=kernels))
+        print(f"SUMMARY T={tokens} {builder:7s} {path:16s} {us:7.1f} us ({rows[-1]['pct_floor']:5.1f} % of "
+              f"{floor_us:.1f}) blocks {rows[-1]['blocks']}", flush=True)
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", default="16,32,48,64")
+    args = parser.parse_args()
+    rows = []
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        for builder in ("opened", "compare"):  # the layer's blocks at 9-48 tokens and at 49-64
+            rows += time_paths(tokens, builder)
+    with open(os.path.join(os.environ.get("OUT", "."), "down-epilogue-cost.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
