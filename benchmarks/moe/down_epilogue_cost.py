@@ -1,8 +1,9 @@
 """Where the NVFP4 layer's down GEMM spends the time its stand-alone timing does not (session 22's question).
 
-Session 20's `decode_cost.py` timed the down GEMM alone at ~64 us at T = 64, ~55 us (89 % of its floor)
-once its ~36 MB of fp32 output rows are set aside, yet inside the layer it takes ~70 us (RESULTS.md, session
-22). This times the down GEMM alone on the layer's own blocks (built from routed ids as the layer builds
+Session 20's `decode_cost.py` timed the down GEMM alone at ~64 us at T = 64: 205 MB of weights and 36 MB of
+fp32 rows, ~3.8 TB/s of traffic. Inside the layer it takes ~70 us for about the same weights and 5 MB of bf16
+rows, ~3.0 TB/s (RESULTS.md, session 22): its blocks (idle slots included) or its epilogue cost the
+difference. This times the down GEMM alone on the layer's own blocks (built from routed ids as the layer builds
 them: compare-and-count or opened slots) with each of its output paths:
   sums        fp32 rows of every block (the stand-alone timing's path);
   scaled      bf16 rows times the global scales, whole blocks (`global_scale=`);
