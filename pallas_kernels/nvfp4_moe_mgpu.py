@@ -2,7 +2,7 @@
 
 The weights are repacked once into the kernel's layouts (`KernelNvfp4.from_expert_weights`; the model
 does it at load time on Hopper, `beam_jax.quant.kernel_layout`). Per call the pairs are put into blocks
-of one expert each (decode: one block per distinct expert, multiplying all the step's tokens; 9-32
+of one expert each (decode: one block per distinct expert, multiplying all the step's tokens; 9-48
 tokens: a block slot per pair, built and gathered by one kernel, `row_gather.gather_opened_blocks`;
 larger batches: pairs sorted or counted by XLA into blocks of `block_t` rows), and after each GEMM XLA
 adds the K splits, applies the global scales, SwiGLU and the routing weights (with `gate_up_epilogue` /
