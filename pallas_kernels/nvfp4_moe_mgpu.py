@@ -4,10 +4,10 @@ The weights are repacked once into the kernel's layouts (`KernelNvfp4.from_exper
 does it at load time on Hopper, `beam_jax.quant.kernel_layout`). Per call the pairs are put into blocks
 of one expert each (decode: one block per distinct expert, multiplying all the step's tokens; 9-48
 tokens: a block slot per pair, built and gathered by one kernel, `row_gather.gather_opened_blocks`;
-larger batches: pairs sorted or counted by XLA into blocks of `block_t` rows), and after each GEMM XLA
-adds the K splits, applies the global scales, SwiGLU and the routing weights (with `gate_up_epilogue` /
-`down_epilogue` and `gate_up_swiglu`, the GEMMs apply the scales and SwiGLU themselves). Rounding follows
-`moe_gemm_reference`.
+larger batches: pairs compared and counted, or sorted, by XLA into blocks of `block_t` rows), and after
+each GEMM XLA adds the K splits, applies the global scales, SwiGLU and the routing weights (with
+`gate_up_epilogue` / `down_epilogue` and `gate_up_swiglu`, the GEMMs apply the scales and SwiGLU
+themselves). Rounding follows `moe_gemm_reference`.
 
 H200 (benchmarks/moe/RESULTS.md, session 22 run D): 58.7 / 92.9 / 141.2 / 200.4 us at T = 8 / 16 / 32 / 64
 (61.7 / 72.3 / 74.1 / 75.2 % of the HBM floor), 2.71-2.90x faster than the bf16 layer in the same run;
