@@ -5,6 +5,7 @@ kernel's memory traffic and everything else:
   full       the kernel as committed;
   no_scales  the bit extraction and the fma, with constant scales (no scale conversion or loads);
   raw        each packed word used as the bf16 registers as it is (no decode instruction at all);
+  const      constant registers, no load of the weight words either: the wgmma alone on the pipeline;
   copy       raw, and no wgmma either: what is left is the pipeline (its copies, barriers and waits), the
              memory side's ceiling for this kernel's access pattern (session 17: the GEMMs moved with no
              change of their compute, so is the down GEMM's ~60 % of its floor the pattern's own limit?).
@@ -37,7 +38,7 @@ SHAPES = {  # label: (N, K, blocks, block_t, tile_k, splits, stages, tile_n, oth
 
 
 def cheap_decode(mode: str):
-    """A stand-in for `nm._decode_tile` (same signature): "no_scales" or "raw" (see the module doc)."""
+    """A stand-in for `nm._decode_tile` (same signature): "no_scales", "raw" or "const" (the module doc)."""
 
     def make(tile_n: int, tile_k: int, line_box: bool = False, chunk: int = 0, chunks: int = 1):
         from jax._src.lib.mlir import ir
@@ -55,9 +56,9 @@ def cheap_decode(mode: str):
             for m in range(tile_n // 64):
                 for half in range(2):
                     for c in range(groups):
-                        word = word_at(m, chunk * groups + c, half)
+                        word = ones if mode == "const" else word_at(m, chunk * groups + c, half)
                         for pair in range(4):
-                            reg = word if mode == "raw" else llvm.inline_asm(
+                            reg = word if mode in ("raw", "const") else llvm.inline_asm(
                                 i32, [word, ones], nm._decode_pair_asm(pair), "=r,r,r")
                             out[m, 4 * c + pair, 0, 0, half, 0, 0, 0, 0] = utils.bitcast(
                                 reg, ir.VectorType.get((2,), bf16))

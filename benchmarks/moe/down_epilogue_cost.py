@@ -7,8 +7,8 @@ difference. This times the down GEMM alone on the layer's own blocks (built from
 them: compare-and-count or opened slots) with each of its output paths:
   sums        fp32 rows of every block (the stand-alone timing's path);
   scaled      bf16 rows times the global scales, whole blocks (`global_scale=`);
-  pair_order  the layer's path: scaled rows stored one at a time to their pair's row (`row_destination=`);
-  pair_order_copy  the same with the decode and wgmma swapped out (`decode_cost.stand_in("copy")`).
+  pair_order  the layer's path: scaled rows stored one at a time to their pair's row (`row_destination=`),
+              also with each `decode_cost.stand_in` mode of `--modes` (e.g. "copy": no decode and no wgmma).
 The floor is the bytes of the distinct experts' weights (values and one-byte scales) at 4.2 TB/s.
 
 Usage (GPU): OUT=dir python3 -u benchmarks/moe/down_epilogue_cost.py [--tokens 16,32,48,64]
@@ -17,7 +17,6 @@ Usage (GPU): OUT=dir python3 -u benchmarks/moe/down_epilogue_cost.py [--tokens 1
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
@@ -36,7 +35,7 @@ from pallas_kernels import nvfp4_moe_mgpu as nmm  # noqa: E402
 from pallas_kernels import row_gather as rg  # noqa: E402
 
 N, K, TILE_K, BLOCK_T = bench.H, 320, 64, 8  # Beam's TP8 down projection per GPU; decode blocks of 8 rows
-PATHS = ("sums", "scaled", "pair_order", "pair_order_copy")
+PATHS = ("sums", "scaled", "pair_order")
 
 
 def layer_blocks(ids, builder: str):
@@ -70,8 +69,14 @@ def path_op(path: str, tokens: int, tile_n: int, stages: int, global_scale):
     return op
 
 
-def time_paths(tokens: int, builder: str, *, tile_n: int = 256, stages: int = 2, repeats: int = 4):
-    """One row per path: µs per call, % of the floor, and the block count the grid runs."""
+def variants(modes):
+    """(path, decode mode) pairs to time: every path with the full kernel, then the layer's path
+    (pair_order) with each other `decode_cost.stand_in` mode."""
+    return [(path, "full") for path in PATHS] + [("pair_order", mode) for mode in modes if mode != "full"]
+
+
+def time_paths(tokens: int, builder: str, modes, *, tile_n: int = 256, stages: int = 2, repeats: int = 4):
+    """One row per (path, mode): µs per call, % of the floor, and the block count the grid runs."""
     _, _, ids = bench.make_tokens(tokens, repeats, jax.random.key(tokens))
     block_expert, row_pair = jax.vmap(functools.partial(layer_blocks, builder=builder))(ids)
     act = jax.random.normal(jax.random.key(1), (repeats, block_expert.shape[1] * BLOCK_T, K), jnp.bfloat16)
@@ -79,27 +84,32 @@ def time_paths(tokens: int, builder: str, *, tile_n: int = 256, stages: int = 2,
     distinct = np.mean([len(np.unique(np.asarray(i))) for i in ids])
     floor_us = distinct * N * K * (1 / 2 + 1 / 16) / HBM_BYTES_PER_S * 1e6
     rows = []
-    for path in PATHS:
-        stand_in = decode_cost.stand_in("copy") if path.endswith("_copy") else contextlib.nullcontext()
-        with stand_in:
-            op = path_op(path.removesuffix("_copy"), tokens, tile_n, stages, global_scale)
+    for path, mode in variants(modes):
+        with decode_cost.stand_in(mode):
+            op = path_op(path, tokens, tile_n, stages, global_scale)
             us, kernels, _ = bench.time_calls(op, (act, block_expert, row_pair), packed, scales)
-        rows.append(dict(kind="down_path", t=tokens, builder=builder, path=path, tile_n=tile_n, stages=stages,
-                         blocks=int(block_expert.shape[1]), us=us, floor_us=floor_us, pct_floor=100 * floor_us / us,
-                         kernels=kernels))
-        print(f"SUMMARY T={tokens} {builder:7s} {path:16s} {us:7.1f} us ({rows[-1]['pct_floor']:5.1f} % of "
-              f"{floor_us:.1f}) blocks {rows[-1]['blocks']}", flush=True)
+        rows.append(dict(kind="down_path", t=tokens, builder=builder, path=path, mode=mode, tile_n=tile_n,
+                         stages=stages, blocks=int(block_expert.shape[1]), us=us, floor_us=floor_us,
+                         pct_floor=100 * floor_us / us, kernels=kernels))
+        print(f"SUMMARY T={tokens} {builder:7s} {path:10s} {mode:9s} tile_n {tile_n} stages {stages} {us:7.1f} us "
+              f"({rows[-1]['pct_floor']:5.1f} % of {floor_us:.1f}) blocks {rows[-1]['blocks']}", flush=True)
     return rows
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", default="16,32,48,64")
+    parser.add_argument("--builders", default="opened,compare", help="the layer's blocks at 9-48 tokens and 49-64")
+    parser.add_argument("--modes", default="full,copy", help="decode_cost.stand_in modes for the pair_order path")
+    parser.add_argument("--shapes", default="256x2", help="tile_n x stages of the down GEMM, comma-separated")
     args = parser.parse_args()
+    modes = args.modes.split(",")
     rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
-        for builder in ("opened", "compare"):  # the layer's blocks at 9-48 tokens and at 49-64
-            rows += time_paths(tokens, builder)
+        for builder in args.builders.split(","):
+            for shape in args.shapes.split(","):
+                tile_n, stages = (int(v) for v in shape.split("x"))
+                rows += time_paths(tokens, builder, modes, tile_n=tile_n, stages=stages)
     with open(os.path.join(os.environ.get("OUT", "."), "down-epilogue-cost.json"), "w") as f:
         json.dump(rows, f, indent=1)
 

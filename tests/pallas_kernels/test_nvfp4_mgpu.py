@@ -4,7 +4,6 @@ the MoE layer built on it (its glue on the CPU with the GEMM emulated; the whole
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -381,7 +380,7 @@ def _moe_benchmark(name: str, monkeypatch):
     return module
 
 
-@pytest.mark.parametrize("mode", ["full", "no_scales", "raw", "copy"])
+@pytest.mark.parametrize("mode", ["full", "no_scales", "raw", "const", "copy"])
 @pytest.mark.parametrize("n,k,tile_k,splits,tile_n", [(640, 5120, 256, 4, 64), (5120, 320, 64, 1, 128)],
                          ids=["gate_up", "down"])
 def test_decode_cost_stand_ins_lower_for_cuda(mode, n, k, tile_k, splits, tile_n, monkeypatch):
@@ -397,7 +396,7 @@ def test_decode_cost_stand_ins_lower_for_cuda(mode, n, k, tile_k, splits, tile_n
 @pytest.mark.parametrize("builder", ["opened", "compare"])
 def test_down_epilogue_cost_paths_lower_for_cuda(builder, monkeypatch):
     """benchmarks/moe/down_epilogue_cost.py: the layer's blocks from routed ids, and the down GEMM with each
-    output path it times (the copy stand-in without wgmma) built for the GPU."""
+    output path and decode stand-in it times (the copy stand-in without wgmma) built for the GPU."""
     cost = _moe_benchmark("down_epilogue_cost", monkeypatch)
     tokens = 5
     _, _, ids = cost.bench.make_tokens(tokens, 2, jax.random.key(0))
@@ -412,12 +411,11 @@ def test_down_epilogue_cost_paths_lower_for_cuda(builder, monkeypatch):
     specs = (spec((block_expert.shape[1] * cost.BLOCK_T, cost.K), jnp.bfloat16),
              spec(block_expert.shape[1:], jnp.int32), spec(row_pair.shape[1:], jnp.int32),
              spec(packed.shape, packed.dtype), spec(scales.shape, scales.dtype))
-    for path in cost.PATHS:
-        stand_in = cost.decode_cost.stand_in("copy") if path.endswith("_copy") else contextlib.nullcontext()
-        with stand_in:
-            op = cost.path_op(path.removesuffix("_copy"), tokens, 256, 2, global_scale)
+    for path, mode in cost.variants(["full", "no_scales", "raw", "const", "copy"]):
+        with cost.decode_cost.stand_in(mode):
+            op = cost.path_op(path, tokens, 256, 2, global_scale)
             text = jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text and ("wgmma.mma_async" in text) == (not path.endswith("_copy"))
+        assert "mosaic_gpu" in text and ("wgmma.mma_async" in text) == (mode != "copy")
 
 
 def test_copy_ceiling_kernels_lower_for_cuda(monkeypatch):
