@@ -279,12 +279,13 @@ def _stage_scales(tile_n: int, tile_k: int):
     return body
 
 
-def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False, chunk: int = 0, chunks: int = 1):
+def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False, chunk: int = 0, chunks: int = 1, row_chunk: int = 0,
+                 row_chunks: int = 1):
     """inline_mgpu body: bytes [tile_n, tile_k/2] (WGMMA_8BIT layout; with `line_box` the step's smem
     tile itself, its rows one after another, which each thread reads its words from) and the step's staged
-    block scales (`_stage_scales`) -> bf16 [tile_n, tile_k / chunks] (WGMMA): the step's K chunk `chunk` of
-    `chunks`. A thread's registers: first index the 64-row tile m, second the column group; its rows are
-    64 m + 16 warp + lane / 4 and that + 8 (the `half` index)."""
+    block scales (`_stage_scales`) -> bf16 [tile_n / row_chunks, tile_k / chunks] (WGMMA): the step's K chunk
+    `chunk` of `chunks` of its row chunk `row_chunk` of `row_chunks`. A thread's registers: first index the 64-row
+    tile m, second the column group; its rows are 64 m + 16 warp + lane / 4 and that + 8 (the `half` index)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, vector
     from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -292,6 +293,7 @@ def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False, chunk: int = 
 
     groups = tile_k // _K_PER_WORD_GROUP
     chunk_groups = range(chunk * groups // chunks, (chunk + 1) * groups // chunks)
+    row_tiles = range(row_chunk * tile_n // 64 // row_chunks, (row_chunk + 1) * tile_n // 64 // row_chunks)
 
     def body(ctx, packed, staged_ref):
         del ctx
@@ -299,8 +301,8 @@ def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False, chunk: int = 
         pair_type = ir.VectorType.get((2,), ir.BF16Type.get())
         row0, _ = _thread_place()
         word_at = weight_words(packed, tile_k, line_box)
-        out = np.empty(fa.WGMMA_LAYOUT.registers_shape((tile_n, tile_k // chunks)), dtype=object)
-        for m in range(tile_n // 64):
+        out = np.empty(fa.WGMMA_LAYOUT.registers_shape((64 * len(row_tiles), tile_k // chunks)), dtype=object)
+        for m in row_tiles:
             for half in range(2):
                 row = arith.addi(row0, utils.c(64 * m + 8 * half, index))
                 row_scales = arith.muli(row, utils.c(2 * groups, index))  # the row's staged block scales
@@ -312,8 +314,8 @@ def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False, chunk: int = 
                     for pair in range(4):
                         block_scale = vector.extract(scales, dynamic_position=[], static_position=[pair // 2])
                         reg = llvm.inline_asm(i32, [word, block_scale], _decode_pair_asm(pair), "=r,r,r")
-                        out[m, 4 * (c - chunk_groups[0]) + pair, 0, 0, half, 0, 0, 0, 0] = utils.bitcast(reg,
-                                                                                                      pair_type)
+                        register = (m - row_tiles[0], 4 * (c - chunk_groups[0]) + pair, 0, 0, half, 0, 0, 0, 0)
+                        out[register] = utils.bitcast(reg, pair_type)
         return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
     return body
@@ -410,12 +412,12 @@ def _fold_scales(scales, tile_k: int) -> jax.Array:
 
 
 def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool, line_box: bool, chunks: int,
-                   paired_steps: int | None = None):
+                   paired_steps: int | None = None, row_chunks: int = 1):
     """What a program of `tile_n` rows needs: `in_specs(expert, k0, ni, x_block)` (the pipeline's BlockSpecs:
     step kk takes the expert's packed bytes and folded scales of K step k0 + kk and row tile ni, and block
-    x_block's activations), the scale staging, the decode of each of the step's `chunks` K chunks and the
-    transposed store (`inline_mgpu` ops). `line_box`: the packed bytes come as `_LINE`-byte lines,
-    unswizzled, a box of `tile_n * tile_k / 2 / _LINE` lines. `paired_steps` (SwiGLU programs; the weights'
+    x_block's activations), the scale staging, the decodes of the step's pieces (its `chunks` K chunks, each in
+    `row_chunks` row chunks) and the transposed store (`inline_mgpu` ops). `line_box`: the packed bytes come as
+    `_LINE`-byte lines, unswizzled, a box of `tile_n * tile_k / 2 / _LINE` lines. `paired_steps` (SwiGLU programs; the weights'
     K steps): bytes and scales are read through `[E * K steps, 2, I, ...]` views (`_paired_views`), and a
     step's box is `tile_n / 2` gate rows with their up rows, the same smem bytes as a box of `tile_n`
     consecutive rows (gate rows first): one copy each, and the decode of any other tile."""
@@ -446,8 +448,10 @@ def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool, line_bo
     stage = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 2)(_stage_scales(tile_n, tile_k))
     decodes = [plgpu.inline_mgpu(
         arg_types=(plgpu.RefType() if line_box else plgpu.Layout.WGMMA_8BIT, plgpu.RefType()),
-        return_type=plgpu.ShapeDtypeStruct((tile_n, tile_k // chunks), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-    )(_decode_tile(tile_n, tile_k, line_box, chunk, chunks)) for chunk in range(chunks)]
+        return_type=plgpu.ShapeDtypeStruct((tile_n // row_chunks, tile_k // chunks), jnp.bfloat16,
+                                           layout=plgpu.Layout.WGMMA),
+    )(_decode_tile(tile_n, tile_k, line_box, chunk, chunks, row_chunk, row_chunks))
+        for chunk in range(chunks) for row_chunk in range(row_chunks)]
     store_transposed = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, *[plgpu.RefType()] * (1 + scaled)))(
         _store_transposed(tile_n, block_t, scaled))
     return in_specs, stage, decodes, store_transposed
@@ -495,8 +499,9 @@ def _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, *, block_t
 
 
 def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
-                   stages: int = 4, tile_n: int = 64, decode_chunks: int = 1, shared_rows: bool = False,
-                   global_scale=None, row_destination=None, out_rows: int | None = None, swiglu: bool = False):
+                   stages: int = 4, tile_n: int = 64, decode_chunks: int = 1, decode_row_chunks: int = 1,
+                   shared_rows: bool = False, global_scale=None, row_destination=None, out_rows: int | None = None,
+                   swiglu: bool = False):
     """`xs [B*block_t, K]` bf16, `block_expert [B]` int32 (-1: skip the block),
     `packed [E, K/tile_k, N, tile_k/2]` uint8 and `scales [E, K/tile_k, N, tile_k/64]` uint32 (`pack_weights`) ->
     `[splits, B*block_t, N]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
@@ -514,6 +519,8 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     one box of 32 lines, not 128 rows of 32 bytes, was 5-7 % faster (H200, session 18). `decode_chunks`: each
     step is decoded and multiplied in that many K chunks, the next chunk decoding while the last one's wgmma
     runs, with fewer registers live (64 x 256 steps: 108 whole, 96 in two chunks, 68 in four; H200, session 19).
+    `decode_row_chunks` does the same by rows (pieces of tile_n / decode_row_chunks rows, a multiple of 64), each
+    piece's wgmma into its rows of the accumulator: the down GEMM's K steps of 64 have no K chunks to split.
     `swiglu` (with `global_scale`, tile_k >= 256): the weights are gate rows then up rows (N = 2 I), a
     program takes tile_n / 2 gate rows and their up rows (one box a step, `_tile_programs`), and the output is
     `[1, B*block_t, I]` bf16, `moe_gemm._swiglu` of the two finished projections: XLA's SwiGLU pass and half
@@ -524,6 +531,9 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                                         row_destination=row_destination, out_rows=out_rows)
     if decode_chunks < 1 or tile_k % (TILE_K_QUANTUM * decode_chunks):
         raise ValueError(f"decode_chunks={decode_chunks} must split tile_k={tile_k} into multiples of {TILE_K_QUANTUM}")
+    if decode_row_chunks < 1 or tile_n % (64 * decode_row_chunks) or (swiglu and decode_row_chunks > 1):
+        raise ValueError(f"decode_row_chunks={decode_row_chunks} must split tile_n={tile_n} into multiples of 64 "
+                         f"(and be 1 with swiglu)")
     k, n, blocks = xs.shape[1], packed.shape[2], block_expert.shape[0]
     line_box = tile_k // 2 < _LINE
     half_n = tile_n // 2  # SwiGLU programs: gate rows, and as many up rows
@@ -537,7 +547,8 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     if line_box:  # a K step's tile of rows is contiguous (`pack_k_steps`): the same bytes as lines
         packed = packed.reshape(*packed.shape[:2], -1, _LINE)
     in_specs, stage, decodes, store_transposed = _tile_programs(
-        tile_n, tile_k, block_t, scaled, line_box, decode_chunks, paired_steps=packed.shape[1] if swiglu else None)
+        tile_n, tile_k, block_t, scaled, line_box, decode_chunks, paired_steps=packed.shape[1] if swiglu else None,
+        row_chunks=decode_row_chunks)
     if swiglu:
         packed, scales = _paired_views(packed, scales)
     out_dtype = xs.dtype if scaled else jnp.float32
@@ -559,11 +570,13 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                     w_smem, s_smem = w_smem.reshape(tile_n, tile_k // 2), s_smem.reshape(-1, _SCALE_ROW)
                 weights = w_smem if line_box else plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT)
                 stage(s_smem, staged_smem)
-                chunk_k = tile_k // decode_chunks
-                for chunk, decode in enumerate(decodes):
+                chunk_k, chunk_n = tile_k // decode_chunks, tile_n // decode_row_chunks
+                for piece, decode in enumerate(decodes):
+                    chunk, row_chunk = divmod(piece, decode_row_chunks)
                     x_chunk = x_smem if decode_chunks == 1 else x_smem.at[:, pl.ds(chunk * chunk_k, chunk_k)]
-                    plgpu.wgmma(acc_ref, decode(weights, staged_smem), x_chunk.transpose((1, 0)))
-                    if chunk + 1 < decode_chunks:  # the next chunk decodes while this one multiplies
+                    acc = acc_ref if decode_row_chunks == 1 else acc_ref.at[pl.ds(row_chunk * chunk_n, chunk_n)]
+                    plgpu.wgmma(acc, decode(weights, staged_smem), x_chunk.transpose((1, 0)))
+                    if piece + 1 < len(decodes):  # the next piece decodes while this one multiplies
                         plgpu.wgmma_wait(1)
                 plgpu.wgmma_wait(0)
 
@@ -622,12 +635,13 @@ def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: 
 
 
 def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int = 1,
-                            stages: int = 4, tile_n: int = 64, decode_chunks: int = 1, shared_rows: bool = False,
-                            global_scale=None, row_destination=None, out_rows: int | None = None, swiglu: bool = False):
+                            stages: int = 4, tile_n: int = 64, decode_chunks: int = 1, decode_row_chunks: int = 1,
+                            shared_rows: bool = False, global_scale=None, row_destination=None,
+                            out_rows: int | None = None, swiglu: bool = False):
     """`grouped_matmul`'s contract in plain jnp, from the kernel layouts (for CPU tests of code that
     calls the kernel): decodes the words as the PTX does, then `grouped_matmul_reference`. Blocks
     of expert -1 get NaN, as the kernel leaves them unwritten (any bits); one split holds the whole sum."""
-    del splits, stages, tile_n, decode_chunks
+    del splits, stages, tile_n, decode_chunks, decode_row_chunks
     e, k_steps, n, _ = packed.shape
     k = k_steps * tile_k
     rows = jnp.moveaxis(packed, 1, 2).reshape(e, n, k // 32, 4, 4)  # back to [E, N, K/2], by 32 values and thread

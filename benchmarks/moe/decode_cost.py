@@ -40,7 +40,8 @@ SHAPES = {  # label: (N, K, blocks, block_t, tile_k, splits, stages, tile_n, oth
 def cheap_decode(mode: str):
     """A stand-in for `nm._decode_tile` (same signature): "no_scales", "raw" or "const" (the module doc)."""
 
-    def make(tile_n: int, tile_k: int, line_box: bool = False, chunk: int = 0, chunks: int = 1):
+    def make(tile_n: int, tile_k: int, line_box: bool = False, chunk: int = 0, chunks: int = 1, row_chunk: int = 0,
+             row_chunks: int = 1):
         from jax._src.lib.mlir import ir
         from jax._src.lib.mlir.dialects import llvm
         from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -49,14 +50,15 @@ def cheap_decode(mode: str):
         def body(ctx, packed, _):  # the staged scales are not read
             del ctx
             i32, bf16 = ir.IntegerType.get_signless(32), ir.BF16Type.get()
-            out = np.empty(fa.WGMMA_LAYOUT.registers_shape((tile_n, tile_k // chunks)), dtype=object)
+            tiles = tile_n // 64 // row_chunks
+            out = np.empty(fa.WGMMA_LAYOUT.registers_shape((64 * tiles, tile_k // chunks)), dtype=object)
             groups = tile_k // 32 // chunks
             ones = utils.c(0x3F803F80, i32)  # bf16x2 (1.0, 1.0) in place of the block scales
             word_at = nm.weight_words(packed, tile_k, line_box)
-            for m in range(tile_n // 64):
+            for m in range(tiles):
                 for half in range(2):
                     for c in range(groups):
-                        word = ones if mode == "const" else word_at(m, chunk * groups + c, half)
+                        word = ones if mode == "const" else word_at(row_chunk * tiles + m, chunk * groups + c, half)
                         for pair in range(4):
                             reg = word if mode in ("raw", "const") else llvm.inline_asm(
                                 i32, [word, ones], nm._decode_pair_asm(pair), "=r,r,r")

@@ -54,9 +54,10 @@ def down_weights(key):
     return packed, scales, jax.random.uniform(kg, (bench.E, N), jnp.float32, 0.5, 2.0)
 
 
-def path_op(path: str, tokens: int, tile_n: int, stages: int, global_scale):
+def path_op(path: str, tokens: int, tile_n: int, stages: int, global_scale, row_chunks: int = 1):
     """The down GEMM with `path`'s output: a function of (activations, block experts, row pairs, packed, scales)."""
-    gemm = functools.partial(nm.grouped_matmul, block_t=BLOCK_T, tile_k=TILE_K, stages=stages, tile_n=tile_n)
+    gemm = functools.partial(nm.grouped_matmul, block_t=BLOCK_T, tile_k=TILE_K, stages=stages, tile_n=tile_n,
+                             decode_row_chunks=row_chunks)
 
     def op(act, block_expert, row_pair, packed, scales):
         if path == "sums":
@@ -75,7 +76,8 @@ def variants(modes):
     return [(path, "full") for path in PATHS] + [("pair_order", mode) for mode in modes if mode != "full"]
 
 
-def time_paths(tokens: int, builder: str, modes, *, tile_n: int = 256, stages: int = 2, repeats: int = 4):
+def time_paths(tokens: int, builder: str, modes, *, tile_n: int = 256, stages: int = 2, row_chunks: int = 1,
+               repeats: int = 4):
     """One row per (path, mode): µs per call, % of the floor, and the block count the grid runs."""
     _, _, ids = bench.make_tokens(tokens, repeats, jax.random.key(tokens))
     block_expert, row_pair = jax.vmap(functools.partial(layer_blocks, builder=builder))(ids)
@@ -86,12 +88,12 @@ def time_paths(tokens: int, builder: str, modes, *, tile_n: int = 256, stages: i
     rows = []
     for path, mode in variants(modes):
         with decode_cost.stand_in(mode):
-            op = path_op(path, tokens, tile_n, stages, global_scale)
+            op = path_op(path, tokens, tile_n, stages, global_scale, row_chunks)
             us, kernels, _ = bench.time_calls(op, (act, block_expert, row_pair), packed, scales)
         rows.append(dict(kind="down_path", t=tokens, builder=builder, path=path, mode=mode, tile_n=tile_n,
-                         stages=stages, blocks=int(block_expert.shape[1]), us=us, floor_us=floor_us,
+                         stages=stages, row_chunks=row_chunks, blocks=int(block_expert.shape[1]), us=us, floor_us=floor_us,
                          pct_floor=100 * floor_us / us, kernels=kernels))
-        print(f"SUMMARY T={tokens} {builder:7s} {path:10s} {mode:9s} tile_n {tile_n} stages {stages} {us:7.1f} us "
+        print(f"SUMMARY T={tokens} {builder:7s} {path:10s} {mode:9s} {tile_n}x{stages}x{row_chunks} {us:7.1f} us "
               f"({rows[-1]['pct_floor']:5.1f} % of {floor_us:.1f}) blocks {rows[-1]['blocks']}", flush=True)
     return rows
 
@@ -101,15 +103,16 @@ def main():
     parser.add_argument("--tokens", default="16,32,48,64")
     parser.add_argument("--builders", default="opened,compare", help="the layer's blocks at 9-48 tokens and 49-64")
     parser.add_argument("--modes", default="full,copy", help="decode_cost.stand_in modes for the pair_order path")
-    parser.add_argument("--shapes", default="256x2", help="tile_n x stages of the down GEMM, comma-separated")
+    parser.add_argument("--shapes", default="256x2", help="the down GEMM's tile_n x stages [x decode_row_chunks], "
+                                                          "comma-separated")
     args = parser.parse_args()
     modes = args.modes.split(",")
     rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         for builder in args.builders.split(","):
             for shape in args.shapes.split(","):
-                tile_n, stages = (int(v) for v in shape.split("x"))
-                rows += time_paths(tokens, builder, modes, tile_n=tile_n, stages=stages)
+                tile_n, stages, row_chunks = (*(int(v) for v in shape.split("x")), 1)[:3]
+                rows += time_paths(tokens, builder, modes, tile_n=tile_n, stages=stages, row_chunks=row_chunks)
     with open(os.path.join(os.environ.get("OUT", "."), "down-epilogue-cost.json"), "w") as f:
         json.dump(rows, f, indent=1)
 
