@@ -531,9 +531,8 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                                         row_destination=row_destination, out_rows=out_rows)
     if decode_chunks < 1 or tile_k % (TILE_K_QUANTUM * decode_chunks):
         raise ValueError(f"decode_chunks={decode_chunks} must split tile_k={tile_k} into multiples of {TILE_K_QUANTUM}")
-    if decode_row_chunks < 1 or tile_n % (64 * decode_row_chunks) or (swiglu and decode_row_chunks > 1):
-        raise ValueError(f"decode_row_chunks={decode_row_chunks} must split tile_n={tile_n} into multiples of 64 "
-                         f"(and be 1 with swiglu)")
+    if decode_row_chunks < 1 or tile_n % (64 * decode_row_chunks):
+        raise ValueError(f"decode_row_chunks={decode_row_chunks} must split tile_n={tile_n} into multiples of 64")
     k, n, blocks = xs.shape[1], packed.shape[2], block_expert.shape[0]
     line_box = tile_k // 2 < _LINE
     half_n = tile_n // 2  # SwiGLU programs: gate rows, and as many up rows

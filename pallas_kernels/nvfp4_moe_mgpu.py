@@ -216,7 +216,7 @@ def default_config(tokens: int) -> dict:
                 block_t=8 if tokens <= 64 else 32 if small_blocks else 64, gate_up_splits=4 if tokens == 1 else 1,
                 gate_up_stages=2, gate_up_tile_n=128 if 64 < tokens <= 1024 else 64,
                 down_tile_n=64 if tokens == 1 else 256 if 16 <= tokens <= 64 else 128,
-                down_stages=4 if tokens == 1 else 2, down_decode_row_chunks=1,
+                down_stages=4 if tokens == 1 else 2, down_decode_row_chunks=1, gate_up_decode_row_chunks=1,
                 gate_up_epilogue=tokens > 1, down_epilogue=not shared,
                 gate_up_decode_chunks=2 if tokens <= 8 else 1, gate_up_swiglu=True,
                 opened_program=dict(column_groups=5) if tokens <= 16 else {})
@@ -226,8 +226,9 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
               gate_up_splits: int | None = None, gate_up_stages: int | None = None, gate_up_tile_n: int | None = None,
               down_tile_n: int | None = None, down_stages: int | None = None, block_builder: str | None = None,
               gate_up_epilogue: bool | None = None, down_epilogue: bool | None = None,
-              gate_up_decode_chunks: int | None = None, down_decode_row_chunks: int | None = None,
-              gate_up_swiglu: bool | None = None, opened_program: dict | None = None, expert_offset: int | jax.Array | None = None,
+              gate_up_decode_chunks: int | None = None, gate_up_decode_row_chunks: int | None = None,
+              down_decode_row_chunks: int | None = None, gate_up_swiglu: bool | None = None,
+              opened_program: dict | None = None, expert_offset: int | jax.Array | None = None,
               matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
@@ -237,8 +238,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     `gate_up_epilogue` / `down_epilogue`: that GEMM
     applies the global scales and writes bf16 (gate/up only with one K split; `grouped_matmul(global_scale=)`),
     and at decode the down GEMM writes each pair's row in pair order (`row_destination=`).
-    `gate_up_decode_chunks`: the gate/up GEMM's `decode_chunks`; `down_decode_row_chunks` the down GEMM's
-    `decode_row_chunks`. `gate_up_swiglu`: the gate/up GEMM applies
+    `gate_up_decode_chunks` / `gate_up_decode_row_chunks`: the gate/up GEMM's `decode_chunks` / `decode_row_chunks`;
+    `down_decode_row_chunks` the down GEMM's `decode_row_chunks`. `gate_up_swiglu`: the gate/up GEMM applies
     SwiGLU too (`grouped_matmul(swiglu=True)`; needs its epilogue, one K split and tile_k >= 256; unset, on
     wherever those hold). `expert_offset`: the weights are one device's experts from that index on (expert
     parallelism); other pairs count zero.
@@ -258,6 +259,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     gate_up_decode_chunks = config["gate_up_decode_chunks"] if gate_up_decode_chunks is None else gate_up_decode_chunks
     if down_decode_row_chunks is None:
         down_decode_row_chunks = config["down_decode_row_chunks"]
+    if gate_up_decode_row_chunks is None:
+        gate_up_decode_row_chunks = config["gate_up_decode_row_chunks"]
     opened_program = config["opened_program"] if opened_program is None else opened_program
     intermediate = down.packed.shape[1] * down.tile_k
     num_experts = gate_up.packed.shape[0]
@@ -289,7 +292,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
                          f"got gate_up_epilogue={gate_up_epilogue}, gate_up_splits={gate_up_splits}")
     gu = matmul(xs, block_expert, gate_up.packed, gate_up.scales, block_t=block_t, tile_k=gate_up.tile_k,
                 splits=gate_up_splits, stages=gate_up_stages, tile_n=gate_up_tile_n,
-                decode_chunks=gate_up_decode_chunks, shared_rows=shared,
+                decode_chunks=gate_up_decode_chunks, decode_row_chunks=gate_up_decode_row_chunks, shared_rows=shared,
                 global_scale=gate_up.global_scale if scaled_gate_up else None, swiglu=gate_up_swiglu)
     if not scaled_gate_up:
         row_expert = jnp.maximum(jnp.repeat(block_expert, block_t), 0)  # unused rows: any expert, never read

@@ -117,7 +117,8 @@ def _specs(experts, n, k, blocks, block_t, tile_k, shared_rows=False):
     (5120, 320, 57, 8, 64, 1, 128, True, 4, "sums", 1, 1), (5120, 320, 8, 8, 64, 1, 64, True, 4, "scaled", 1, 1),
     (640, 5120, 57, 8, 256, 1, 64, True, 2, "sums", 4, 1), (640, 5120, 30, 8, 256, 1, 64, False, 2, "scaled", 2, 1),
     (640, 5120, 57, 8, 256, 1, 64, True, 2, "swiglu", 2, 1), (640, 5120, 30, 16, 256, 1, 64, False, 2, "swiglu", 1, 1),
-    (5120, 320, 5, 16, 64, 1, 256, False, 2, "by_pair", 1, 4), (640, 5120, 8, 8, 256, 1, 128, False, 2, "sums", 2, 2)])
+    (5120, 320, 5, 16, 64, 1, 256, False, 2, "by_pair", 1, 4), (640, 5120, 8, 8, 256, 1, 128, False, 2, "sums", 2, 2),
+    (640, 5120, 30, 8, 256, 1, 128, False, 2, "swiglu", 1, 2)])
 def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, stages, output, chunks,
                          row_chunks):
     """Beam's gate/up and down shapes lower to Mosaic GPU on the CPU (the PTX is built on the GPU)."""
@@ -169,7 +170,7 @@ def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits
         want = want * np.repeat(global_scale[block_expert], block_t, axis=0)
         np.testing.assert_allclose(np.asarray(scaled[0], np.float32), want, rtol=2.0**-8,
                                    atol=1e-5 * np.abs(want).max())
-        if tile_n == 64 and tile_k == 256 and n % 64 == 0:  # gate rows then up rows: the SwiGLU epilogue
+        if tile_n <= 128 and tile_k == 256 and n % tile_n == 0:  # gate rows then up rows: the SwiGLU epilogue
             activated = nm.grouped_matmul(*operands, global_scale=jnp.asarray(global_scale), swiglu=True, **settings)
             rounded = np.asarray(scaled[0], np.float32)
             want = np.asarray(mg._swiglu(rounded[:, :n // 2], rounded[:, n // 2:]), np.float32)
