@@ -209,14 +209,17 @@ def default_config(tokens: int) -> dict:
     run A), and at T = 40 / 48 too: 160.5 / 175.9 us against 164.8 / 180.1 (session 22 run F). Up to 16
     tokens its programs take a fifth of the columns each (`column_groups=5`): 79.0 / 91.7 us against 81.1 /
     93.8 at T = 12 / 16, but 125.2 / 143.2 against 122.8 / 141.3 at T = 24 / 32 (run F). Other token counts
-    from 9 to 48 are untimed."""
+    from 9 to 48 are untimed. The down GEMM's 256-row programs decode and multiply each K step in four 64-row
+    pieces (`decode_row_chunks`: 74 registers instead of 106): the layer took 89.6 / 137.0 / 171.0 / 193.1 us
+    against 92.5 / 141.2 / 176.0 / 200.2 at T = 16 / 32 / 48 / 64 (session 23 run B; two pieces gained nothing)."""
     shared, small_blocks = tokens <= SHARED_ROWS_MAX_TOKENS, tokens <= 1024
     builder = "shared" if shared else "opened" if tokens <= 48 else "compare" if tokens <= 64 else "sort"
     return dict(block_builder=builder,
                 block_t=8 if tokens <= 64 else 32 if small_blocks else 64, gate_up_splits=4 if tokens == 1 else 1,
                 gate_up_stages=2, gate_up_tile_n=128 if 64 < tokens <= 1024 else 64,
                 down_tile_n=64 if tokens == 1 else 256 if 16 <= tokens <= 64 else 128,
-                down_stages=4 if tokens == 1 else 2, down_decode_row_chunks=1, gate_up_decode_row_chunks=1,
+                down_stages=4 if tokens == 1 else 2, down_decode_row_chunks=4 if 16 <= tokens <= 64 else 1,
+                gate_up_decode_row_chunks=1,
                 gate_up_epilogue=tokens > 1, down_epilogue=not shared,
                 gate_up_decode_chunks=2 if tokens <= 8 else 1, gate_up_swiglu=True,
                 opened_program=dict(column_groups=5) if tokens <= 16 else {})
