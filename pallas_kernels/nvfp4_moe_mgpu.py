@@ -211,14 +211,16 @@ def default_config(tokens: int) -> dict:
     93.8 at T = 12 / 16, but 125.2 / 143.2 against 122.8 / 141.3 at T = 24 / 32 (run F). Other token counts
     from 9 to 48 are untimed. The down GEMM's 256-row programs decode and multiply each K step in four 64-row
     pieces (`decode_row_chunks`: 74 registers instead of 106): the layer took 89.6 / 137.0 / 171.0 / 193.1 us
-    against 92.5 / 141.2 / 176.0 / 200.2 at T = 16 / 32 / 48 / 64 (session 23 run B; two pieces gained nothing)."""
+    against 92.5 / 141.2 / 176.0 / 200.2 at T = 16 / 32 / 48 / 64 (session 23 run B; two pieces gained nothing),
+    and from 9 tokens on such programs: 77.9 against 80.7 us with 128 rows at T = 12 (run C; at T = 8, shared
+    rows, 59.0 against 58.9)."""
     shared, small_blocks = tokens <= SHARED_ROWS_MAX_TOKENS, tokens <= 1024
     builder = "shared" if shared else "opened" if tokens <= 48 else "compare" if tokens <= 64 else "sort"
     return dict(block_builder=builder,
                 block_t=8 if tokens <= 64 else 32 if small_blocks else 64, gate_up_splits=4 if tokens == 1 else 1,
                 gate_up_stages=2, gate_up_tile_n=128 if 64 < tokens <= 1024 else 64,
-                down_tile_n=64 if tokens == 1 else 256 if 16 <= tokens <= 64 else 128,
-                down_stages=4 if tokens == 1 else 2, down_decode_row_chunks=4 if 16 <= tokens <= 64 else 1,
+                down_tile_n=64 if tokens == 1 else 256 if not shared and tokens <= 64 else 128,
+                down_stages=4 if tokens == 1 else 2, down_decode_row_chunks=4 if not shared and tokens <= 64 else 1,
                 gate_up_decode_row_chunks=1,
                 gate_up_epilogue=tokens > 1, down_epilogue=not shared,
                 gate_up_decode_chunks=2 if tokens <= 8 else 1, gate_up_swiglu=True,
@@ -260,8 +262,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     down_epilogue = config["down_epilogue"] if down_epilogue is None else down_epilogue
     gate_up_tile_n = config["gate_up_tile_n"] if gate_up_tile_n is None else gate_up_tile_n
     gate_up_decode_chunks = config["gate_up_decode_chunks"] if gate_up_decode_chunks is None else gate_up_decode_chunks
-    if down_decode_row_chunks is None:
-        down_decode_row_chunks = config["down_decode_row_chunks"]
+    if down_decode_row_chunks is None:  # the default, where it divides the down tile's 64-row pieces (else fewer)
+        down_decode_row_chunks = math.gcd(config["down_decode_row_chunks"], down_tile_n // 64)
     if gate_up_decode_row_chunks is None:
         gate_up_decode_row_chunks = config["gate_up_decode_row_chunks"]
     opened_program = config["opened_program"] if opened_program is None else opened_program

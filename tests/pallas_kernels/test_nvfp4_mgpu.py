@@ -333,7 +333,7 @@ def test_unknown_block_builder_is_rejected():
     (13, 64, None, "both", None), (32, 64, "shared", "none", None), (64, 256, None, "both", None),
     (300, 64, None, "both", None), (8, 128, None, "down", 4), (40, 128, None, "both", 2),
     (8, 128, None, "swiglu", None), (40, 256, None, "swiglu", None), (16, 256, "opened", "swiglu", None),
-    (64, 256, "opened", "swiglu", None), (13, 128, "opened", "none", None)])
+    (64, 256, "opened", "swiglu", None), (13, 128, "opened", "none", None), (12, None, None, "both", None)])
 def test_layer_matches_reference_on_gpu(tokens, down_tile_n, builder, epilogue, chunks):
     """Beam's per-GPU TP8 expert shape on the kernel (None: `default_config`'s blocks and gate/up decode
     chunks), with and without the kernel's own epilogue."""
