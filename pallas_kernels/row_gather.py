@@ -83,39 +83,70 @@ def gather_rows_on_backend(x, row_token, block_expert, *, block_t: int):
 # --------------------------------------------------------------------------------------------------
 
 
-def opened_blocks_reference(ids, *, num_experts: int, block_t: int, expert_offset=0):
+def _pair_ranks(ids, num_experts: int, expert_offset):
+    """(local expert of each pair, `num_experts` for other devices' pairs; [P, P] same-expert matrix; each pair's
+    rank among its expert's pairs, in pair order)."""
+    pair_expert, _ = mg._local_pairs(ids, expert_offset, num_experts)
+    pair = jnp.arange(pair_expert.shape[0])
+    same = pair_expert[None, :] == pair_expert[:, None]
+    return pair_expert, same, (same & (pair[None, :] < pair[:, None])).sum(1)  # earlier pairs of the same expert
+
+
+def opening_pairs(ids, *, num_experts: int, block_t: int, expert_offset=0):
+    """Which pairs open a block (int32 0/1 `[P]`): local pairs whose rank among their expert's pairs is a
+    multiple of `block_t`. One XLA fusion: what compact slots (`gather_opened_blocks(compact=True)`) count."""
+    pair_expert, _, rank = _pair_ranks(ids, num_experts, expert_offset)
+    return ((pair_expert < num_experts) & (rank % block_t == 0)).astype(jnp.int32)
+
+
+def compact_slots(pairs: int, num_experts: int, block_t: int) -> int:
+    """Static bound on the blocks that `pairs` pairs open: one per expert touched, plus one per `block_t` pairs."""
+    return min(pairs, -(-pairs // block_t) + min(num_experts, pairs))
+
+
+def opened_blocks_reference(ids, *, num_experts: int, block_t: int, expert_offset=0, compact: bool = False):
     """Blocks of `block_t` rows of one expert, one block slot per pair: slot p is used when pair p opens a
     block of its expert (its rank among the expert's pairs, in pair order, is a multiple of `block_t`), and
     its rows are that pair and the expert's next `block_t - 1` pairs. No slot depends on another, so a
     kernel program builds its own (`gather_opened_blocks`) where sorted blocks need prefix sums over
-    experts. `ids [P]` the pairs' experts; the local experts are `expert_offset ..` (`num_experts` of
-    them), other pairs (another device's, or negative ids) are in no block. Returns (local expert of each
-    slot, -1 unused; pair of each row, -1 for padding)."""
-    pair_expert, _ = mg._local_pairs(ids, expert_offset, num_experts)
+    experts. `compact`: the used slots moved to the front, in pair order, and only `compact_slots` of them
+    (idle slots cost the GEMMs a program each). `ids [P]` the pairs' experts; the local experts are
+    `expert_offset ..` (`num_experts` of them), other pairs (another device's, or negative ids) are in no
+    block. Returns (local expert of each slot, -1 unused; pair of each row, -1 for padding)."""
+    pair_expert, same, rank = _pair_ranks(ids, num_experts, expert_offset)
     pairs = pair_expert.shape[0]
     pair = jnp.arange(pairs)
-    same = pair_expert[None, :] == pair_expert[:, None]
-    rank = (same & (pair[None, :] < pair[:, None])).sum(1)  # earlier pairs of the same expert
     opens = (pair_expert < num_experts) & (rank % block_t == 0)
     wanted = rank[:, None] + jnp.arange(block_t)[None, :]  # [slot, row]: the rank each row holds
     match = same[:, None, :] & (rank[None, None, :] == wanted[:, :, None])  # at most one pair matches
     row_pair = jnp.where(opens[:, None], ((pair + 1) * match).sum(-1) - 1, -1)
-    return jnp.where(opens, pair_expert, -1).astype(jnp.int32), row_pair.reshape(-1).astype(jnp.int32)
+    block_expert = jnp.where(opens, pair_expert, -1)
+    if compact:
+        used_first = jnp.argsort(~opens, stable=True)[:compact_slots(pairs, num_experts, block_t)]
+        block_expert, row_pair = block_expert[used_first], row_pair[used_first]
+    return block_expert.astype(jnp.int32), row_pair.reshape(-1).astype(jnp.int32)
 
 
-def _opened_blocks_kernel(ids_ref, offset_ref, x_ref, out_ref, block_expert_ref, row_pair_ref, *, num_experts: int,
-                          block_t: int, top_k: int, padded_pairs: int, columns_per_program: int,
-                          columns_per_step: int):
+def _opened_blocks_kernel(ids_ref, offset_ref, *refs, num_experts: int, block_t: int, top_k: int, padded_pairs: int,
+                          columns_per_program: int, columns_per_step: int, compact: bool):
+    opens_ref, x_ref, out_ref, block_expert_ref, row_pair_ref = refs if compact else (None, *refs)
     slot, column_group = pl.program_id(0), pl.program_id(1)
     pairs = ids_ref.shape[0]
     pair = jnp.arange(padded_pairs)
     experts = plgpu.load(ids_ref.at[pair], mask=pair < pairs, other=0) - offset_ref[0]
     local = (experts >= 0) & (experts < num_experts)
     experts = jnp.where(pair < pairs, jnp.where(local, experts, num_experts), -1)  # -1 (past the pairs): no match
-    expert = jnp.sum(jnp.where(pair == slot, experts, 0))
+    opener = slot  # the pair whose block this slot holds (if it opens one)
+    if compact:  # slot s holds the block of the (s + 1)-th opening pair; past the last one, none (expert -1)
+        opening = plgpu.load(opens_ref.at[pair], mask=pair < pairs, other=0)
+        hit = (opening > 0) & (jnp.cumsum(opening) == slot + 1)
+        opener = jnp.where(jnp.sum(hit.astype(jnp.int32)) > 0, jnp.sum(jnp.where(hit, pair, 0)), padded_pairs)
+    expert = jnp.sum(jnp.where(pair == opener, experts, 0))
+    if compact:
+        expert = jnp.where(opener < pairs, expert, num_experts)  # no opener: like another device's pair
     same = experts == expert
     seen = jnp.cumsum(same.astype(jnp.int32))  # pairs of this expert up to and with each pair
-    rank = jnp.sum(jnp.where(pair == slot, seen, 0)) - 1
+    rank = jnp.sum(jnp.where(pair == opener, seen, 0)) - 1
     opens = (expert < num_experts) & (rank % block_t == 0)
     row = jnp.arange(block_t)
     match = same[None, :] & (seen[None, :] - 1 == rank + row[:, None])
@@ -135,13 +166,16 @@ def _opened_blocks_kernel(ids_ref, offset_ref, x_ref, out_ref, block_expert_ref,
 
 
 def gather_opened_blocks(x, ids, *, num_experts: int, block_t: int, expert_offset=0, column_groups: int = 1,
-                         columns_per_step: int = 1024, num_warps: int = 4, interpret: bool = False):
+                         columns_per_step: int = 1024, num_warps: int = 4, compact: bool = False,
+                         interpret: bool = False):
     """`opened_blocks_reference`'s blocks and their activation rows in one kernel: program (slot, column
     group) finds its slot's pairs from the ids alone (a cumulative count over the pairs) and copies their
     tokens' rows, `columns_per_step` columns at a time over its `1 / column_groups` of K (fewer programs
     count the pairs fewer times). `x [T, K]`, `ids [T * top_k]` (token t's pairs at t * top_k ...), local
-    from `expert_offset` (an int or a traced scalar) on, as in the reference. Returns (rows [P * block_t, K], unwritten for padding and unused slots; expert of each slot; pair of
-    each row)."""
+    from `expert_offset` (an int or a traced scalar) on, as in the reference. `compact`: `compact_slots`
+    slots, the used ones first (the reference's `compact`), from the opening pairs that one XLA fusion marks
+    (`opening_pairs`); each program finds its opener by a cumulative count of them. Returns (rows
+    [slots * block_t, K], unwritten for padding and unused slots; expert of each slot; pair of each row)."""
     tokens, k = x.shape
     pairs = ids.shape[0]
     if pairs == 0:
@@ -150,27 +184,30 @@ def gather_opened_blocks(x, ids, *, num_experts: int, block_t: int, expert_offse
         raise ValueError(f"{pairs} pairs for {tokens} tokens: need a whole number of pairs per token")
     padded = 1 << max(pairs - 1, 0).bit_length()  # Triton's tensors have power-of-two sizes
     steps = pl.cdiv(pl.cdiv(k, column_groups), columns_per_step)
+    slots = compact_slots(pairs, num_experts, block_t) if compact else pairs
     kernel = functools.partial(_opened_blocks_kernel, num_experts=num_experts, block_t=block_t,
                                top_k=pairs // tokens, padded_pairs=padded, columns_per_program=steps * columns_per_step,
-                               columns_per_step=columns_per_step)
+                               columns_per_step=columns_per_step, compact=compact)
+    opens = [opening_pairs(ids, num_experts=num_experts, block_t=block_t, expert_offset=expert_offset)][:compact]
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((pairs * block_t, k), x.dtype), jax.ShapeDtypeStruct((pairs,), jnp.int32),
-                   jax.ShapeDtypeStruct((pairs * block_t,), jnp.int32)),
-        grid=(pairs, pl.cdiv(k, steps * columns_per_step)),
+        out_shape=(jax.ShapeDtypeStruct((slots * block_t, k), x.dtype), jax.ShapeDtypeStruct((slots,), jnp.int32),
+                   jax.ShapeDtypeStruct((slots * block_t,), jnp.int32)),
+        grid=(slots, pl.cdiv(k, steps * columns_per_step)),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-    )(ids.astype(jnp.int32), jnp.asarray(expert_offset, jnp.int32).reshape(1), x)
+    )(ids.astype(jnp.int32), jnp.asarray(expert_offset, jnp.int32).reshape(1), *opens, x)
 
 
 def gather_opened_blocks_on_backend(x, ids, *, num_experts: int, block_t: int, expert_offset=0, **program):
     """(rows, expert of each slot, pair of each row): the kernel on a GPU (`program`: its program shape,
-    `gather_opened_blocks`' column_groups, columns_per_step, num_warps), the references elsewhere."""
+    `gather_opened_blocks`' column_groups, columns_per_step, num_warps, and its `compact`), the references
+    elsewhere."""
     if jax.default_backend() == "gpu":
         return gather_opened_blocks(x, ids, num_experts=num_experts, block_t=block_t, expert_offset=expert_offset,
                                     **program)
     block_expert, row_pair = opened_blocks_reference(ids, num_experts=num_experts, block_t=block_t,
-                                                     expert_offset=expert_offset)
+                                                     expert_offset=expert_offset, compact=program.get("compact", False))
     top_k = ids.shape[0] // x.shape[0]
     row_token = jnp.where(row_pair >= 0, row_pair // top_k, x.shape[0])
     return gather_rows_reference(x, row_token, block_expert, block_t=block_t), block_expert, row_pair

@@ -194,6 +194,13 @@ def _assert_layer_close(problem, got, expert_offset=None):
     assert np.abs(want).max() > 0
 
 
+def _builder(builder: str | None) -> dict:
+    """`moe_nvfp4`'s block settings: a `block_builder`, or "opened-compact" (opened blocks in compact slots)."""
+    if builder == "opened-compact":
+        return dict(block_builder="opened", opened_program=dict(compact=True))
+    return dict(block_builder=builder)
+
+
 def _epilogues(which: str) -> dict:
     """`moe_nvfp4`'s epilogue settings: "none", "down" (the down GEMM's only), "both" or "swiglu" (both, and
     SwiGLU in the gate/up GEMM's)."""
@@ -207,14 +214,14 @@ def _epilogues(which: str) -> dict:
     (1, None, 4, "shared", "both"), (5, None, 1, "shared", "none"), (5, None, 1, "shared", "both"),
     (5, None, 1, "shared", "down"), (13, None, 2, None, "none"), (5, None, 1, "shared", "swiglu"),
     (30, None, 1, None, "swiglu"), (13, 2, 1, "opened", "both"), (30, None, 1, "opened", "swiglu"),
-    (30, None, 2, "opened", "none")])
+    (30, None, 2, "opened", "none"), (13, 2, 1, "opened-compact", "both"), (30, None, 1, "opened-compact", "swiglu")])
 def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits, builder, epilogue):
     """Blocks, gathers, splits, scales, SwiGLU and combine, with the GEMM emulated in plain jnp:
     experts with more pairs than a block (tails), experts picked by several tokens, unused experts,
     and unused blocks; None: the defaults (`default_config`: shared rows up to 8 tokens, sorted
     blocks of 8 rows up to 64, then 32); with and without the kernel's own epilogue."""
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 256, 64, 16, 4, tile_k=128)
-    layer = functools.partial(nmm.moe_nvfp4, block_t=block_t, gate_up_splits=splits, block_builder=builder,
+    layer = functools.partial(nmm.moe_nvfp4, block_t=block_t, gate_up_splits=splits, **_builder(builder),
                               **_epilogues(epilogue), matmul=nm.grouped_matmul_emulated)
     _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
 
@@ -333,12 +340,13 @@ def test_unknown_block_builder_is_rejected():
     (13, 64, None, "both", None), (32, 64, "shared", "none", None), (64, 256, None, "both", None),
     (300, 64, None, "both", None), (8, 128, None, "down", 4), (40, 128, None, "both", 2),
     (8, 128, None, "swiglu", None), (40, 256, None, "swiglu", None), (16, 256, "opened", "swiglu", None),
-    (64, 256, "opened", "swiglu", None), (13, 128, "opened", "none", None), (12, None, None, "both", None)])
+    (64, 256, "opened", "swiglu", None), (13, 128, "opened", "none", None), (12, None, None, "both", None),
+    (64, None, "opened-compact", "swiglu", None)])
 def test_layer_matches_reference_on_gpu(tokens, down_tile_n, builder, epilogue, chunks):
     """Beam's per-GPU TP8 expert shape on the kernel (None: `default_config`'s blocks and gate/up decode
     chunks), with and without the kernel's own epilogue."""
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 5120, 320, 256, 8, tile_k=256)
-    layer = functools.partial(nmm.moe_nvfp4, down_tile_n=down_tile_n, block_builder=builder,
+    layer = functools.partial(nmm.moe_nvfp4, down_tile_n=down_tile_n, **_builder(builder),
                               gate_up_decode_chunks=chunks, **_epilogues(epilogue))
     _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
 

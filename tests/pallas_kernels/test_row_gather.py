@@ -93,29 +93,40 @@ def _pair_experts(tokens, top_k, experts, seed, other_devices=3):
 OPENED_CASES = [(1, 8, 256, 8, 64), (9, 8, 256, 8, 96), (17, 3, 5, 4, 1056), (40, 8, 12, 8, 608), (64, 8, 256, 8, 5120)]
 
 
+@pytest.mark.parametrize("compact", [False, True])
 @pytest.mark.parametrize("tokens,top_k,experts,block_t,k", OPENED_CASES)
-def test_opened_blocks_hold_each_local_pair_once(tokens, top_k, experts, block_t, k):
+def test_opened_blocks_hold_each_local_pair_once(tokens, top_k, experts, block_t, k, compact):
     """Every local pair lands in one row of a block of its expert, after the earlier pairs of that expert
-    in the block; a slot is used exactly when its pair opens a block; other devices' pairs get no row."""
+    in the block; a slot is used exactly when its pair opens a block (compact: the used slots first, in
+    their openers' order, within the static bound); other devices' pairs get no row."""
     ids = _pair_experts(tokens, top_k, experts, seed=tokens)
     block_expert, row_pair = map(np.asarray, rg.opened_blocks_reference(ids, num_experts=experts, block_t=block_t,
-                                                                         expert_offset=OFFSET))
+                                                                         expert_offset=OFFSET, compact=compact))
     flat = np.asarray(ids) - OFFSET
     local = (flat >= 0) & (flat < experts)
     assert (~local).any() and local.any()
     rows = row_pair.reshape(-1, block_t)
     placed = rows[rows >= 0]
     np.testing.assert_array_equal(np.sort(placed), np.flatnonzero(local))
-    for slot in np.flatnonzero(block_expert >= 0):
+    used = np.flatnonzero(block_expert >= 0)
+    openers = rows[used, 0]
+    if compact:
+        assert len(block_expert) == rg.compact_slots(len(flat), experts, block_t)
+        np.testing.assert_array_equal(used, np.arange(len(used)))
+        assert (np.diff(openers) > 0).all()
+    else:
+        np.testing.assert_array_equal(openers, used)
+    for slot in used:
         members = rows[slot][rows[slot] >= 0]
-        assert members[0] == slot and (np.diff(members) > 0).all() and (flat[members] == block_expert[slot]).all()
+        assert (np.diff(members) > 0).all() and (flat[members] == block_expert[slot]).all()
         assert (rows[slot][len(members):] == -1).all()  # padding after the pairs
     _, counts = np.unique(flat[local], return_counts=True)
     assert (block_expert >= 0).sum() == (-(-counts // block_t)).sum()
     assert (rows[block_expert < 0] == -1).all()
 
 
-@pytest.mark.parametrize("program", [{}, dict(column_groups=3, columns_per_step=128, num_warps=2)])
+@pytest.mark.parametrize("program", [{}, dict(column_groups=3, columns_per_step=128, num_warps=2),
+                                     dict(compact=True), dict(compact=True, column_groups=2)])
 @pytest.mark.parametrize("tokens,top_k,experts,block_t,k", OPENED_CASES)
 def test_opened_blocks_kernel_matches_reference_interpret(tokens, top_k, experts, block_t, k, program):
     _check_opened(tokens, top_k, experts, block_t, k, program, interpret=True)
@@ -127,7 +138,7 @@ def _check_opened(tokens, top_k, experts, block_t, k, program, interpret):
     rows, block_expert, row_pair = rg.gather_opened_blocks(x, ids, num_experts=experts, block_t=block_t,
                                                           expert_offset=OFFSET, interpret=interpret, **program)
     want_expert, want_pair = rg.opened_blocks_reference(ids, num_experts=experts, block_t=block_t,
-                                                        expert_offset=OFFSET)
+                                                        expert_offset=OFFSET, compact=program.get("compact", False))
     np.testing.assert_array_equal(np.asarray(block_expert), np.asarray(want_expert))
     np.testing.assert_array_equal(np.asarray(row_pair), np.asarray(want_pair))
     real = np.asarray(row_pair) >= 0
@@ -141,7 +152,7 @@ def test_opened_blocks_need_whole_tokens():
                                 interpret=True)
 
 
-@pytest.mark.parametrize("tokens,program", [(9, dict(column_groups=5)), (64, {})])
+@pytest.mark.parametrize("tokens,program", [(9, dict(column_groups=5)), (64, {}), (64, dict(compact=True))])
 def test_opened_blocks_kernel_lowers_for_cuda(triton_for_sm90, tokens, program):
     shapes = (jax.ShapeDtypeStruct((tokens, 5120), jnp.bfloat16), jax.ShapeDtypeStruct((tokens * 8,), jnp.int32))
     op = functools.partial(rg.gather_opened_blocks, num_experts=256, block_t=8, **program)
@@ -150,7 +161,7 @@ def test_opened_blocks_kernel_lowers_for_cuda(triton_for_sm90, tokens, program):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("program", [{}, dict(column_groups=5)])  # the layer's shapes (`nvfp4_moe_mgpu.default_config`)
+@pytest.mark.parametrize("program", [{}, dict(column_groups=5), dict(compact=True)])  # the layer's shapes and compact
 @pytest.mark.parametrize("tokens,top_k,experts,block_t,k", OPENED_CASES + [(16, 8, 256, 8, 5120), (33, 8, 256, 8, 5120)])
 def test_opened_blocks_kernel_matches_reference_on_gpu(tokens, top_k, experts, block_t, k, program):
     _check_opened(tokens, top_k, experts, block_t, k, program, interpret=False)
