@@ -417,10 +417,10 @@ def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool, line_bo
     step kk takes the expert's packed bytes and folded scales of K step k0 + kk and row tile ni, and block
     x_block's activations), the scale staging, the decodes of the step's pieces (its `chunks` K chunks, each in
     `row_chunks` row chunks) and the transposed store (`inline_mgpu` ops). `line_box`: the packed bytes come as
-    `_LINE`-byte lines, unswizzled, a box of `tile_n * tile_k / 2 / _LINE` lines. `paired_steps` (SwiGLU programs; the weights'
-    K steps): bytes and scales are read through `[E * K steps, 2, I, ...]` views (`_paired_views`), and a
-    step's box is `tile_n / 2` gate rows with their up rows, the same smem bytes as a box of `tile_n`
-    consecutive rows (gate rows first): one copy each, and the decode of any other tile."""
+    `_LINE`-byte lines, unswizzled, a box of `tile_n * tile_k / 2 / _LINE` lines. `paired_steps` (SwiGLU
+    programs; the weights' K steps): bytes and scales are read through `[E * K steps, 2, I, ...]` views
+    (`_paired_views`), and a step's box is `tile_n / 2` gate rows with their up rows, the same smem bytes as a
+    box of `tile_n` consecutive rows (gate rows first): one copy each, and the decode of any other tile."""
     byte_swizzle = plgpu.find_swizzle(tile_k // 2 * 8, "lhs")
     x_swizzle = plgpu.find_swizzle(tile_k * 16, "rhs")
     scale_rows = tile_n * tile_k // 64 // _SCALE_ROW  # a step's scale words in folded rows

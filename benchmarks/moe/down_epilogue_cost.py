@@ -91,8 +91,8 @@ def time_paths(tokens: int, builder: str, modes, *, tile_n: int = 256, stages: i
             op = path_op(path, tokens, tile_n, stages, global_scale, row_chunks)
             us, kernels, _ = bench.time_calls(op, (act, block_expert, row_pair), packed, scales)
         rows.append(dict(kind="down_path", t=tokens, builder=builder, path=path, mode=mode, tile_n=tile_n,
-                         stages=stages, row_chunks=row_chunks, blocks=int(block_expert.shape[1]), us=us, floor_us=floor_us,
-                         pct_floor=100 * floor_us / us, kernels=kernels))
+                         stages=stages, row_chunks=row_chunks, blocks=int(block_expert.shape[1]), us=us,
+                         floor_us=floor_us, pct_floor=100 * floor_us / us, kernels=kernels))
         print(f"SUMMARY T={tokens} {builder:7s} {path:10s} {mode:9s} {tile_n}x{stages}x{row_chunks} {us:7.1f} us "
               f"({rows[-1]['pct_floor']:5.1f} % of {floor_us:.1f}) blocks {rows[-1]['blocks']}", flush=True)
     return rows
