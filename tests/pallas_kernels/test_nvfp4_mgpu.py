@@ -408,9 +408,11 @@ def test_decode_cost_stand_ins_lower_for_cuda(mode, n, k, tile_k, splits, tile_n
     assert "mosaic_gpu" in text and ("wgmma.mma_async" in text) == (mode != "copy")
 
 
-@pytest.mark.parametrize("builder", ["opened", "compare"])
-def test_down_epilogue_cost_paths_lower_for_cuda(builder, monkeypatch):
-    """benchmarks/moe/down_epilogue_cost.py: the layer's blocks from routed ids, and the down GEMM with each
+@pytest.mark.parametrize("builder,gemm,shape", [("opened", "down", (256, 2, 4, 1)), ("compare", "down", (256, 2, 1, 1)),
+                                               ("opened", "gate_up", (64, 2, 1, 2)),
+                                               ("compare", "gate_up", (128, 2, 2, 1))])
+def test_down_epilogue_cost_paths_lower_for_cuda(builder, gemm, shape, monkeypatch):
+    """benchmarks/moe/down_epilogue_cost.py: the layer's blocks from routed ids, and the GEMM with each
     output path and decode stand-in it times (the copy stand-in without wgmma) built for the GPU."""
     cost = _moe_benchmark("down_epilogue_cost", monkeypatch)
     tokens = 5
@@ -421,14 +423,15 @@ def test_down_epilogue_cost_paths_lower_for_cuda(builder, monkeypatch):
         used = np.flatnonzero(rows >= 0)
         np.testing.assert_array_equal(np.sort(rows[used]), np.arange(tokens * cost.bench.TOP_K))
         np.testing.assert_array_equal(experts[used // cost.BLOCK_T], np.asarray(ids[r]).reshape(-1)[rows[used]])
-    packed, scales, global_scale = cost.down_weights(jax.random.key(1))
+    packed, scales, global_scale = cost.gemm_weights(jax.random.key(1), gemm)
     spec = jax.ShapeDtypeStruct
-    specs = (spec((block_expert.shape[1] * cost.BLOCK_T, cost.K), jnp.bfloat16),
+    specs = (spec((block_expert.shape[1] * cost.BLOCK_T, cost.GEMMS[gemm][1]), jnp.bfloat16),
              spec(block_expert.shape[1:], jnp.int32), spec(row_pair.shape[1:], jnp.int32),
              spec(packed.shape, packed.dtype), spec(scales.shape, scales.dtype))
-    for path, mode in cost.variants(["full", "no_scales", "raw", "const", "copy"]):
+    tile_n, stages, row_chunks, k_chunks = shape
+    for path, mode in cost.variants(["full", "no_scales", "raw", "const", "copy"], gemm):
         with cost.decode_cost.stand_in(mode):
-            op = cost.path_op(path, tokens, 256, 2, global_scale)
+            op = cost.path_op(path, tokens, tile_n, stages, global_scale, row_chunks, k_chunks, gemm)
             text = jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text and ("wgmma.mma_async" in text) == (mode != "copy")
 
