@@ -167,53 +167,38 @@ PAIR_ORDER_MAX_BLOCK_T = 16  # the down GEMM stores a row at a time up to this m
 
 
 def default_config(tokens: int) -> dict:
-    """Blocks and gate/up K splits by token count. H200 (benchmarks/moe/RESULTS.md, runs O and P): 4
-    splits fill the GPU at one token (7.3 us against 11.5 with one); one split is best at T = 8 (32.9
-    against 34.0). Up to SHARED_ROWS_MAX_TOKENS tokens every block takes all the tokens
-    (`_shared_blocks`); past that, sorted blocks of 8 rows (wgmma's narrowest N) up to T = 64, then 32
-    or 64 rows (below; 128 were slower at T = 512 and 8192, run W). Down GEMM programs of 128 rows past
-    one token (run T at T = 8: 21.4 against 23.4 us with 64). Gate/up pipelines of 2 stages: the GEMM
-    alone took 7.3 us at T = 1 with 2 stages against 8.1 with 4 (run O), and 32.9 us at T = 8 with 2
-    (run P) where the layer's 4-stage GEMM takes 39 (runs S-U); half the shared memory fits twice the
-    programs on an SM. The layer with 2 stages: 65.2 us at T = 8 against 72.2 with 4 (run V). The
-    kernel's epilogue with sorted blocks: 187.0 against 190.8 us at T = 32, 241.5 against 249.4 at T =
-    64, 585.8 against 685.6 at T = 512; with shared rows it gains nothing (66.2 against 65.2 at T = 8,
-    20.3 against 18.5 at T = 1; run V). Up to 1024 tokens, sorted blocks take gate/up programs of 128
-    rows (2 % faster at T = 32, 64 and 512, 2-5 % slower with shared rows; runs Z, AA; not timed at
-    prefill) and blocks of 32 rows, where an expert gets ~32 pairs or fewer (T = 512: 389.6 us against
-    516.5 with 64 rows and 416.1 with 16; run AA). Down GEMM pipelines: 2 stages past one token (its K is
-    5 steps; with opened blocks 94.0 / 141.7 us at T = 16 / 32 against 94.7 / 143.5 with 4 and 98.4 / 148.4
-    with 5; 58.8 / 200.2 against 59.0 / 200.3 at T = 8 / 64; session 22 run B). Since the one-byte scales
-    (session 16) a 128-row gate/up program with the epilogue takes 175 registers, two programs per SM: up to
-    64 tokens programs of 64 rows (96 registers) are faster (223.1 against 231.6 us at T = 64, 172.4 against
-    175.8 at T = 32); 65-1024 tokens are untimed since.
-    With shared rows the down GEMM's epilogue alone still gains nothing (session 17, run B: the combine
-    reads 16x fewer bytes, 4.6 -> 2.0 us at T = 8, but the GEMM takes 1.5-3 us longer and the row
-    destinations cost two XLA kernels). From 49 to 64 tokens the blocks are built by compare-and-count
-    (`_blocks_by_comparison`: 8-9 us faster than sorting them at T = 32 and 64, session 19 run D; at T = 16
-    101.7-102.7 us against 103.8-104.4 with shared rows, whose down GEMM writes 16 rows for each expert's ~1.2
-    pairs, session 20 runs D-E; 9-15 tokens are untimed). Up to 8 tokens the gate/up GEMM decodes and
-    multiplies each step in two K chunks: 96 registers instead of 108, 5 programs an SM instead of 4, and the
-    layer took 60.9 us against 66.8 at T = 8 (equal at T = 1, 32 and 64, 1.2 us slower at T = 16; four chunks:
-    68 registers, 62.0 us at T = 8; session 19 run D). Down GEMM programs of 256 rows at 16-64 tokens: the
-    layer took 151.0 us against 154.2 at T = 32 and 203.0 against 208.1 at T = 64 (session 19 run E), and with
-    compare-and-count blocks 99.8 against 101.2 at T = 16 (session 20 run F); at T = 8 they are slower (59.9
-    against 58.6, run F); 17-31 tokens are untimed. Past one token the gate/up GEMM applies the global scales
-    and SwiGLU itself (its epilogue alone gained nothing with shared rows, above; with SwiGLU the layer took
-    58.7 / 103.7 / 148.0 / 200.6 us against 60.5 / 104.4 / 149.7 / 202.9 at T = 8 / 16 / 32 / 64, session 20
-    run C, and 364.6 / 2223.0 against 365.8 / 2227.0 at T = 512 / 8192, run D). From 9 to 48 tokens the
-    blocks are opened by pairs (`rg.gather_opened_blocks`: one kernel where compare-and-count and the gather
-    take seven) with the down GEMM's pair-order epilogue: 94.5 / 143.4 us against 101.4 / 149.6 at T = 16 /
-    32; at T = 8 and 64 they are slower (60.9 against 59.5, 204.1 against 200.7: at T = 64 the GEMMs run
-    ~290 slots of pairs whose expert an earlier pair opened, idle programs that cost 6-7 us each; session 22
-    run A), and at T = 40 / 48 too: 160.5 / 175.9 us against 164.8 / 180.1 (session 22 run F). Up to 16
-    tokens its programs take a fifth of the columns each (`column_groups=5`): 79.0 / 91.7 us against 81.1 /
-    93.8 at T = 12 / 16, but 125.2 / 143.2 against 122.8 / 141.3 at T = 24 / 32 (run F). Other token counts
-    from 9 to 48 are untimed. The down GEMM's 256-row programs decode and multiply each K step in four 64-row
-    pieces (`decode_row_chunks`: 74 registers instead of 106): the layer took 89.6 / 137.0 / 171.0 / 193.1 us
-    against 92.5 / 141.2 / 176.0 / 200.2 at T = 16 / 32 / 48 / 64 (session 23 run B; two pieces gained nothing),
-    and from 9 tokens on such programs: 77.9 against 80.7 us with 128 rows at T = 12 (run C; at T = 8, shared
-    rows, 59.0 against 58.9)."""
+    """The layer's settings by token count, each the faster one in a same-run comparison on one H200
+    (benchmarks/moe/RESULTS.md; µs of the whole layer unless said; runs O-AA without a session are sessions 8-10).
+    Blocks:
+    - up to SHARED_ROWS_MAX_TOKENS tokens every block takes all the tokens (`_shared_blocks`: no gather, an
+      expert's weights read once); from 9 to 48 one kernel opens a block per pair and gathers its rows
+      (`rg.gather_opened_blocks`, where compare-and-count and the gather take seven kernels: 94.5 / 143.4
+      against 101.4 / 149.6 at T = 16 / 32, session 22 run A; 160.5 / 175.9 against 164.8 / 180.1 at T = 40 /
+      48, run F), up to 16 tokens in programs of a fifth of the columns (79.0 / 91.7 against 81.1 / 93.8 at
+      T = 12 / 16, slower at 24 / 32, run F); from 49 to 64 compare-and-count (`_blocks_by_comparison`: 8-9 µs
+      faster than sorted blocks at T = 32 and 64, session 19 run D; opened blocks' idle slots cost the GEMMs
+      more than their glue saves: 204.1 against 200.7 at T = 64, session 22 run A); past 64 sorted (`pair_blocks`).
+    - 8 rows (wgmma's narrowest N) up to 64 tokens, then 32 up to 1024 (T = 512: 389.6 against 516.5 with
+      64 rows and 416.1 with 16, run AA), then 64 (128 were slower at T = 512 and 8192, run W).
+    Gate/up GEMM:
+    - 4 K splits at one token fill the GPU (7.3 against 11.5 for the GEMM, run O); one from 2 tokens on.
+    - pipelines of 2 stages: half the shared memory fits twice the programs on an SM (65.2 against 72.2 at
+      T = 8, run V).
+    - programs of 64 rows up to 64 tokens (96 registers; 128 rows with the epilogue take 175: 223.1 against
+      231.6 at T = 64, session 16), 128 from 65 to 1024 (2 % faster at T = 512, runs Z, AA).
+    - up to 8 tokens each step decoded and multiplied in two K chunks (96 registers instead of 108: 60.9
+      against 66.8 at T = 8, session 19 run D).
+    - past one token it applies the global scales and SwiGLU itself (58.7 / 103.7 / 148.0 / 200.6 against
+      60.5 / 104.4 / 149.7 / 202.9 at T = 8 / 16 / 32 / 64, session 20 run C).
+    Down GEMM:
+    - from 9 to 64 tokens programs of 256 rows, each K step decoded and multiplied in four 64-row pieces
+      (74 registers instead of 106, a piece's wgmma running while the next decodes: 89.6 / 137.0 / 171.0 /
+      193.1 against 92.5 / 141.2 / 176.0 / 200.2 at T = 16 / 32 / 48 / 64, session 23 run B; 77.9 against
+      80.7 with 128 rows at T = 12, run C), with the pair-order epilogue (`row_destination`); with shared rows
+      (2-8 tokens) and past 64, programs of 128 rows (the GEMM took 21.4 against 23.4 with 64 at T = 8, run T;
+      the epilogue gains nothing with shared rows, session 17 run B); at one token 64.
+    - pipelines of 2 stages past one token (K is 5 steps; 3 and 5 stages were slower, session 22 run B,
+      session 23 run C), 4 at one token."""
     shared, small_blocks = tokens <= SHARED_ROWS_MAX_TOKENS, tokens <= 1024
     builder = "shared" if shared else "opened" if tokens <= 48 else "compare" if tokens <= 64 else "sort"
     return dict(block_builder=builder,
