@@ -249,12 +249,15 @@ def weight_words(packed, tile_k: int, line_box: bool):
     return word_at
 
 
-def _stage_scales(tile_n: int, tile_k: int):
+def _stage_scales(tile_n: int, tile_k: int, double_buffered: bool = False):
     """inline_mgpu body: the step's scale words (smem) -> a staging buffer (smem, `tile_n * tile_k / 16` words):
     the warpgroup converts them into one bf16x2 register per block scale (the scale in both halves), a word
     or two of scales per thread, for `_decode_tile` to read its rows' scales from. Converting in each
     thread's own registers instead took 6-17 more registers (101 for 64-row programs, 184 for 128), one
-    program fewer per SM, and was 12 % slower at T = 8 (H200, benchmarks/moe/RESULTS.md, session 16)."""
+    program fewer per SM, and was 12 % slower at T = 8 (H200, benchmarks/moe/RESULTS.md, session 16).
+    `double_buffered`: steps alternate between two staging buffers, so no barrier waits for the last step's
+    decode to finish reading (the decode two steps back finished before every thread passed the last step's
+    second barrier)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
     from jax.experimental.mosaic.gpu import utils
@@ -264,7 +267,8 @@ def _stage_scales(tile_n: int, tile_k: int):
     def body(ctx, scale_ref, staged_ref):
         del ctx
         i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-        utils.warpgroup_barrier()  # the previous step's decode has read the staged scales
+        if not double_buffered:
+            utils.warpgroup_barrier()  # the previous step's decode has read the staged scales
 
         def convert(w):
             word = memref.load(scale_ref, [arith.divui(w, utils.c(_SCALE_ROW, index)),
@@ -412,7 +416,7 @@ def _fold_scales(scales, tile_k: int) -> jax.Array:
 
 
 def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool, line_box: bool, chunks: int,
-                   paired_steps: int | None = None, row_chunks: int = 1):
+                   paired_steps: int | None = None, row_chunks: int = 1, staging_buffers: int = 1):
     """What a program of `tile_n` rows needs: `in_specs(expert, k0, ni, x_block)` (the pipeline's BlockSpecs:
     step kk takes the expert's packed bytes and folded scales of K step k0 + kk and row tile ni, and block
     x_block's activations), the scale staging, the decodes of the step's pieces (its `chunks` K chunks, each in
@@ -445,7 +449,7 @@ def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool, line_bo
                 plgpu.BlockSpec((*lead, *shapes[1]), at),
                 plgpu.BlockSpec((block_t, tile_k), lambda kk: (x_block, k0 + kk), transforms=x_transforms)]
 
-    stage = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 2)(_stage_scales(tile_n, tile_k))
+    stage = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 2)(_stage_scales(tile_n, tile_k, staging_buffers == 2))
     decodes = [plgpu.inline_mgpu(
         arg_types=(plgpu.RefType() if line_box else plgpu.Layout.WGMMA_8BIT, plgpu.RefType()),
         return_type=plgpu.ShapeDtypeStruct((tile_n // row_chunks, tile_k // chunks), jnp.bfloat16,
@@ -463,12 +467,13 @@ def _paired_views(packed, scales):
     return tuple(a.reshape(a.shape[0] * a.shape[1], 2, a.shape[2] // 2, a.shape[3]) for a in (packed, scales))
 
 
-def _scratch(tile_n: int, tile_k: int, block_t: int, out_dtype, scaled: bool, scattered: bool, swiglu: bool) -> dict:
+def _scratch(tile_n: int, tile_k: int, block_t: int, out_dtype, scaled: bool, scattered: bool, swiglu: bool,
+             staging_buffers: int = 1) -> dict:
     """A program's shared memory besides its pipeline: the output tile, the staged block scales and, with
     global scales, the tile's scales and their barrier; with row destinations, the block's and theirs; with
     SwiGLU, its output tile."""
     scratch = dict(out_smem=plgpu.SMEM((block_t, tile_n), out_dtype),
-                   staged_smem=plgpu.SMEM((tile_n * tile_k // 16,), jnp.uint32))  # a word per block scale
+                   staged_smem=plgpu.SMEM((staging_buffers, tile_n * tile_k // 16), jnp.uint32))  # a word a scale
     if scaled:  # SwiGLU programs copy their gate rows' scales and their up rows' in two copies
         scratch.update(scale_smem=plgpu.SMEM((tile_n,), jnp.float32),
                        scale_barrier=plgpu.Barrier(num_arrivals=2 if swiglu else 1))
@@ -501,7 +506,7 @@ def _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, *, block_t
 def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
                    stages: int = 4, tile_n: int = 64, decode_chunks: int = 1, decode_row_chunks: int = 1,
                    shared_rows: bool = False, global_scale=None, row_destination=None, out_rows: int | None = None,
-                   swiglu: bool = False):
+                   swiglu: bool = False, staging_buffers: int = 1):
     """`xs [B*block_t, K]` bf16, `block_expert [B]` int32 (-1: skip the block),
     `packed [E, K/tile_k, N, tile_k/2]` uint8 and `scales [E, K/tile_k, N, tile_k/64]` uint32 (`pack_weights`) ->
     `[splits, B*block_t, N]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
@@ -521,6 +526,8 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     runs, with fewer registers live (64 x 256 steps: 108 whole, 96 in two chunks, 68 in four; H200, session 19).
     `decode_row_chunks` does the same by rows (pieces of tile_n / decode_row_chunks rows, a multiple of 64), each
     piece's wgmma into its rows of the accumulator: the down GEMM's K steps of 64 have no K chunks to split.
+    `staging_buffers` 2: the block scales are staged in two buffers by step parity (`_stage_scales`), one
+    warpgroup barrier a step fewer.
     `swiglu` (with `global_scale`, tile_k >= 256): the weights are gate rows then up rows (N = 2 I), a
     program takes tile_n / 2 gate rows and their up rows (one box a step, `_tile_programs`), and the output is
     `[1, B*block_t, I]` bf16, `moe_gemm._swiglu` of the two finished projections: XLA's SwiGLU pass and half
@@ -533,6 +540,8 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         raise ValueError(f"decode_chunks={decode_chunks} must split tile_k={tile_k} into multiples of {TILE_K_QUANTUM}")
     if decode_row_chunks < 1 or tile_n % (64 * decode_row_chunks):
         raise ValueError(f"decode_row_chunks={decode_row_chunks} must split tile_n={tile_n} into multiples of 64")
+    if staging_buffers not in (1, 2):
+        raise ValueError(f"staging_buffers must be 1 or 2, got {staging_buffers}")
     k, n, blocks = xs.shape[1], packed.shape[2], block_expert.shape[0]
     line_box = tile_k // 2 < _LINE
     half_n = tile_n // 2  # SwiGLU programs: gate rows, and as many up rows
@@ -547,7 +556,7 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         packed = packed.reshape(*packed.shape[:2], -1, _LINE)
     in_specs, stage, decodes, store_transposed = _tile_programs(
         tile_n, tile_k, block_t, scaled, line_box, decode_chunks, paired_steps=packed.shape[1] if swiglu else None,
-        row_chunks=decode_row_chunks)
+        row_chunks=decode_row_chunks, staging_buffers=staging_buffers)
     if swiglu:
         packed, scales = _paired_views(packed, scales)
     out_dtype = xs.dtype if scaled else jnp.float32
@@ -564,17 +573,18 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         k0 = si * k_steps
 
         def acc_scope(acc_ref):
-            def step(_, w_smem, s_smem, x_smem):
+            def step(indices, w_smem, s_smem, x_smem):
                 if swiglu:  # [2, tile_n / 2, ...] boxes: the rows of one tile (`_tile_programs`)
                     w_smem, s_smem = w_smem.reshape(tile_n, tile_k // 2), s_smem.reshape(-1, _SCALE_ROW)
                 weights = w_smem if line_box else plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT)
-                stage(s_smem, staged_smem)
+                staged = staged_smem.at[indices[0] % 2 if staging_buffers == 2 else 0]
+                stage(s_smem, staged)
                 chunk_k, chunk_n = tile_k // decode_chunks, tile_n // decode_row_chunks
                 for piece, decode in enumerate(decodes):
                     chunk, row_chunk = divmod(piece, decode_row_chunks)
                     x_chunk = x_smem if decode_chunks == 1 else x_smem.at[:, pl.ds(chunk * chunk_k, chunk_k)]
                     acc = acc_ref if decode_row_chunks == 1 else acc_ref.at[pl.ds(row_chunk * chunk_n, chunk_n)]
-                    plgpu.wgmma(acc, decode(weights, staged_smem), x_chunk.transpose((1, 0)))
+                    plgpu.wgmma(acc, decode(weights, staged), x_chunk.transpose((1, 0)))
                     if piece + 1 < len(decodes):  # the next piece decodes while this one multiplies
                         plgpu.wgmma_wait(1)
                 plgpu.wgmma_wait(0)
@@ -619,7 +629,7 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                                        intermediate if swiglu else n), out_dtype),
         grid=(blocks, n // tile_n, splits),
         grid_names=("b", "n", "s"),
-        scratch_types=_scratch(tile_n, tile_k, block_t, out_dtype, scaled, scattered, swiglu),
+        scratch_types=_scratch(tile_n, tile_k, block_t, out_dtype, scaled, scattered, swiglu, staging_buffers),
     )
     return call(block_expert, xs, packed, scales, *optional)
 
@@ -636,11 +646,11 @@ def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: 
 def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int = 1,
                             stages: int = 4, tile_n: int = 64, decode_chunks: int = 1, decode_row_chunks: int = 1,
                             shared_rows: bool = False, global_scale=None, row_destination=None,
-                            out_rows: int | None = None, swiglu: bool = False):
+                            out_rows: int | None = None, swiglu: bool = False, staging_buffers: int = 1):
     """`grouped_matmul`'s contract in plain jnp, from the kernel layouts (for CPU tests of code that
     calls the kernel): decodes the words as the PTX does, then `grouped_matmul_reference`. Blocks
     of expert -1 get NaN, as the kernel leaves them unwritten (any bits); one split holds the whole sum."""
-    del splits, stages, tile_n, decode_chunks, decode_row_chunks
+    del splits, stages, tile_n, decode_chunks, decode_row_chunks, staging_buffers
     e, k_steps, n, _ = packed.shape
     k = k_steps * tile_k
     rows = jnp.moveaxis(packed, 1, 2).reshape(e, n, k // 32, 4, 4)  # back to [E, N, K/2], by 32 values and thread

@@ -206,7 +206,7 @@ def default_config(tokens: int) -> dict:
                 gate_up_stages=2, gate_up_tile_n=128 if 64 < tokens <= 1024 else 64,
                 down_tile_n=64 if tokens == 1 else 256 if not shared and tokens <= 64 else 128,
                 down_stages=4 if tokens == 1 else 2, down_decode_row_chunks=4 if not shared and tokens <= 64 else 1,
-                gate_up_decode_row_chunks=1,
+                gate_up_decode_row_chunks=1, staging_buffers=1,
                 gate_up_epilogue=tokens > 1, down_epilogue=not shared,
                 gate_up_decode_chunks=2 if tokens <= 8 else 1, gate_up_swiglu=True,
                 opened_program=dict(column_groups=5) if tokens <= 16 else {})
@@ -218,6 +218,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
               gate_up_epilogue: bool | None = None, down_epilogue: bool | None = None,
               gate_up_decode_chunks: int | None = None, gate_up_decode_row_chunks: int | None = None,
               down_decode_row_chunks: int | None = None, gate_up_swiglu: bool | None = None,
+              staging_buffers: int | None = None,
               opened_program: dict | None = None, expert_offset: int | jax.Array | None = None,
               matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
@@ -229,10 +230,10 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     applies the global scales and writes bf16 (gate/up only with one K split; `grouped_matmul(global_scale=)`),
     and at decode the down GEMM writes each pair's row in pair order (`row_destination=`).
     `gate_up_decode_chunks` / `gate_up_decode_row_chunks`: the gate/up GEMM's `decode_chunks` / `decode_row_chunks`;
-    `down_decode_row_chunks` the down GEMM's `decode_row_chunks`. `gate_up_swiglu`: the gate/up GEMM applies
-    SwiGLU too (`grouped_matmul(swiglu=True)`; needs its epilogue, one K split and tile_k >= 256; unset, on
-    wherever those hold). `expert_offset`: the weights are one device's experts from that index on (expert
-    parallelism); other pairs count zero.
+    `down_decode_row_chunks` the down GEMM's `decode_row_chunks`; `staging_buffers` both GEMMs'.
+    `gate_up_swiglu`: the gate/up GEMM applies SwiGLU too (`grouped_matmul(swiglu=True)`; needs its epilogue,
+    one K split and tile_k >= 256; unset, on wherever those hold). `expert_offset`: the weights are one device's
+    experts from that index on (expert parallelism); other pairs count zero.
     `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation)."""
     tokens, top_k = ids.shape
     config = default_config(tokens)
@@ -251,6 +252,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         down_decode_row_chunks = math.gcd(config["down_decode_row_chunks"], down_tile_n // 64)
     if gate_up_decode_row_chunks is None:
         gate_up_decode_row_chunks = config["gate_up_decode_row_chunks"]
+    staging_buffers = config["staging_buffers"] if staging_buffers is None else staging_buffers
     opened_program = config["opened_program"] if opened_program is None else opened_program
     intermediate = down.packed.shape[1] * down.tile_k
     num_experts = gate_up.packed.shape[0]
@@ -281,6 +283,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         raise ValueError("gate_up_swiglu needs the gate/up epilogue (gate_up_epilogue=True) and one K split, "
                          f"got gate_up_epilogue={gate_up_epilogue}, gate_up_splits={gate_up_splits}")
     gu = matmul(xs, block_expert, gate_up.packed, gate_up.scales, block_t=block_t, tile_k=gate_up.tile_k,
+                staging_buffers=staging_buffers,
                 splits=gate_up_splits, stages=gate_up_stages, tile_n=gate_up_tile_n,
                 decode_chunks=gate_up_decode_chunks, decode_row_chunks=gate_up_decode_row_chunks, shared_rows=shared,
                 global_scale=gate_up.global_scale if scaled_gate_up else None, swiglu=gate_up_swiglu)
@@ -293,7 +296,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     act = gu[0] if gate_up_swiglu else mg._swiglu(gu[0, :, :intermediate], gu[0, :, intermediate:]).astype(x.dtype)
     down_gemm = functools.partial(matmul, act, block_expert, down.packed, down.scales, block_t=block_t,
                                   tile_k=down.tile_k, splits=1, stages=down_stages, tile_n=down_tile_n,
-                                  decode_row_chunks=down_decode_row_chunks)
+                                  decode_row_chunks=down_decode_row_chunks, staging_buffers=staging_buffers)
     if not down_epilogue:
         # Only the pairs' rows are scaled and weighted (rows of unused blocks and padding are not).
         pair_expert = jnp.minimum(local_ids.reshape(-1), num_experts - 1)

@@ -111,19 +111,29 @@ def _specs(experts, n, k, blocks, block_t, tile_k, shared_rows=False):
             spec((experts, k // tile_k, n, tile_k // 64), jnp.uint32))
 
 
-@pytest.mark.parametrize("n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,stages,output,chunks,row_chunks", [
-    (640, 5120, 8, 8, 256, 4, 64, False, 2, "sums", 1, 1), (640, 5120, 8, 8, 256, 1, 128, False, 4, "scaled", 1, 1),
-    (5120, 320, 5, 16, 64, 1, 256, False, 4, "by_pair", 1, 1), (640, 5120, 64, 16, 256, 1, 64, True, 2, "scaled", 1, 1),
-    (5120, 320, 57, 8, 64, 1, 128, True, 4, "sums", 1, 1), (5120, 320, 8, 8, 64, 1, 64, True, 4, "scaled", 1, 1),
-    (640, 5120, 57, 8, 256, 1, 64, True, 2, "sums", 4, 1), (640, 5120, 30, 8, 256, 1, 64, False, 2, "scaled", 2, 1),
-    (640, 5120, 57, 8, 256, 1, 64, True, 2, "swiglu", 2, 1), (640, 5120, 30, 16, 256, 1, 64, False, 2, "swiglu", 1, 1),
-    (5120, 320, 5, 16, 64, 1, 256, False, 2, "by_pair", 1, 4), (640, 5120, 8, 8, 256, 1, 128, False, 2, "sums", 2, 2),
-    (640, 5120, 30, 8, 256, 1, 128, False, 2, "swiglu", 1, 2)])
+@pytest.mark.parametrize(
+    "n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,stages,output,chunks,row_chunks,buffers", [
+        (640, 5120, 8, 8, 256, 4, 64, False, 2, "sums", 1, 1, 1),
+        (640, 5120, 8, 8, 256, 1, 128, False, 4, "scaled", 1, 1, 1),
+        (5120, 320, 5, 16, 64, 1, 256, False, 4, "by_pair", 1, 1, 1),
+        (640, 5120, 64, 16, 256, 1, 64, True, 2, "scaled", 1, 1, 1),
+        (5120, 320, 57, 8, 64, 1, 128, True, 4, "sums", 1, 1, 1),
+        (5120, 320, 8, 8, 64, 1, 64, True, 4, "scaled", 1, 1, 1),
+        (640, 5120, 57, 8, 256, 1, 64, True, 2, "sums", 4, 1, 1),
+        (640, 5120, 30, 8, 256, 1, 64, False, 2, "scaled", 2, 1, 1),
+        (640, 5120, 57, 8, 256, 1, 64, True, 2, "swiglu", 2, 1, 1),
+        (640, 5120, 30, 16, 256, 1, 64, False, 2, "swiglu", 1, 1, 1),
+        (5120, 320, 5, 16, 64, 1, 256, False, 2, "by_pair", 1, 4, 1),
+        (640, 5120, 8, 8, 256, 1, 128, False, 2, "sums", 2, 2, 1),
+        (640, 5120, 30, 8, 256, 1, 128, False, 2, "swiglu", 1, 2, 1),
+        (5120, 320, 5, 8, 64, 1, 256, False, 2, "by_pair", 1, 4, 2),
+        (640, 5120, 30, 8, 256, 1, 64, False, 2, "swiglu", 1, 1, 2)])
 def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, stages, output, chunks,
-                         row_chunks):
+                         row_chunks, buffers):
     """Beam's gate/up and down shapes lower to Mosaic GPU on the CPU (the PTX is built on the GPU)."""
     op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits, tile_n=tile_n,
-                           decode_chunks=chunks, decode_row_chunks=row_chunks, shared_rows=shared_rows, stages=stages)
+                           decode_chunks=chunks, decode_row_chunks=row_chunks, shared_rows=shared_rows, stages=stages,
+                           staging_buffers=buffers)
     specs = _specs(256, n, k, blocks, block_t, tile_k, shared_rows)
     if output != "sums":
         spec = jax.ShapeDtypeStruct
@@ -136,19 +146,21 @@ def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_r
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("experts,n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,chunks,row_chunks", [
-    (16, 128, 512, 3, 8, 256, 1, 64, False, 1, 1), (16, 192, 320, 5, 16, 64, 1, 64, False, 1, 1),
-    (8, 64, 1024, 2, 8, 256, 2, 64, False, 1, 1), (32, 640, 5120, 4, 8, 256, 4, 64, False, 1, 1),
-    (16, 384, 320, 3, 8, 64, 1, 128, False, 1, 1), (16, 512, 320, 2, 8, 64, 1, 256, False, 1, 1),
-    (16, 128, 512, 5, 24, 256, 2, 128, True, 1, 1), (8, 192, 320, 4, 8, 64, 1, 64, True, 1, 1),
-    (16, 128, 512, 3, 8, 256, 1, 64, False, 4, 1), (16, 256, 768, 5, 16, 256, 1, 128, True, 2, 1),
-    (16, 512, 320, 3, 8, 64, 1, 256, False, 1, 4), (16, 384, 320, 3, 16, 64, 1, 128, True, 1, 2),
-    (16, 256, 768, 5, 16, 256, 1, 128, False, 2, 2),
+@pytest.mark.parametrize("experts,n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,chunks,row_chunks,buffers", [
+    (16, 128, 512, 3, 8, 256, 1, 64, False, 1, 1, 1), (16, 192, 320, 5, 16, 64, 1, 64, False, 1, 1, 1),
+    (8, 64, 1024, 2, 8, 256, 2, 64, False, 1, 1, 1), (32, 640, 5120, 4, 8, 256, 4, 64, False, 1, 1, 1),
+    (16, 384, 320, 3, 8, 64, 1, 128, False, 1, 1, 1), (16, 512, 320, 2, 8, 64, 1, 256, False, 1, 1, 1),
+    (16, 128, 512, 5, 24, 256, 2, 128, True, 1, 1, 1), (8, 192, 320, 4, 8, 64, 1, 64, True, 1, 1, 1),
+    (16, 128, 512, 3, 8, 256, 1, 64, False, 4, 1, 1), (16, 256, 768, 5, 16, 256, 1, 128, True, 2, 1, 1),
+    (16, 512, 320, 3, 8, 64, 1, 256, False, 1, 4, 1), (16, 384, 320, 3, 16, 64, 1, 128, True, 1, 2, 1),
+    (16, 256, 768, 5, 16, 256, 1, 128, False, 2, 2, 1),
+    (16, 512, 320, 3, 8, 64, 1, 256, False, 1, 4, 2), (16, 256, 1024, 5, 8, 256, 1, 64, True, 1, 1, 2),
 ])
 def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, chunks,
-                                  row_chunks):
+                                  row_chunks, buffers):
     """The fp32 partial sums; with one split also the finished bf16 projection (`global_scale`); steps
-    decoded and multiplied whole or in K chunks (`decode_chunks`) and row chunks (`decode_row_chunks`)."""
+    decoded and multiplied whole or in K chunks (`decode_chunks`) and row chunks (`decode_row_chunks`), the
+    block scales staged in one buffer or two (`staging_buffers`)."""
     rng = np.random.default_rng(n + k)
     codes = rng.integers(0, 16, (experts, n, k), dtype=np.uint8)
     scale = e4m3_scales(rng, (experts, n, k // 16), signed=True)
@@ -158,7 +170,7 @@ def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits
     operands = (jnp.asarray(x), jnp.asarray(block_expert),
                 *nm.pack_weights(codes, scale, tile_k))
     settings = dict(block_t=block_t, tile_k=tile_k, tile_n=tile_n, decode_chunks=chunks, decode_row_chunks=row_chunks,
-                    shared_rows=shared_rows)
+                    shared_rows=shared_rows, staging_buffers=buffers)
     got = np.asarray(nm.grouped_matmul(*operands, splits=splits, **settings)).sum(0) * nm.OUTPUT_FACTOR
     w = jnp.asarray(E2M1[codes] * np.repeat(scale.astype(np.float32), 16, axis=-1))
     want = np.asarray(nm.grouped_matmul_reference(jnp.asarray(x), jnp.asarray(block_expert), w, block_t=block_t,
