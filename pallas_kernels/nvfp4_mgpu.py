@@ -473,7 +473,7 @@ def _scratch(tile_n: int, tile_k: int, block_t: int, out_dtype, scaled: bool, sc
     global scales, the tile's scales and their barrier; with row destinations, the block's and theirs; with
     SwiGLU, its output tile."""
     scratch = dict(out_smem=plgpu.SMEM((block_t, tile_n), out_dtype),
-                   staged_smem=plgpu.SMEM((staging_buffers, tile_n * tile_k // 16), jnp.uint32))  # a word a scale
+                   staged_smem=plgpu.SMEM((staging_buffers * tile_n * tile_k // 16,), jnp.uint32))  # a word a scale
     if scaled:  # SwiGLU programs copy their gate rows' scales and their up rows' in two copies
         scratch.update(scale_smem=plgpu.SMEM((tile_n,), jnp.float32),
                        scale_barrier=plgpu.Barrier(num_arrivals=2 if swiglu else 1))
@@ -577,7 +577,10 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                 if swiglu:  # [2, tile_n / 2, ...] boxes: the rows of one tile (`_tile_programs`)
                     w_smem, s_smem = w_smem.reshape(tile_n, tile_k // 2), s_smem.reshape(-1, _SCALE_ROW)
                 weights = w_smem if line_box else plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT)
-                staged = staged_smem.at[indices[0] % 2 if staging_buffers == 2 else 0]
+                staged = staged_smem  # (one buffer: the ref itself, no view)
+                if staging_buffers == 2:
+                    size = tile_n * tile_k // 16
+                    staged = staged_smem.at[pl.ds(indices[0] % 2 * size, size)]
                 stage(s_smem, staged)
                 chunk_k, chunk_n = tile_k // decode_chunks, tile_n // decode_row_chunks
                 for piece, decode in enumerate(decodes):
