@@ -70,11 +70,6 @@ def kernel_experts(gate: mg.ExpertWeights, up: mg.ExpertWeights, down: mg.Expert
             KernelNvfp4.from_expert_weights(down, tile_k=down_tile_k))
 
 
-def _max_blocks(pairs: int, num_experts: int, block_t: int) -> int:
-    """Static bound on sum over experts of ceil(count / block_t): the grid's block count."""
-    return -(-pairs // block_t) + min(num_experts, pairs)
-
-
 def pair_blocks(ids, num_experts: int, block_t: int):
     """Pairs sorted into blocks of one expert: (row of each pair, expert of each block (-1: unused),
     pair of each row (-1 for padding rows; `row_tokens` gives their tokens)). `ids == num_experts`
@@ -91,7 +86,7 @@ def pair_blocks(ids, num_experts: int, block_t: int):
         row_pair = jnp.asarray(np.where(rows % block_t == 0, rows // block_t, -1), jnp.int32)
         block_expert = jnp.where(ids[0] < num_experts, ids[0], -1).astype(jnp.int32)
         return pair_row, block_expert, row_pair
-    num_blocks = _max_blocks(pairs, num_experts, block_t)
+    num_blocks = rg.max_blocks(pairs, num_experts, block_t)
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     counts = jnp.bincount(flat, length=num_experts + 1)  # the last entry counts other devices' pairs
@@ -126,7 +121,7 @@ def _blocks_by_comparison(ids, num_experts: int, block_t: int):
     kernels of either, ~12 us at T = 64)."""
     tokens, top_k = ids.shape
     pairs = tokens * top_k
-    num_blocks = _max_blocks(pairs, num_experts, block_t)
+    num_blocks = rg.max_blocks(pairs, num_experts, block_t)
     flat = ids.reshape(-1).astype(jnp.int32)
     p = jnp.arange(pairs)
     local = flat < num_experts  # `num_experts` marks another device's pair (see `pair_blocks`)
@@ -218,8 +213,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
               gate_up_epilogue: bool | None = None, down_epilogue: bool | None = None,
               gate_up_decode_chunks: int | None = None, gate_up_decode_row_chunks: int | None = None,
               down_decode_row_chunks: int | None = None, gate_up_swiglu: bool | None = None,
-              staging_buffers: int | None = None,
-              opened_program: dict | None = None, expert_offset: int | jax.Array | None = None,
+              staging_buffers: int | None = None, opened_program: dict | None = None,
+              expert_offset: int | jax.Array | None = None,
               matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
@@ -283,10 +278,10 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         raise ValueError("gate_up_swiglu needs the gate/up epilogue (gate_up_epilogue=True) and one K split, "
                          f"got gate_up_epilogue={gate_up_epilogue}, gate_up_splits={gate_up_splits}")
     gu = matmul(xs, block_expert, gate_up.packed, gate_up.scales, block_t=block_t, tile_k=gate_up.tile_k,
-                staging_buffers=staging_buffers,
                 splits=gate_up_splits, stages=gate_up_stages, tile_n=gate_up_tile_n,
                 decode_chunks=gate_up_decode_chunks, decode_row_chunks=gate_up_decode_row_chunks, shared_rows=shared,
-                global_scale=gate_up.global_scale if scaled_gate_up else None, swiglu=gate_up_swiglu)
+                global_scale=gate_up.global_scale if scaled_gate_up else None, swiglu=gate_up_swiglu,
+                staging_buffers=staging_buffers)
     if not scaled_gate_up:
         row_expert = jnp.maximum(jnp.repeat(block_expert, block_t), 0)  # unused rows: any expert, never read
         # One global scale per projection (gate, up): [rows, 2] gathered, not a row of N scales per row.

@@ -99,9 +99,15 @@ def opening_pairs(ids, *, num_experts: int, block_t: int, expert_offset=0):
     return ((pair_expert < num_experts) & (rank % block_t == 0)).astype(jnp.int32)
 
 
+def max_blocks(pairs: int, num_experts: int, block_t: int) -> int:
+    """Static bound on sum over experts of ceil(count / block_t), the blocks `pairs` pairs fill: one per expert
+    touched, plus one per `block_t` pairs (a GEMM's grid of blocks)."""
+    return -(-pairs // block_t) + min(num_experts, pairs)
+
+
 def compact_slots(pairs: int, num_experts: int, block_t: int) -> int:
-    """Static bound on the blocks that `pairs` pairs open: one per expert touched, plus one per `block_t` pairs."""
-    return min(pairs, -(-pairs // block_t) + min(num_experts, pairs))
+    """Compact opened slots: `max_blocks`, and never more than one per pair."""
+    return min(pairs, max_blocks(pairs, num_experts, block_t))
 
 
 def opened_blocks_reference(ids, *, num_experts: int, block_t: int, expert_offset=0, compact: bool = False):
