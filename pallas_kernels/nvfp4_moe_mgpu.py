@@ -2,9 +2,9 @@
 
 The weights are repacked once into the kernel's layouts (`KernelNvfp4.from_expert_weights`; the model
 does it at load time on Hopper, `beam_jax.quant.kernel_layout`). Per call the pairs are put into blocks
-of one expert each (decode: one block per distinct expert, multiplying all the step's tokens; 9-48
-tokens: a block slot per pair, built and gathered by one kernel, `row_gather.gather_opened_blocks`;
-larger batches: pairs compared and counted, or sorted, by XLA into blocks of `block_t` rows), and after
+of one expert each (decode: one block per distinct expert, multiplying all the step's tokens; 9-64
+tokens: blocks opened by the pairs, built and gathered by one kernel, `row_gather.gather_opened_blocks`;
+larger batches: pairs sorted by XLA into blocks of `block_t` rows), and after
 each GEMM XLA adds the K splits, applies the global scales, SwiGLU and the routing weights (with
 `gate_up_epilogue` / `down_epilogue` and `gate_up_swiglu`, the GEMMs apply the scales and SwiGLU
 themselves). Rounding follows `moe_gemm_reference`.
@@ -166,13 +166,13 @@ def default_config(tokens: int) -> dict:
     (benchmarks/moe/RESULTS.md; µs of the whole layer unless said; runs O-AA without a session are sessions 8-10).
     Blocks:
     - up to SHARED_ROWS_MAX_TOKENS tokens every block takes all the tokens (`_shared_blocks`: no gather, an
-      expert's weights read once); from 9 to 48 one kernel opens a block per pair and gathers its rows
+      expert's weights read once); from 9 to 64 one kernel opens a block per pair and gathers its rows
       (`rg.gather_opened_blocks`, where compare-and-count and the gather take seven kernels: 94.5 / 143.4
-      against 101.4 / 149.6 at T = 16 / 32, session 22 run A; 160.5 / 175.9 against 164.8 / 180.1 at T = 40 /
-      48, run F), up to 16 tokens in programs of a fifth of the columns (79.0 / 91.7 against 81.1 / 93.8 at
-      T = 12 / 16, slower at 24 / 32, run F); from 49 to 64 compare-and-count (`_blocks_by_comparison`: 8-9 µs
-      faster than sorted blocks at T = 32 and 64, session 19 run D; opened blocks' idle slots cost the GEMMs
-      more than their glue saves: 204.1 against 200.7 at T = 64, session 22 run A); past 64 sorted (`pair_blocks`).
+      against 101.4 / 149.6 at T = 16 / 32, session 22 run A), up to 16 tokens in programs of a fifth of the
+      columns (79.0 / 91.7 against 81.1 / 93.8 at T = 12 / 16, slower at 24 / 32, run F), from 40 in compact
+      slots, E + P/8 programs instead of one per pair (154.9 / 169.6 / 188.8 against 159.5 / 171.8 and
+      compare-and-count's 194.6 at T = 40 / 48 / 64, session 24 run A; below 37 tokens Beam's 256 experts
+      leave no slot to drop); past 64 sorted (`pair_blocks`).
     - 8 rows (wgmma's narrowest N) up to 64 tokens, then 32 up to 1024 (T = 512: 389.6 against 516.5 with
       64 rows and 416.1 with 16, run AA), then 64 (128 were slower at T = 512 and 8192, run W).
     Gate/up GEMM:
@@ -195,7 +195,7 @@ def default_config(tokens: int) -> dict:
     - pipelines of 2 stages past one token (K is 5 steps; 3 and 5 stages were slower, session 22 run B,
       session 23 run C), 4 at one token."""
     shared, small_blocks = tokens <= SHARED_ROWS_MAX_TOKENS, tokens <= 1024
-    builder = "shared" if shared else "opened" if tokens <= 48 else "compare" if tokens <= 64 else "sort"
+    builder = "shared" if shared else "opened" if tokens <= 64 else "sort"
     return dict(block_builder=builder,
                 block_t=8 if tokens <= 64 else 32 if small_blocks else 64, gate_up_splits=4 if tokens == 1 else 1,
                 gate_up_stages=2, gate_up_tile_n=128 if 64 < tokens <= 1024 else 64,
@@ -204,7 +204,7 @@ def default_config(tokens: int) -> dict:
                 gate_up_decode_row_chunks=1, staging_buffers=1,
                 gate_up_epilogue=tokens > 1, down_epilogue=not shared,
                 gate_up_decode_chunks=2 if tokens <= 8 else 1, gate_up_swiglu=True,
-                opened_program=dict(column_groups=5) if tokens <= 16 else {})
+                opened_program=dict(column_groups=5) if tokens <= 16 else dict(compact=True) if tokens >= 40 else {})
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,

@@ -225,13 +225,13 @@ def _epilogues(which: str) -> dict:
     (70, None, None, "sort", "none"), (70, None, None, "sort", "both"), (70, None, None, "sort", "down"),
     (1, None, 4, "shared", "both"), (5, None, 1, "shared", "none"), (5, None, 1, "shared", "both"),
     (5, None, 1, "shared", "down"), (13, None, 2, None, "none"), (5, None, 1, "shared", "swiglu"),
-    (30, None, 1, None, "swiglu"), (13, 2, 1, "opened", "both"), (30, None, 1, "opened", "swiglu"),
+    (30, None, 1, None, "swiglu"), (45, None, 1, None, "both"), (13, 2, 1, "opened", "both"), (30, None, 1, "opened", "swiglu"),
     (30, None, 2, "opened", "none"), (13, 2, 1, "opened-compact", "both"), (30, None, 1, "opened-compact", "swiglu")])
 def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits, builder, epilogue):
     """Blocks, gathers, splits, scales, SwiGLU and combine, with the GEMM emulated in plain jnp:
     experts with more pairs than a block (tails), experts picked by several tokens, unused experts,
-    and unused blocks; None: the defaults (`default_config`: shared rows up to 8 tokens, sorted
-    blocks of 8 rows up to 64, then 32); with and without the kernel's own epilogue."""
+    and unused blocks; None: the defaults (`default_config`: shared rows up to 8 tokens, opened
+    blocks of 8 rows up to 64, then sorted blocks of 32); with and without the kernel's own epilogue."""
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 256, 64, 16, 4, tile_k=128)
     layer = functools.partial(nmm.moe_nvfp4, block_t=block_t, gate_up_splits=splits, **_builder(builder),
                               **_epilogues(epilogue), matmul=nm.grouped_matmul_emulated)
