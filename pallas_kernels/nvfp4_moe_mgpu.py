@@ -9,9 +9,9 @@ each GEMM XLA adds the K splits, applies the global scales, SwiGLU and the routi
 `gate_up_epilogue` / `down_epilogue` and `gate_up_swiglu`, the GEMMs apply the scales and SwiGLU
 themselves). Rounding follows `moe_gemm_reference`.
 
-H200 (benchmarks/moe/RESULTS.md, session 22 run D): 58.7 / 92.9 / 141.2 / 200.4 us at T = 8 / 16 / 32 / 64
-(61.7 / 72.3 / 74.1 / 75.2 % of the HBM floor), 2.71-2.90x faster than the bf16 layer in the same run;
-at T = 1 18.4 us (session 20 run G). The two GEMMs are 90-98 % of the time at T = 8-64.
+H200 (benchmarks/moe/RESULTS.md): 58.9 / 90.7 / 137.0 / 169.9 / 188.3 us at T = 8 / 16 / 32 / 48 / 64
+(61.5 / 74.0 / 76.4 / 78.3 / 80.1 % of the HBM floor; sessions 23-25), 2.70-3.13x faster than the bf16 layer in
+the same runs; at T = 1 18.7 us (session 24 run A). The two GEMMs are 90-98 % of the time at T = 8-64.
 """
 
 from __future__ import annotations
@@ -171,8 +171,9 @@ def default_config(tokens: int) -> dict:
       against 101.4 / 149.6 at T = 16 / 32, session 22 run A), up to 16 tokens in programs of a fifth of the
       columns (79.0 / 91.7 against 81.1 / 93.8 at T = 12 / 16, slower at 24 / 32, run F), from 40 in compact
       slots, E + P/8 programs instead of one per pair (154.9 / 169.6 / 188.8 against 159.5 / 171.8 and
-      compare-and-count's 194.6 at T = 40 / 48 / 64, session 24 run A; below 37 tokens Beam's 256 experts
-      leave no slot to drop); past 64 sorted (`pair_blocks`).
+      compare-and-count's 194.6 at T = 40 / 48 / 64, session 24 run A; 156.3 / 169.9 / 188.3 against 158.0 /
+      171.7 / 194.0 in session 25; below 37 tokens Beam's 256 experts leave no slot to drop); past 64
+      sorted (`pair_blocks`).
     - 8 rows (wgmma's narrowest N) up to 64 tokens, then 32 up to 1024 (T = 512: 389.6 against 516.5 with
       64 rows and 416.1 with 16, run AA), then 64 (128 were slower at T = 512 and 8192, run W).
     Gate/up GEMM:
