@@ -22,7 +22,7 @@ Variants (MoE layer = both GEMMs, SwiGLU, routing-weight combine; routing exclud
               in the wgmma registers; weights repacked once before timing, as at load time);
               bf16 at T >= 512: pallas_kernels.bf16_moe_mgpu.moe_bf16 (TMA + wgmma prefill GEMM);
               mosaic_sort (1 < T <= 64): the same with sorted blocks instead of its default ones (shared
-              rows up to 8 tokens, built by compare-and-count up to 64). Timed by `time_calls`
+              rows up to 8 tokens, opened by the pairs up to 64). Timed by `time_calls`
               (no wall time)
 Routing: pallas_kernels.routing.routing_kernel against the jitted plain-jnp reference.
 

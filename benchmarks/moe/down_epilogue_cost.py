@@ -4,7 +4,7 @@ Session 20's `decode_cost.py` timed the down GEMM alone at ~64 us at T = 64: 205
 fp32 rows, ~3.8 TB/s of traffic. Inside the layer it takes ~70 us for about the same weights and 5 MB of bf16
 rows, ~3.0 TB/s (RESULTS.md, session 22): its blocks (idle slots included) or its epilogue cost the
 difference. This times the down GEMM alone on the layer's own blocks (built from routed ids as the layer builds
-them: compare-and-count or opened slots) with each of its output paths:
+them: opened slots, plain or compact, or compare-and-count) with each of its output paths:
   sums        fp32 rows of every block (the stand-alone timing's path);
   scaled      bf16 rows times the global scales, whole blocks (`global_scale=`);
   pair_order  the layer's path: scaled rows stored one at a time to their pair's row (`row_destination=`),
@@ -44,8 +44,9 @@ GEMMS = {"down": (bench.H, 320, 64, ("sums", "scaled", "pair_order")),
 
 def layer_blocks(ids, builder: str):
     """(expert of each block, pair of each row) as the layer builds them from `ids [T, top_k]`."""
-    if builder == "opened":
-        return rg.opened_blocks_reference(ids.reshape(-1), num_experts=bench.E, block_t=BLOCK_T)
+    if builder in ("opened", "opened-compact"):
+        return rg.opened_blocks_reference(ids.reshape(-1), num_experts=bench.E, block_t=BLOCK_T,
+                                          compact=builder == "opened-compact")
     _, block_expert, row_pair = nmm._blocks_by_comparison(ids, bench.E, BLOCK_T)
     return block_expert, row_pair
 
@@ -110,7 +111,8 @@ def time_paths(tokens: int, builder: str, modes, *, tile_n: int = 256, stages: i
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", default="16,32,48,64")
-    parser.add_argument("--builders", default="opened,compare", help="the layer's blocks at 9-48 tokens and 49-64")
+    parser.add_argument("--builders", default="opened,compare",
+                        help="opened, opened-compact (the layer's blocks at 9-39 and 40-64 tokens) or compare")
     parser.add_argument("--modes", default="full,copy", help="decode_cost.stand_in modes for the layer's path")
     parser.add_argument("--gemm", default="down", choices=sorted(GEMMS))
     parser.add_argument("--shapes", default=None, help="tile_n x stages [x decode_row_chunks [x decode_chunks]], "
