@@ -225,7 +225,8 @@ def _epilogues(which: str) -> dict:
     (70, None, None, "sort", "none"), (70, None, None, "sort", "both"), (70, None, None, "sort", "down"),
     (1, None, 4, "shared", "both"), (5, None, 1, "shared", "none"), (5, None, 1, "shared", "both"),
     (5, None, 1, "shared", "down"), (13, None, 2, None, "none"), (5, None, 1, "shared", "swiglu"),
-    (30, None, 1, None, "swiglu"), (45, None, 1, None, "both"), (13, 2, 1, "opened", "both"), (30, None, 1, "opened", "swiglu"),
+    (30, None, 1, None, "swiglu"), (45, None, 1, None, "both"), (13, 2, 1, "opened", "both"),
+    (30, None, 1, "opened", "swiglu"),
     (30, None, 2, "opened", "none"), (13, 2, 1, "opened-compact", "both"), (30, None, 1, "opened-compact", "swiglu")])
 def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits, builder, epilogue):
     """Blocks, gathers, splits, scales, SwiGLU and combine, with the GEMM emulated in plain jnp:
