@@ -484,6 +484,60 @@ def _scratch(tile_n: int, tile_k: int, block_t: int, out_dtype, scaled: bool, sc
     return scratch
 
 
+PDL_MODES = ("off", "wait", "prefetch")
+
+
+def _block_of(spec, ref, indices):
+    """The gmem window of `spec`'s block at `indices` (squeezed dims indexed, others sliced)."""
+    squeezed = lambda d: d is None or isinstance(d, pl.Squeezed)  # noqa: E731
+    return ref.at[tuple(i if squeezed(d) else pl.ds(i * d, d) for i, d in zip(spec.index_map(*indices),
+                                                                              spec.block_shape))]
+
+
+def _prefetched_k_loop(step, specs, gmem_refs, *, k_steps: int, stages: int, after_wait):
+    """`emit_pipeline(step, grid=(k_steps,), in_specs=specs, max_concurrent_steps=stages)` for a dependent
+    launch: the weight specs' (all but the last) first `stages` steps are fetched before `griddepcontrol.wait`,
+    so that they stream while the kernel before still runs; then `after_wait()`, the activations of every
+    step (the last spec) into one buffer, and the signal that lets the next kernel launch."""
+    weight_specs, x_spec = specs[:-1], specs[-1]
+    stages = min(stages, k_steps)
+    shape = lambda spec: tuple(d for d in spec.block_shape if not (d is None or isinstance(d, pl.Squeezed)))  # noqa: E731
+
+    def scoped(weight_bufs, x_buf, weight_barriers, x_barrier):
+        def fetch(kk, slot):
+            for spec, ref, buf in zip(weight_specs, gmem_refs, weight_bufs):
+                plgpu.copy_gmem_to_smem(_block_of(spec, ref, (kk,)), buf.at[slot], weight_barriers.at[slot])
+
+        for kk in range(stages):
+            fetch(kk, kk)
+        plgpu.griddepcontrol_wait()
+        after_wait()
+        for kk in range(k_steps):
+            plgpu.copy_gmem_to_smem(_block_of(x_spec, gmem_refs[-1], (kk,)), x_buf.at[kk], x_barrier)
+        plgpu.griddepcontrol_launch_dependents()
+        plgpu.barrier_wait(x_barrier)
+
+        def body(kk, carry):
+            slot = kk % stages
+            plgpu.barrier_wait(weight_barriers.at[slot])
+            step((kk,), *(buf.at[slot] for buf in weight_bufs), x_buf.at[kk])
+
+            @pl.when(kk + stages < k_steps)
+            def _():
+                fetch(kk + stages, slot)
+
+            return carry
+
+        jax.lax.fori_loop(0, k_steps, body, None)
+
+    pl.run_scoped(scoped,
+                  [plgpu.SMEM((stages, *shape(s)), r.dtype, transforms=s.transforms)
+                   for s, r in zip(weight_specs, gmem_refs)],
+                  plgpu.SMEM((k_steps, *shape(x_spec)), gmem_refs[-1].dtype, transforms=x_spec.transforms),
+                  plgpu.Barrier(num_arrivals=len(weight_specs), num_barriers=stages),
+                  plgpu.Barrier(num_arrivals=k_steps))
+
+
 def _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, *, block_t: int, tile_n: int, scale_smem=None,
                 destination_smem=None):
     """A finished tile (block b, rows ni, split si): the accumulator transposed into `out_smem` (times the
@@ -506,7 +560,7 @@ def _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, *, block_t
 def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
                    stages: int = 4, tile_n: int = 64, decode_chunks: int = 1, decode_row_chunks: int = 1,
                    shared_rows: bool = False, global_scale=None, row_destination=None, out_rows: int | None = None,
-                   swiglu: bool = False, staging_buffers: int = 1):
+                   swiglu: bool = False, staging_buffers: int = 1, pdl: str = "off"):
     """`xs [B*block_t, K]` bf16, `block_expert [B]` int32 (-1: skip the block),
     `packed [E, K/tile_k, N, tile_k/2]` uint8 and `scales [E, K/tile_k, N, tile_k/64]` uint32 (`pack_weights`) ->
     `[splits, B*block_t, N]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
@@ -532,7 +586,13 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     program takes tile_n / 2 gate rows and their up rows (one box a step, `_tile_programs`), and the output is
     `[1, B*block_t, I]` bf16, `moe_gemm._swiglu` of the two finished projections: XLA's SwiGLU pass and half
     the bytes go. (Session 19's version, two boxes of 32 rows read by the decode from swizzled smem, made the
-    GEMM 3-10 us slower at T = 8-64, more than the 2.2-3.0 us of XLA's SwiGLU it saved; H200, session 20.)"""
+    GEMM 3-10 us slower at T = 8-64, more than the 2.2-3.0 us of XLA's SwiGLU it saved; H200, session 20.)
+    `pdl` (programmatic dependent launch; the kernel may start before the kernel ahead of it ends): "wait" waits
+    for it first thing; "prefetch" reads `block_expert`, fetches its weights' first `stages` K steps and the
+    global scales before it waits (none of these may be written by the kernel just before: in the layer they
+    come from before the gate/up GEMM, which waits first thing), and the activations and row destinations
+    after. Both then let the next kernel launch (`griddepcontrol.launch_dependents`), which a "prefetch" down
+    GEMM after a "wait" gate/up GEMM uses to stream its weights during the gate/up GEMM's last wave."""
     scaled, scattered = _check_operands(xs, block_expert, packed, scales, block_t=block_t, tile_k=tile_k, splits=splits,
                                         tile_n=tile_n, shared_rows=shared_rows, global_scale=global_scale,
                                         row_destination=row_destination, out_rows=out_rows)
@@ -542,6 +602,10 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         raise ValueError(f"decode_row_chunks={decode_row_chunks} must split tile_n={tile_n} into multiples of 64")
     if staging_buffers not in (1, 2):
         raise ValueError(f"staging_buffers must be 1 or 2, got {staging_buffers}")
+    if pdl not in PDL_MODES:
+        raise ValueError(f"pdl must be one of {PDL_MODES}, got {pdl!r}")
+    if pdl == "prefetch" and xs.shape[0] < block_t:
+        raise ValueError(f"pdl='prefetch' needs whole blocks of activations: {xs.shape[0]} rows, block_t {block_t}")
     k, n, blocks = xs.shape[1], packed.shape[2], block_expert.shape[0]
     line_box = tile_k // 2 < _LINE
     half_n = tile_n // 2  # SwiGLU programs: gate rows, and as many up rows
@@ -569,6 +633,9 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         *optional_gmem, out_gmem = gmem
         global_scale_gmem, row_destination_gmem = (*optional_gmem, None, None)[:2]
         b, ni, si = (jax.lax.axis_index(a) for a in ("b", "n", "s"))
+        if pdl == "wait":
+            plgpu.griddepcontrol_wait()
+            plgpu.griddepcontrol_launch_dependents()
         expert = block_expert_gmem[b]
         k0 = si * k_steps
 
@@ -592,9 +659,18 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                         plgpu.wgmma_wait(1)
                 plgpu.wgmma_wait(0)
 
-            plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=in_specs(expert, k0, ni, 0 if shared_rows else b),
-                                max_concurrent_steps=stages)(packed_gmem, scales_gmem, xs_gmem)
+            specs = in_specs(expert, k0, ni, 0 if shared_rows else b)
+            if pdl == "prefetch":
+                _prefetched_k_loop(step, specs, (packed_gmem, scales_gmem, xs_gmem), k_steps=k_steps, stages=stages,
+                                   after_wait=copy_destinations)
+            else:
+                plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=specs,
+                                    max_concurrent_steps=stages)(packed_gmem, scales_gmem, xs_gmem)
             return acc_ref[...]
+
+        def copy_destinations():
+            if scattered:
+                plgpu.copy_gmem_to_smem(row_destination_gmem.at[b], destination_smem, destination_barrier)
 
         @pl.when(expert >= 0)  # unused blocks (expert -1) are skipped; their output is left unwritten
         def _():
@@ -608,8 +684,8 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
             elif scaled:
                 plgpu.copy_gmem_to_smem(global_scale_gmem.at[expert, pl.ds(ni * tile_n, tile_n)], scale_smem,
                                         scale_barrier)
-            if scattered:
-                plgpu.copy_gmem_to_smem(row_destination_gmem.at[b], destination_smem, destination_barrier)
+            if pdl != "prefetch":  # (else after the wait, in the K loop)
+                copy_destinations()
             acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, block_t)))
             for barrier in (scale_barrier, destination_barrier):
                 if barrier is not None:
@@ -649,11 +725,12 @@ def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: 
 def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, tile_k: int, splits: int = 1,
                             stages: int = 4, tile_n: int = 64, decode_chunks: int = 1, decode_row_chunks: int = 1,
                             shared_rows: bool = False, global_scale=None, row_destination=None,
-                            out_rows: int | None = None, swiglu: bool = False, staging_buffers: int = 1):
+                            out_rows: int | None = None, swiglu: bool = False, staging_buffers: int = 1,
+                            pdl: str = "off"):
     """`grouped_matmul`'s contract in plain jnp, from the kernel layouts (for CPU tests of code that
     calls the kernel): decodes the words as the PTX does, then `grouped_matmul_reference`. Blocks
     of expert -1 get NaN, as the kernel leaves them unwritten (any bits); one split holds the whole sum."""
-    del splits, stages, tile_n, decode_chunks, decode_row_chunks, staging_buffers
+    del splits, stages, tile_n, decode_chunks, decode_row_chunks, staging_buffers, pdl
     e, k_steps, n, _ = packed.shape
     k = k_steps * tile_k
     rows = jnp.moveaxis(packed, 1, 2).reshape(e, n, k // 32, 4, 4)  # back to [E, N, K/2], by 32 values and thread

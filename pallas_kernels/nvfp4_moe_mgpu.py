@@ -205,7 +205,8 @@ def default_config(tokens: int) -> dict:
                 gate_up_decode_row_chunks=1, staging_buffers=1,
                 gate_up_epilogue=tokens > 1, down_epilogue=not shared,
                 gate_up_decode_chunks=2 if tokens <= 8 else 1, gate_up_swiglu=True,
-                opened_program=dict(column_groups=5) if tokens <= 16 else dict(compact=True) if tokens >= 40 else {})
+                opened_program=dict(column_groups=5) if tokens <= 16 else dict(compact=True) if tokens >= 40 else {},
+                pdl=False)
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
@@ -214,7 +215,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
               gate_up_epilogue: bool | None = None, down_epilogue: bool | None = None,
               gate_up_decode_chunks: int | None = None, gate_up_decode_row_chunks: int | None = None,
               down_decode_row_chunks: int | None = None, gate_up_swiglu: bool | None = None,
-              staging_buffers: int | None = None, opened_program: dict | None = None,
+              staging_buffers: int | None = None, opened_program: dict | None = None, pdl: bool | None = None,
               expert_offset: int | jax.Array | None = None,
               matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
@@ -228,7 +229,9 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     `gate_up_decode_chunks` / `gate_up_decode_row_chunks`: the gate/up GEMM's `decode_chunks` / `decode_row_chunks`;
     `down_decode_row_chunks` the down GEMM's `decode_row_chunks`; `staging_buffers` both GEMMs'.
     `gate_up_swiglu`: the gate/up GEMM applies SwiGLU too (`grouped_matmul(swiglu=True)`; needs its epilogue,
-    one K split and tile_k >= 256; unset, on wherever those hold). `expert_offset`: the weights are one device's
+    one K split and tile_k >= 256; unset, on wherever those hold). `pdl`: the GEMMs launch as programmatic
+    dependents (`grouped_matmul(pdl=)`: gate/up "wait", down "prefetch", its weights streaming during the
+    gate/up GEMM's last wave). `expert_offset`: the weights are one device's
     experts from that index on (expert parallelism); other pairs count zero.
     `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation)."""
     tokens, top_k = ids.shape
@@ -250,6 +253,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         gate_up_decode_row_chunks = config["gate_up_decode_row_chunks"]
     staging_buffers = config["staging_buffers"] if staging_buffers is None else staging_buffers
     opened_program = config["opened_program"] if opened_program is None else opened_program
+    pdl = config["pdl"] if pdl is None else pdl
     intermediate = down.packed.shape[1] * down.tile_k
     num_experts = gate_up.packed.shape[0]
     if block_builder not in BLOCK_BUILDERS:
@@ -282,7 +286,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
                 splits=gate_up_splits, stages=gate_up_stages, tile_n=gate_up_tile_n,
                 decode_chunks=gate_up_decode_chunks, decode_row_chunks=gate_up_decode_row_chunks, shared_rows=shared,
                 global_scale=gate_up.global_scale if scaled_gate_up else None, swiglu=gate_up_swiglu,
-                staging_buffers=staging_buffers)
+                staging_buffers=staging_buffers, pdl="wait" if pdl else "off")
     if not scaled_gate_up:
         row_expert = jnp.maximum(jnp.repeat(block_expert, block_t), 0)  # unused rows: any expert, never read
         # One global scale per projection (gate, up): [rows, 2] gathered, not a row of N scales per row.
@@ -292,7 +296,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     act = gu[0] if gate_up_swiglu else mg._swiglu(gu[0, :, :intermediate], gu[0, :, intermediate:]).astype(x.dtype)
     down_gemm = functools.partial(matmul, act, block_expert, down.packed, down.scales, block_t=block_t,
                                   tile_k=down.tile_k, splits=1, stages=down_stages, tile_n=down_tile_n,
-                                  decode_row_chunks=down_decode_row_chunks, staging_buffers=staging_buffers)
+                                  decode_row_chunks=down_decode_row_chunks, staging_buffers=staging_buffers,
+                                  pdl="prefetch" if pdl else "off")
     if not down_epilogue:
         # Only the pairs' rows are scaled and weighted (rows of unused blocks and padding are not).
         pair_expert = jnp.minimum(local_ids.reshape(-1), num_experts - 1)

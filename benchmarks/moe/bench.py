@@ -215,6 +215,68 @@ def time_calls(op, stacked, *rest):
     return mean_us, [(name, ms * 1e3) for name, ms in timings[:per_call]], first
 
 
+def _traced_device_kernels(run) -> list[tuple[int, int, str]]:
+    """(start ns, end ns, name) of the device's kernels (and copies) while `run()` runs, from a profiler trace,
+    sorted by start."""
+    import glob
+    import tempfile
+
+    from jax.profiler import ProfileData
+
+    with tempfile.TemporaryDirectory() as folder:
+        jax.profiler.start_trace(folder)
+        try:
+            run()
+        finally:
+            jax.profiler.stop_trace()
+        (path,) = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
+        data = ProfileData.from_file(path)
+        gpus = [plane for plane in data.planes if plane.name.startswith("/device:GPU")]
+        events = [(e.start_ns, e.end_ns, e.name) for plane in gpus for line in plane.lines
+                  if line.name.startswith("Stream") for e in line.events]
+        if not events:
+            raise RuntimeError(f"no kernels on a stream line: planes {[p.name for p in data.planes]}, "
+                               f"GPU lines {[line.name for plane in gpus for line in plane.lines]}")
+    return sorted(events)
+
+
+def busy_matmul(a):
+    """A long matmul (~1.6 ms on an H200 at 8192^2) queued before each timed call by `time_spans`."""
+    return a @ a
+
+
+def time_spans(op, stacked, *rest):
+    """Device time of `jit(op)` per call as the span of its kernels, first start to last end, from a profiler
+    trace: unlike `time_calls` (CUPTI's summed kernel durations) it counts the gaps between a call's kernels
+    and counts kernels that overlap (programmatic dependent launch) once. Each call is queued behind
+    `busy_matmul`, so its kernels wait on the device, not on the host's launches. Returns (mean span µs, the
+    first call's kernels as (name, start µs after the call's first kernel, µs))."""
+    fn, busy = jax.jit(op), jax.jit(busy_matmul)
+    repeats = jax.tree_util.tree_leaves(stacked)[0].shape[0]
+    calls = [jax.tree_util.tree_map(lambda a, r=r: a[r], stacked) for r in range(repeats)]
+    a = jnp.ones((8192, 8192), jnp.bfloat16)
+    jax.block_until_ready((fn(*calls[0], *rest), busy(a)))  # compile and warm up
+    busy_names = {name for _, _, name in _traced_device_kernels(lambda: jax.block_until_ready(busy(a)))}
+
+    def run():
+        jax.block_until_ready([(busy(a), fn(*args, *rest)) for args in calls])
+
+    spans, current = [], []
+    for start, end, name in _traced_device_kernels(run) + [(None, None, None)]:
+        if name in busy_names or name is None:
+            if current:
+                spans.append(current)
+            current = []
+        else:
+            current.append((start, end, name))
+    if len(spans) != repeats:
+        raise RuntimeError(f"{len(spans)} groups of kernels for {repeats} calls: {[len(s) for s in spans]}, "
+                           f"the matmul's kernels {sorted(busy_names)}")
+    mean_us = sum(max(e for _, e, _ in s) - min(b for b, _, _ in s) for s in spans) / len(spans) / 1e3
+    first = spans[0][0][0]
+    return mean_us, [(name, (b - first) / 1e3, (e - b) / 1e3) for b, e, name in spans[0]]
+
+
 # --------------------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------------------

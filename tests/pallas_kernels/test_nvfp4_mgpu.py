@@ -96,6 +96,12 @@ def test_bad_shapes_are_rejected():
             nm.grouped_matmul(jnp.zeros((rows, 512), jnp.bfloat16), jnp.zeros((2,), jnp.int32),
                               jnp.zeros((4, 2, 64, 128), jnp.uint8), jnp.zeros((4, 2, 64, 4), jnp.uint32), block_t=16,
                               shared_rows=True)
+    weights = (jnp.zeros((4, 2, 64, 128), jnp.uint8), jnp.zeros((4, 2, 64, 4), jnp.uint32))
+    with pytest.raises(ValueError, match="pdl must be one of"):
+        nm.grouped_matmul(xs, jnp.zeros((2,), jnp.int32), *weights, block_t=8, pdl="early")
+    with pytest.raises(ValueError, match="whole blocks"):  # shared rows under 8: the TMA box reads past the rows
+        nm.grouped_matmul(jnp.zeros((5, 512), jnp.bfloat16), jnp.zeros((2,), jnp.int32), *weights, block_t=8,
+                          shared_rows=True, pdl="prefetch")
 
 
 def _shared_x_rows(block_t: int) -> int:
@@ -143,6 +149,27 @@ def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_r
                                                     row_destination=args[5] if scatter else None, **scatter), op=op)
     text = jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("n,k,tile_k,tile_n,row_chunks,pdl,output", [
+    (5120, 320, 64, 256, 4, "prefetch", "by_pair"), (5120, 320, 64, 128, 1, "prefetch", "sums"),
+    (640, 5120, 256, 64, 1, "wait", "swiglu"), (640, 5120, 256, 64, 1, "off", "swiglu")])
+def test_dependent_launch_lowers_for_cuda(n, k, tile_k, tile_n, row_chunks, pdl, output):
+    """`pdl`: the kernel module asks for a programmatic dependent launch (its `griddepcontrol.wait` makes the
+    launch use it), and only then."""
+    blocks, block_t = 16, 8
+    op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, tile_n=tile_n,
+                           decode_row_chunks=row_chunks, stages=2, pdl=pdl)
+    specs = _specs(256, n, k, blocks, block_t, tile_k)
+    if output != "sums":
+        spec = jax.ShapeDtypeStruct
+        specs = (*specs, spec((256, n), jnp.float32), spec((blocks, block_t), jnp.int32))
+        scatter = dict(out_rows=blocks * block_t // 2) if output == "by_pair" else {}
+        op = functools.partial(lambda *args, op: op(*args[:4], global_scale=args[4], swiglu=output == "swiglu",
+                                                    row_destination=args[5] if scatter else None, **scatter), op=op)
+    text = jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    assert ("uses_pdl" in text) == (pdl != "off")
 
 
 @pytest.mark.gpu
@@ -347,6 +374,22 @@ def test_unknown_block_builder_is_rejected():
         nmm.moe_nvfp4(*problem[:3], gate_up, down, block_builder="hash", matmul=nm.grouped_matmul_emulated)
 
 
+@pytest.mark.parametrize("pdl,modes", [(True, ["wait", "prefetch"]), (False, ["off", "off"])])
+def test_layer_launches_its_gemms_as_dependents_when_asked(pdl, modes):
+    """`moe_nvfp4(pdl=True)`: gate/up waits first thing, down prefetches its weights (`grouped_matmul(pdl=)`),
+    and the output is the same."""
+    problem, (gate_up, down) = _layer_problem(1, 13, 256, 64, 16, 4, tile_k=128)
+    asked = []
+
+    def matmul(*args, pdl, **kwargs):
+        asked.append(pdl)
+        return nm.grouped_matmul_emulated(*args, **kwargs)
+
+    got = nmm.moe_nvfp4(*problem[:3], gate_up, down, pdl=pdl, matmul=matmul)
+    assert asked == modes
+    _assert_layer_close(problem, got)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,down_tile_n,builder,epilogue,chunks", [
     (1, 64, None, "none", None), (1, 64, None, "both", None), (8, 128, None, "none", None),
@@ -363,6 +406,20 @@ def test_layer_matches_reference_on_gpu(tokens, down_tile_n, builder, epilogue, 
     layer = functools.partial(nmm.moe_nvfp4, down_tile_n=down_tile_n, **_builder(builder),
                               gate_up_decode_chunks=chunks, **_epilogues(epilogue))
     _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 5, 8, 16, 40, 70])
+def test_dependent_launches_match_reference_on_gpu(tokens):
+    """The layer with its GEMMs launched as programmatic dependents (gate/up waiting first thing, down
+    prefetching its weights before it waits), on the defaults' blocks at each size; the same call twice in a
+    row, so that the second's down GEMM may start during the first's kernels."""
+    problem, (gate_up, down) = _layer_problem(tokens + 100, tokens, 5120, 320, 256, 8, tile_k=256)
+    layer = functools.partial(nmm.moe_nvfp4, pdl=True)
+    twice = jax.jit(lambda *args: (layer(*args), layer(args[0] * 2, *args[1:])))
+    once, doubled = twice(*problem[:3], gate_up, down)
+    _assert_layer_close(problem, once)
+    _assert_layer_close((problem[0] * 2, *problem[1:]), doubled)
 
 
 @pytest.mark.gpu
