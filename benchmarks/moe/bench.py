@@ -250,12 +250,15 @@ def time_spans(op, stacked, *rest):
     trace: unlike `time_calls` (CUPTI's summed kernel durations) it counts the gaps between a call's kernels
     and counts kernels that overlap (programmatic dependent launch) once. Each call is queued behind
     `busy_matmul`, so its kernels wait on the device, not on the host's launches. Returns (mean span µs, the
-    first call's kernels as (name, start µs after the call's first kernel, µs))."""
+    first call's kernels as (name, µs, start µs after the call's first kernel), the first call's output), as
+    `time_calls` does. Not in a process that has used `time_calls`: the two CUPTI users clash (H200 session 26:
+    "activity records were dropped")."""
     fn, busy = jax.jit(op), jax.jit(busy_matmul)
     repeats = jax.tree_util.tree_leaves(stacked)[0].shape[0]
     calls = [jax.tree_util.tree_map(lambda a, r=r: a[r], stacked) for r in range(repeats)]
     a = jnp.ones((8192, 8192), jnp.bfloat16)
-    jax.block_until_ready((fn(*calls[0], *rest), busy(a)))  # compile and warm up
+    output = jax.block_until_ready(fn(*calls[0], *rest))  # compile and warm up
+    jax.block_until_ready(busy(a))
     busy_names = {name for _, _, name in _traced_device_kernels(lambda: jax.block_until_ready(busy(a)))}
 
     def run():
@@ -274,7 +277,7 @@ def time_spans(op, stacked, *rest):
                            f"the matmul's kernels {sorted(busy_names)}")
     mean_us = sum(max(e for _, e, _ in s) - min(b for b, _, _ in s) for s in spans) / len(spans) / 1e3
     first = spans[0][0][0]
-    return mean_us, [(name, (b - first) / 1e3, (e - b) / 1e3) for b, e, name in spans[0]]
+    return mean_us, [(name, (e - b) / 1e3, (b - first) / 1e3) for b, e, name in spans[0]], output
 
 
 # --------------------------------------------------------------------------------------------------

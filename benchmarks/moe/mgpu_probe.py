@@ -94,8 +94,8 @@ def layer_weights():
 
 def time_layers(t, variants, weights, repeats=4, spans=False):
     """The whole NVFP4 MoE layer, Triton kernels against the Mosaic GEMMs, same weights and tokens:
-    CUPTI total per call (`bench.time_calls`) and one call's kernels; plus each layer's error against
-    the reference; with `spans` also the span of a call's kernels (`bench.time_spans`)."""
+    CUPTI total per call (`bench.time_calls`; with `spans` the span of a call's kernels instead,
+    `bench.time_spans`) and one call's kernels; plus each layer's error against the reference."""
     from pallas_kernels import nvfp4_moe_mgpu as nmm
 
     (gate, up, down), _ = weights
@@ -114,16 +114,14 @@ def time_layers(t, variants, weights, repeats=4, spans=False):
     for name, layer in layers.items():
         t0 = time.time()
         try:
-            total, kernels, got = bench.time_calls(layer, (x, w, ids), weights)
+            total, kernels, got = (bench.time_spans if spans else bench.time_calls)(layer, (x, w, ids), weights)
         except Exception as e:  # noqa: BLE001 - report and go on with the other variants
             row[name] = dict(error=repr(e)[:1000])
             continue
         got = np.asarray(got, np.float32)[:checked]
-        row[name] = dict(us=total, kernels=kernels,
-                         max_err=float(np.abs(got - want).max()), max_ref=float(np.abs(want).max()))
-        if spans:
-            row[name]["span_us"], row[name]["span_kernels"] = bench.time_spans(layer, (x, w, ids), weights)
-        row[name]["seconds"] = round(time.time() - t0, 1)
+        row[name] = dict(us=total, kernels=kernels, timer="span" if spans else "cupti",
+                         max_err=float(np.abs(got - want).max()), max_ref=float(np.abs(want).max()),
+                         seconds=round(time.time() - t0, 1))
     floor_bytes = bench.expert_bytes(gate, up, down) * len(np.unique(np.asarray(ids[0])))
     row["floor_us"] = floor_bytes / HBM_BYTES_PER_S * 1e6
     return row
@@ -153,15 +151,13 @@ def time_bf16_layers(t, variants, weights, repeats=2, spans=False):
     for name, (layer, args) in layers.items():
         t0 = time.time()
         try:
-            us, kernels, got = bench.time_calls(layer, (x, w, ids), args)
+            us, kernels, got = (bench.time_spans if spans else bench.time_calls)(layer, (x, w, ids), args)
         except Exception as e:  # noqa: BLE001 - report and go on
             row[name] = dict(error=repr(e)[:1000])
             continue
         row[name] = dict(us=us, tflops=flops / us / 1e6, kernels=kernels, seconds=round(time.time() - t0, 1),
                          max_err=float(np.abs(np.asarray(got, np.float32)[:checked] - want).max()),
-                         max_ref=float(np.abs(want).max()))
-        if spans:
-            row[name]["span_us"], row[name]["span_kernels"] = bench.time_spans(layer, (x, w, ids), args)
+                         max_ref=float(np.abs(want).max()), timer="span" if spans else "cupti")
     return row
 
 
@@ -222,19 +218,19 @@ def time_glue(t, opened_shapes, repeats=4):
 
 def compare_variants(variants, tokens, with_bf16, record, spans=False):
     """`--variants`: per T, `time_layers` with these settings and a line per layer (µs, % of the floor, error,
-    kernels); with `with_bf16` the model's bf16 layer and its ratio to each NVFP4 variant; with `spans` each
-    layer's span too (`bench.time_spans`), and a line of spans."""
+    kernels); with `with_bf16` the model's bf16 layer and its ratio to each NVFP4 variant; `spans`: timed as
+    the span of a call's kernels (`bench.time_spans`), the kernels' start times in the lines."""
     nvfp4 = layer_weights()
     bf16 = bench.make_weights("bf16", jax.random.key(0)) if with_bf16 else None
     for t in tokens:
         row = time_layers(t, variants, nvfp4, spans=spans)
         record(row)
-        bf16_us = bf16_span = None
+        bf16_us = None
         if with_bf16 and t > 1:
             bf16_row = time_bf16_layers(t, [], bf16, spans=spans)
             record(bf16_row)
-            bf16_us, bf16_span = bf16_row["moe_gemm"].get("us"), bf16_row["moe_gemm"].get("span_us")
-            print(f"SUMMARY T={t} bf16 moe_gemm {bf16_us} us, span {bf16_span}", flush=True)
+            bf16_us = bf16_row["moe_gemm"].get("us")
+            print(f"SUMMARY T={t} bf16 moe_gemm {bf16_us} us", flush=True)
         for name, layer in row.items():
             if not isinstance(layer, dict):
                 continue
@@ -242,14 +238,10 @@ def compare_variants(variants, tokens, with_bf16, record, spans=False):
                 print(f"SUMMARY T={t} {name} ERROR {layer['error'][:300]}", flush=True)
                 continue
             ratio = f" bf16/this {bf16_us / layer['us']:.2f}" if bf16_us else ""
-            kernels = [(kernel[:10], round(us, 1)) for kernel, us in layer["kernels"]]
+            kernels = [(kernel[:10], *[round(v, 1) for v in times]) for kernel, *times in layer["kernels"]]
             print(f"SUMMARY T={t} {name} {layer['us']:.1f} us ({100 * row['floor_us'] / layer['us']:.1f} % of "
-                  f"{row['floor_us']:.1f}){ratio} err {layer['max_err']:.4f} kernels {kernels}", flush=True)
-            if "span_us" in layer:
-                ratio = f" bf16/this {bf16_span / layer['span_us']:.2f}" if bf16_span else ""
-                starts = [(kernel[:10], round(start, 1), round(us, 1)) for kernel, start, us in layer["span_kernels"]]
-                print(f"SPAN T={t} {name} {layer['span_us']:.1f} us ({100 * row['floor_us'] / layer['span_us']:.1f} "
-                      f"%){ratio} kernels (start, us) {starts}", flush=True)
+                  f"{row['floor_us']:.1f}){ratio} err {layer['max_err']:.4f} {layer['timer']} kernels {kernels}",
+                  flush=True)
 
 
 def main():
@@ -265,7 +257,8 @@ def main():
     parser.add_argument("--variants", help="JSON list of moe_nvfp4 settings: the layer with each, per --tokens")
     parser.add_argument("--tokens", default="1,8,16,32,64", help="token counts for --variants and --glue")
     parser.add_argument("--bf16", action="store_true", help="with --variants: the bf16 layer too (T > 1)")
-    parser.add_argument("--spans", action="store_true", help="with --variants: each call's kernels' span too")
+    parser.add_argument("--spans", action="store_true",
+                        help="with --variants: time each call as its kernels' span, not CUPTI's sum of kernel times")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows = []
