@@ -9,9 +9,10 @@ each GEMM XLA adds the K splits, applies the global scales, SwiGLU and the routi
 `gate_up_epilogue` / `down_epilogue` and `gate_up_swiglu`, the GEMMs apply the scales and SwiGLU
 themselves). Rounding follows `moe_gemm_reference`.
 
-H200 (benchmarks/moe/RESULTS.md): 58.9 / 90.7 / 137.0 / 169.9 / 188.3 us at T = 8 / 16 / 32 / 48 / 64
-(61.5 / 74.0 / 76.4 / 78.3 / 80.1 % of the HBM floor; sessions 23-25), 2.70-3.13x faster than the bf16 layer in
-the same runs; at T = 1 18.7 us (session 24 run A). The two GEMMs are 90-98 % of the time at T = 8-64.
+H200 (benchmarks/moe/RESULTS.md, session 26: the span of a call's kernels on the device): 58.4 / 77.2 / 88.0 /
+136.3 / 154.7 / 168.4 / 185.7 us at T = 8 / 12 / 16 / 32 / 40 / 48 / 64 (62.0 / 68.2 / 76.3 / 76.8 / 74.5 / 79.0 /
+81.2 % of the HBM floor), 2.73-3.61x faster than the bf16 layer in the same runs; at T = 1 19.2 us. The two
+GEMMs are 90-98 % of the time at T = 8-64.
 """
 
 from __future__ import annotations
@@ -194,7 +195,11 @@ def default_config(tokens: int) -> dict:
       (2-8 tokens) and past 64, programs of 128 rows (the GEMM took 21.4 against 23.4 with 64 at T = 8, run T;
       the epilogue gains nothing with shared rows, session 17 run B); at one token 64.
     - pipelines of 2 stages past one token (K is 5 steps; 3 and 5 stages were slower, session 22 run B,
-      session 23 run C), 4 at one token."""
+      session 23 run C), 4 at one token.
+    Launches: from 9 to 64 tokens both GEMMs launch as programmatic dependents, the down GEMM's weights
+    streaming during the gate/up GEMM's last wave (spans of the layer's kernels, session 26 runs B-C: 77.2 / 88.0 /
+    117.9 / 136.3 against 83.5 / 92.8 / 123.2 / 140.0 at T = 12 / 16 / 24 / 32; equal at 40-64); not at 8 (58.6
+    against 58.4: the gate/up grid is one wave) or 1 (19.5 against 19.2)."""
     shared, small_blocks = tokens <= SHARED_ROWS_MAX_TOKENS, tokens <= 1024
     builder = "shared" if shared else "opened" if tokens <= 64 else "sort"
     return dict(block_builder=builder,
@@ -206,7 +211,7 @@ def default_config(tokens: int) -> dict:
                 gate_up_epilogue=tokens > 1, down_epilogue=not shared,
                 gate_up_decode_chunks=2 if tokens <= 8 else 1, gate_up_swiglu=True,
                 opened_program=dict(column_groups=5) if tokens <= 16 else dict(compact=True) if tokens >= 40 else {},
-                pdl=False)
+                pdl=not shared and tokens <= 64)
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,

@@ -264,20 +264,27 @@ def time_spans(op, stacked, *rest):
     def run():
         jax.block_until_ready([(busy(a), fn(*args, *rest)) for args in calls])
 
-    spans, current = [], []
-    for start, end, name in _traced_device_kernels(run) + [(None, None, None)]:
-        if name in busy_names or name is None:
+    mean_us, kernels = call_spans(_traced_device_kernels(run), busy_names, repeats)
+    return mean_us, kernels, output
+
+
+def call_spans(events, separators, calls: int):
+    """`time_spans`' arithmetic: `events` (start ns, end ns, name) sorted by start, the calls' kernels between
+    kernels named in `separators` -> (mean span µs, the first call's kernels as (name, µs, start µs))."""
+    groups, current = [], []
+    for start, end, name in [*events, (None, None, None)]:
+        if name is None or name in separators:
             if current:
-                spans.append(current)
+                groups.append(current)
             current = []
         else:
             current.append((start, end, name))
-    if len(spans) != repeats:
-        raise RuntimeError(f"{len(spans)} groups of kernels for {repeats} calls: {[len(s) for s in spans]}, "
-                           f"the matmul's kernels {sorted(busy_names)}")
-    mean_us = sum(max(e for _, e, _ in s) - min(b for b, _, _ in s) for s in spans) / len(spans) / 1e3
-    first = spans[0][0][0]
-    return mean_us, [(name, (e - b) / 1e3, (b - first) / 1e3) for b, e, name in spans[0]], output
+    if len(groups) != calls:
+        raise RuntimeError(f"{len(groups)} groups of kernels for {calls} calls: {[len(g) for g in groups]}, "
+                           f"separated by {sorted(separators)}")
+    mean_us = sum(max(e for _, e, _ in g) - min(b for b, _, _ in g) for g in groups) / len(groups) / 1e3
+    first = groups[0][0][0]
+    return mean_us, [(name, (e - b) / 1e3, (b - first) / 1e3) for b, e, name in groups[0]]
 
 
 # --------------------------------------------------------------------------------------------------

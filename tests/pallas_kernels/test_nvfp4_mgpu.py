@@ -524,15 +524,28 @@ def test_probe_variants_summarize_every_layer(monkeypatch, capsys):
     """`mgpu_probe.py --variants`: a line per layer and T with its % of the floor and bf16 ratio; a layer that
     failed is reported, not dropped (the timings are stand-ins: CUPTI needs a GPU)."""
     probe = _moe_benchmark("mgpu_probe", monkeypatch)
-    layer = dict(us=50.0, kernels=[("kernel_mosaic_gpu_kernel", 40.0)], max_err=0.002)
+    layer = dict(us=50.0, kernels=[("kernel_mosaic_gpu_kernel", 40.0)], max_err=0.002, timer="cupti")
     monkeypatch.setattr(probe, "layer_weights", lambda: None)
     monkeypatch.setattr(probe.bench, "make_weights", lambda *args: None)
-    monkeypatch.setattr(probe, "time_layers", lambda t, variants, weights: {
+    monkeypatch.setattr(probe, "time_layers", lambda t, variants, weights, spans: {
         "kind": "layers", "t": t, "floor_us": 25.0, "mosaic[default]": layer, "mosaic[x=1]": dict(error="boom")})
-    monkeypatch.setattr(probe, "time_bf16_layers", lambda t, variants, weights: {"moe_gemm": dict(us=150.0)})
+    monkeypatch.setattr(probe, "time_bf16_layers", lambda t, variants, weights, spans: {"moe_gemm": dict(us=150.0)})
     rows = []
     probe.compare_variants([{}, {"x": 1}], [1, 8], True, rows.append)
     out = capsys.readouterr().out
     assert "T=8 mosaic[default] 50.0 us (50.0 % of 25.0) bf16/this 3.00" in out
     assert "T=1 mosaic[default] 50.0 us (50.0 % of 25.0) err" in out and "T=1 bf16" not in out
     assert out.count("mosaic[x=1] ERROR boom") == 2 and len(rows) == 3
+
+
+def test_call_spans_time_each_call_from_its_first_start_to_its_last_end(monkeypatch):
+    """`bench.time_spans`' arithmetic on a made-up trace: two calls, each behind a separating matmul, the
+    second with a kernel that starts before the one ahead of it ends (a dependent launch): counted once."""
+    bench = _moe_benchmark("bench", monkeypatch)
+    events = [(0, 1000_000, "gemm"), (1000_500, 1003_000, "a"), (1003_500, 1010_000, "b"),
+              (1011_000, 2011_000, "gemm"), (2011_200, 2020_000, "a"), (2015_000, 2021_200, "b")]
+    mean_us, kernels = bench.call_spans(events, {"gemm"}, 2)
+    assert mean_us == pytest.approx((9.5 + 10.0) / 2)
+    assert kernels == [("a", 2.5, 0.0), ("b", 6.5, 3.0)]
+    with pytest.raises(RuntimeError, match="2 groups of kernels for 3 calls"):
+        bench.call_spans(events, {"gemm"}, 3)
