@@ -137,9 +137,15 @@ def _specs(experts, n, k, blocks, block_t, tile_k, shared_rows=False):
 def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, stages, output, chunks,
                          row_chunks, buffers):
     """Beam's gate/up and down shapes lower to Mosaic GPU on the CPU (the PTX is built on the GPU)."""
-    op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, splits=splits, tile_n=tile_n,
-                           decode_chunks=chunks, decode_row_chunks=row_chunks, shared_rows=shared_rows, stages=stages,
-                           staging_buffers=buffers)
+    text = _lowered(n, k, blocks, block_t, tile_k, output, splits=splits, tile_n=tile_n, decode_chunks=chunks,
+                    decode_row_chunks=row_chunks, shared_rows=shared_rows, stages=stages, staging_buffers=buffers)
+    assert "mosaic_gpu" in text
+
+
+def _lowered(n, k, blocks, block_t, tile_k, output, shared_rows=False, **settings) -> str:
+    """`grouped_matmul` with these settings lowered for sm_90 (text); `output`: "sums", "scaled" (global scales),
+    "swiglu" or "by_pair" (row destinations)."""
+    op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, shared_rows=shared_rows, **settings)
     specs = _specs(256, n, k, blocks, block_t, tile_k, shared_rows)
     if output != "sums":
         spec = jax.ShapeDtypeStruct
@@ -147,8 +153,7 @@ def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_r
         scatter = dict(out_rows=blocks * block_t // 2) if output == "by_pair" else {}
         op = functools.partial(lambda *args, op: op(*args[:4], global_scale=args[4], swiglu=output == "swiglu",
                                                     row_destination=args[5] if scatter else None, **scatter), op=op)
-    text = jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    return jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("n,k,tile_k,tile_n,row_chunks,pdl,output", [
@@ -157,17 +162,7 @@ def test_lowers_for_cuda(n, k, blocks, block_t, tile_k, splits, tile_n, shared_r
 def test_dependent_launch_lowers_for_cuda(n, k, tile_k, tile_n, row_chunks, pdl, output):
     """`pdl`: the kernel module asks for a programmatic dependent launch (its `griddepcontrol.wait` makes the
     launch use it), and only then."""
-    blocks, block_t = 16, 8
-    op = functools.partial(nm.grouped_matmul, block_t=block_t, tile_k=tile_k, tile_n=tile_n,
-                           decode_row_chunks=row_chunks, stages=2, pdl=pdl)
-    specs = _specs(256, n, k, blocks, block_t, tile_k)
-    if output != "sums":
-        spec = jax.ShapeDtypeStruct
-        specs = (*specs, spec((256, n), jnp.float32), spec((blocks, block_t), jnp.int32))
-        scatter = dict(out_rows=blocks * block_t // 2) if output == "by_pair" else {}
-        op = functools.partial(lambda *args, op: op(*args[:4], global_scale=args[4], swiglu=output == "swiglu",
-                                                    row_destination=args[5] if scatter else None, **scatter), op=op)
-    text = jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    text = _lowered(n, k, 16, 8, tile_k, output, tile_n=tile_n, decode_row_chunks=row_chunks, stages=2, pdl=pdl)
     assert "mosaic_gpu" in text
     assert ("uses_pdl" in text) == (pdl != "off")
 
