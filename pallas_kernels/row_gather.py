@@ -94,46 +94,9 @@ def _pair_ranks(ids, num_experts: int, expert_offset):
 
 def opening_pairs(ids, *, num_experts: int, block_t: int, expert_offset=0):
     """Which pairs open a block (int32 0/1 `[P]`): local pairs whose rank among their expert's pairs is a
-    multiple of `block_t`: what compact slots (`gather_opened_blocks(compact=True)`) count. Plain jnp (XLA makes
-    three kernels of it), the reference of `opening_pairs_kernel`."""
+    multiple of `block_t`. One XLA fusion: what compact slots (`gather_opened_blocks(compact=True)`) count."""
     pair_expert, _, rank = _pair_ranks(ids, num_experts, expert_offset)
     return ((pair_expert < num_experts) & (rank % block_t == 0)).astype(jnp.int32)
-
-
-def _opening_kernel(ids_ref, offset_ref, opens_ref, *, num_experts: int, block_t: int, padded_pairs: int,
-                    pairs_per_program: int):
-    pairs = ids_ref.shape[0]
-
-    def local_experts(pair):  # `_pair_ranks`' experts: `num_experts` for other devices' pairs, -1 past the pairs
-        experts = plgpu.load(ids_ref.at[pair], mask=pair < pairs, other=0) - offset_ref[0]
-        local = (experts >= 0) & (experts < num_experts)
-        return jnp.where(pair < pairs, jnp.where(local, experts, num_experts), -1), local & (pair < pairs)
-
-    mine = pl.program_id(0) * pairs_per_program + jnp.arange(pairs_per_program)
-    every = jnp.arange(padded_pairs)
-    my_experts, my_local = local_experts(mine)
-    all_experts, _ = local_experts(every)
-    earlier = (all_experts[None, :] == my_experts[:, None]) & (every[None, :] < mine[:, None])
-    rank = jnp.sum(earlier.astype(jnp.int32), axis=1)
-    plgpu.store(opens_ref.at[mine], (my_local & (rank % block_t == 0)).astype(jnp.int32), mask=mine < pairs)
-
-
-def opening_pairs_kernel(ids, *, num_experts: int, block_t: int, expert_offset=0, pairs_per_program: int = 64,
-                         num_warps: int = 4, interpret: bool = False):
-    """`opening_pairs` in one Triton launch, each program ranking `pairs_per_program` pairs against all of them,
-    where XLA takes three kernels (~3.7 µs at 40 tokens, H200 session 26)."""
-    pairs = ids.shape[0]
-    padded = 1 << max(pairs - 1, 0).bit_length()  # Triton's tensors have power-of-two sizes
-    pairs_per_program = min(pairs_per_program, padded)
-    kernel = functools.partial(_opening_kernel, num_experts=num_experts, block_t=block_t, padded_pairs=padded,
-                               pairs_per_program=pairs_per_program)
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((pairs,), jnp.int32),
-        grid=(pl.cdiv(pairs, pairs_per_program),),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-    )(ids.astype(jnp.int32), jnp.asarray(expert_offset, jnp.int32).reshape(1))
 
 
 def max_blocks(pairs: int, num_experts: int, block_t: int) -> int:
@@ -210,15 +173,14 @@ def _opened_blocks_kernel(ids_ref, offset_ref, *refs, num_experts: int, block_t:
 
 def gather_opened_blocks(x, ids, *, num_experts: int, block_t: int, expert_offset=0, column_groups: int = 1,
                          columns_per_step: int = 1024, num_warps: int = 4, compact: bool = False,
-                         opening_kernel: bool = True, interpret: bool = False):
+                         interpret: bool = False):
     """`opened_blocks_reference`'s blocks and their activation rows in one kernel: program (slot, column
     group) finds its slot's pairs from the ids alone (a cumulative count over the pairs) and copies their
     tokens' rows, `columns_per_step` columns at a time over its `1 / column_groups` of K (fewer programs
     count the pairs fewer times). `x [T, K]`, `ids [T * top_k]` (token t's pairs at t * top_k ...), local
     from `expert_offset` (an int or a traced scalar) on, as in the reference. `compact`: `compact_slots`
     slots, the used ones first (the reference's `compact`), from the opening pairs that one XLA fusion marks
-    (`opening_pairs_kernel`, or XLA's `opening_pairs` without `opening_kernel`); each program finds its opener
-    by a cumulative count of them. Returns (rows
+    (`opening_pairs`); each program finds its opener by a cumulative count of them. Returns (rows
     [slots * block_t, K], unwritten for padding and unused slots; expert of each slot; pair of each row)."""
     tokens, k = x.shape
     pairs = ids.shape[0]
@@ -232,8 +194,7 @@ def gather_opened_blocks(x, ids, *, num_experts: int, block_t: int, expert_offse
     kernel = functools.partial(_opened_blocks_kernel, num_experts=num_experts, block_t=block_t,
                                top_k=pairs // tokens, padded_pairs=padded, columns_per_program=steps * columns_per_step,
                                columns_per_step=columns_per_step, compact=compact)
-    mark = functools.partial(opening_pairs_kernel, interpret=interpret) if opening_kernel else opening_pairs
-    opens = [mark(ids, num_experts=num_experts, block_t=block_t, expert_offset=expert_offset)] if compact else []
+    opens = [opening_pairs(ids, num_experts=num_experts, block_t=block_t, expert_offset=expert_offset)][:compact]
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((slots * block_t, k), x.dtype), jax.ShapeDtypeStruct((slots,), jnp.int32),
