@@ -487,11 +487,14 @@ def _scratch(tile_n: int, tile_k: int, block_t: int, out_dtype, scaled: bool, sc
 PDL_MODES = ("off", "wait", "prefetch")
 
 
+def _squeezed(dim) -> bool:
+    return dim is None or isinstance(dim, pl.Squeezed)
+
+
 def _block_of(spec, ref, indices):
     """The gmem window of `spec`'s block at `indices` (squeezed dims indexed, others sliced)."""
-    squeezed = lambda d: d is None or isinstance(d, pl.Squeezed)  # noqa: E731
-    return ref.at[tuple(i if squeezed(d) else pl.ds(i * d, d) for i, d in zip(spec.index_map(*indices),
-                                                                              spec.block_shape))]
+    return ref.at[tuple(i if _squeezed(d) else pl.ds(i * d, d) for i, d in zip(spec.index_map(*indices),
+                                                                               spec.block_shape))]
 
 
 def _prefetched_k_loop(step, specs, gmem_refs, *, k_steps: int, stages: int, after_wait):
@@ -501,7 +504,7 @@ def _prefetched_k_loop(step, specs, gmem_refs, *, k_steps: int, stages: int, aft
     step (the last spec) into one buffer, and the signal that lets the next kernel launch."""
     weight_specs, x_spec = specs[:-1], specs[-1]
     stages = min(stages, k_steps)
-    shape = lambda spec: tuple(d for d in spec.block_shape if not (d is None or isinstance(d, pl.Squeezed)))  # noqa: E731
+    shape = lambda spec: tuple(d for d in spec.block_shape if not _squeezed(d))  # noqa: E731
 
     def scoped(weight_bufs, x_buf, weight_barriers, x_barrier):
         def fetch(kk, slot):
