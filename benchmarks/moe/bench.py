@@ -43,9 +43,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import glob
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 
@@ -218,11 +220,6 @@ def time_calls(op, stacked, *rest):
 def _traced_device_kernels(run) -> list[tuple[int, int, str]]:
     """(start ns, end ns, name) of the device's kernels (and copies) while `run()` runs, from a profiler trace,
     sorted by start."""
-    import glob
-    import tempfile
-
-    from jax.profiler import ProfileData
-
     with tempfile.TemporaryDirectory() as folder:
         jax.profiler.start_trace(folder)
         try:
@@ -230,7 +227,7 @@ def _traced_device_kernels(run) -> list[tuple[int, int, str]]:
         finally:
             jax.profiler.stop_trace()
         (path,) = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
-        data = ProfileData.from_file(path)
+        data = jax.profiler.ProfileData.from_file(path)
         gpus = [plane for plane in data.planes if plane.name.startswith("/device:GPU")]
         events = [(e.start_ns, e.end_ns, e.name) for plane in gpus for line in plane.lines
                   if line.name.startswith("Stream") for e in line.events]

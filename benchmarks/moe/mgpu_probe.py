@@ -92,6 +92,11 @@ def layer_weights():
     return weights, bench.mosaic_layout(*weights)
 
 
+def _timer(spans: bool):
+    """(timing function, its name): `bench.time_spans` or `bench.time_calls` (CUPTI sums)."""
+    return (bench.time_spans, "span") if spans else (bench.time_calls, "cupti")
+
+
 def time_layers(t, variants, weights, repeats=4, spans=False):
     """The whole NVFP4 MoE layer, Triton kernels against the Mosaic GEMMs, same weights and tokens:
     CUPTI total per call (`bench.time_calls`; with `spans` the span of a call's kernels instead,
@@ -111,15 +116,16 @@ def time_layers(t, variants, weights, repeats=4, spans=False):
     want = np.asarray(jax.jit(mg.moe_gemm_reference)(x[0, :checked], w[0, :checked], ids[0, :checked], gate, up,
                                                      down), np.float32)
     row = dict(kind="layers", t=t)
+    timer, timer_name = _timer(spans)
     for name, layer in layers.items():
         t0 = time.time()
         try:
-            total, kernels, got = (bench.time_spans if spans else bench.time_calls)(layer, (x, w, ids), weights)
+            total, kernels, got = timer(layer, (x, w, ids), weights)
         except Exception as e:  # noqa: BLE001 - report and go on with the other variants
             row[name] = dict(error=repr(e)[:1000])
             continue
         got = np.asarray(got, np.float32)[:checked]
-        row[name] = dict(us=total, kernels=kernels, timer="span" if spans else "cupti",
+        row[name] = dict(us=total, kernels=kernels, timer=timer_name,
                          max_err=float(np.abs(got - want).max()), max_ref=float(np.abs(want).max()),
                          seconds=round(time.time() - t0, 1))
     floor_bytes = bench.expert_bytes(gate, up, down) * len(np.unique(np.asarray(ids[0])))
@@ -148,16 +154,17 @@ def time_bf16_layers(t, variants, weights, repeats=2, spans=False):
     flops = 2 * t * bench.TOP_K * 3 * bench.H * bench.I
     floor_bytes = bench.expert_bytes(gate, up, down) * len(np.unique(np.asarray(ids[0])))
     row = dict(kind="bf16_layers", t=t, floor_us=floor_bytes / HBM_BYTES_PER_S * 1e6)
+    timer, timer_name = _timer(spans)
     for name, (layer, args) in layers.items():
         t0 = time.time()
         try:
-            us, kernels, got = (bench.time_spans if spans else bench.time_calls)(layer, (x, w, ids), args)
+            us, kernels, got = timer(layer, (x, w, ids), args)
         except Exception as e:  # noqa: BLE001 - report and go on
             row[name] = dict(error=repr(e)[:1000])
             continue
         row[name] = dict(us=us, tflops=flops / us / 1e6, kernels=kernels, seconds=round(time.time() - t0, 1),
                          max_err=float(np.abs(np.asarray(got, np.float32)[:checked] - want).max()),
-                         max_ref=float(np.abs(want).max()), timer="span" if spans else "cupti")
+                         max_ref=float(np.abs(want).max()), timer=timer_name)
     return row
 
 
