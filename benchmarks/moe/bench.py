@@ -26,16 +26,19 @@ Variants (MoE layer = both GEMMs, SwiGLU, routing-weight combine; routing exclud
               (no wall time)
 Routing: pallas_kernels.routing.routing_kernel against the jitted plain-jnp reference.
 
-Timing: each variant runs R times on R different inputs inside one jitted function; the figure is
-the sum of its kernels' device times per call measured with CUPTI
+Timing (`--timer cupti`, the default): each variant runs R times on R different inputs inside one jitted
+function; the figure is the sum of its kernels' device times per call measured with CUPTI
 (jax.experimental.mosaic.gpu.profiler.measure), i.e. without host dispatch and launch gaps. The
 wall time of the same jitted chain divided by R is printed beside it (it includes launch gaps and
-~1/R of one host dispatch).
+~1/R of one host dispatch). CUPTI's sum counts a programmatic dependent launch's waiting (the NVFP4
+layer's GEMMs at 9-64 tokens) and leaves out the gaps between kernels: `--timer spans` times every
+variant and routing as the span of a call's kernels on the device instead (`time_spans`; no wall time,
+no separate per-kernel breakdown: each row's `kernels_us` comes from the span's trace).
 Floor: bytes of the touched experts' weights (and scales) / 4.2 TB/s (read streaming, GPU.md);
 at T=8192 the compute floor at 676 TFLOP/s (bf16 dense, GPU.md) is shown too.
 
 Usage (GPU): python3 benchmarks/moe/bench.py --out moe.json [--tokens 1,8,64] [--formats bf16,nvfp4]
-             [--sweep] [--check]
+             [--sweep] [--check] [--timer spans]
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from pallas_kernels import routing as rt  # noqa: E402
 HBM_BPS = 4.2e12
 START = time.time()
 DEADLINE_S = [float("inf")]
+SPANS = [False]  # --timer spans
 
 
 def past_deadline() -> bool:
@@ -178,6 +182,15 @@ def time_chain(fn, stacked, *rest, repeats: int, wall: bool = True):
         walls.append(time.perf_counter() - t0)
     _, kernel_ms = profiler.measure(fn)(stacked, *rest)
     return kernel_ms * 1e3 / repeats, (min(walls) * 1e6 / repeats if walls else float("nan"))
+
+
+def time_variant(op, stacked, *rest, repeats: int, wall: bool = True):
+    """(µs per call, wall µs or NaN, the first call's kernels as (name, µs) or None) of `op(*stacked[r], *rest)`
+    over the leading index r: `time_chain` of an unrolled chain, or with `--timer spans` `time_spans`."""
+    if SPANS[0]:
+        us, kernels, _ = time_spans(op, stacked, *rest)
+        return us, float("nan"), [(name, kernel_us) for name, kernel_us, _ in kernels]
+    return (*time_chain(chain(op), stacked, *rest, repeats=repeats, wall=wall), None)
 
 
 BF16_MOSAIC_MIN_TOKENS = 512  # the bf16 Mosaic layer is a prefill kernel (blocks of 128 rows)
@@ -400,14 +413,16 @@ def bench_routing(token_counts, rows, *, sweep: bool, repeats=16):
                     rt.routing_kernel, block_t=block_t, block_e=block_e, target_programs=programs, splits=splits)
         x = jax.random.normal(jax.random.fold_in(key, t), (repeats, t, H), jnp.float32).astype(jnp.bfloat16)
         res = {}
+        breakdown = {}
         for name, op in [("warm-up", rt.routing_kernel), *variants.items()]:  # (the first timing runs slow)
-            f = chain(lambda xx, ww, bb, op=op: op(xx, ww, bb, **kw_args))
             try:
-                res[name] = time_chain(f, (x, weights), bias, repeats=repeats, wall=not sweep)
+                *res[name], kernels = time_variant(functools.partial(op, **kw_args), (x, weights), bias,
+                                                   repeats=repeats, wall=not sweep)
+                if kernels is not None and name in ("pallas", "xla"):
+                    breakdown[f"{name}_kernels_us"] = [(n[:40], round(us, 2)) for n, us in kernels]
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"routing {name} T={t}: {type(e).__name__}: {e}"[:400], flush=True)
-        breakdown = {}
-        for name in ("pallas", "xla"):  # per-kernel device times of one call
+        for name in ("pallas", "xla") if not SPANS[0] else ():  # per-kernel device times (CUPTI) of one call
             single = jax.jit(functools.partial(variants[name], **kw_args))
             _, kernels = profiler.measure(single, aggregate=False)(x[0], weights[0], bias)
             breakdown[f"{name}_kernels_us"] = [(n[:40], round(ms * 1e3, 2)) for n, ms in kernels]
@@ -515,19 +530,20 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
                 variants["gather"] = mg.moe_gemm_reference
             if fmt == "bf16":
                 variants["mgpu"] = mgpu_layer
-        res = {}
+        res, breakdowns = {}, {}
         for name, op in variants.items():
             try:
-                if name.startswith("mosaic"):
+                if name.startswith("mosaic") and not SPANS[0]:
                     res[name] = (time_calls(op, (x, w, ids), mosaic_weights)[0], float("nan"))
                 else:
-                    f = chain(lambda xx, ww, ii, g, u, d, op=op: op(xx, ww, ii, g, u, d))
-                    res[name] = time_chain(f, (x, w, ids), gate, up, down, repeats=repeats, wall=not sweep)
+                    rest = (mosaic_weights,) if name.startswith("mosaic") else (gate, up, down)
+                    *res[name], kernels = time_variant(op, (x, w, ids), *rest, repeats=repeats, wall=not sweep)
+                    if kernels is not None:
+                        breakdowns[name] = [(n, us / 1e3) for n, us in kernels]
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"moe {fmt} T={t} {name}: {type(e).__name__}: {e}"[:600], flush=True)
-        breakdowns = {}
-        for name in decodes(fmt):  # per-kernel device times of one call of each decode's default blocks
-            if name not in res:
+        for name in decodes(fmt):  # per-kernel device times (CUPTI) of one call of each decode's default blocks
+            if name not in res or SPANS[0]:
                 continue
             try:
                 single = jax.jit(functools.partial(mg.moe_gemm_kernel, blocks=kernel_blocks[name]))
@@ -566,12 +582,15 @@ def main():
     parser.add_argument("--routing-tokens", default="", help="token counts of the routing table (default --tokens)")
     parser.add_argument("--out", default="moe.json")
     parser.add_argument("--deadline-s", type=float, default=float("inf"), help="skip what would start later")
+    parser.add_argument("--timer", choices=("cupti", "spans"), default="cupti",
+                        help="cupti: summed kernel times (and wall times); spans: each call's kernels' span")
     args = parser.parse_args()
     DEADLINE_S[0] = args.deadline_s
+    SPANS[0] = args.timer == "spans"
     token_counts = [int(t) for t in args.tokens.split(",")]
     args.routing_tokens = [int(t) for t in args.routing_tokens.split(",") if t]
     rows = [dict(kind="meta", device=str(jax.devices()[0]), jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                 argv=sys.argv[1:])]
+                 argv=sys.argv[1:], timer=args.timer)]
     def stage(fn, *a, **k):
         if past_deadline():
             print(f"{fn.__name__}: skipped (deadline)", flush=True)
