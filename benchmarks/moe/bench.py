@@ -539,7 +539,7 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
                     rest = (mosaic_weights,) if name.startswith("mosaic") else (gate, up, down)
                     *res[name], kernels = time_variant(op, (x, w, ids), *rest, repeats=repeats, wall=not sweep)
                     if kernels is not None:
-                        breakdowns[name] = [(n, us / 1e3) for n, us in kernels]
+                        breakdowns[name] = kernels
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"moe {fmt} T={t} {name}: {type(e).__name__}: {e}"[:600], flush=True)
         for name in decodes(fmt):  # per-kernel device times (CUPTI) of one call of each decode's default blocks
@@ -547,7 +547,8 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
                 continue
             try:
                 single = jax.jit(functools.partial(mg.moe_gemm_kernel, blocks=kernel_blocks[name]))
-                _, breakdowns[name] = profiler.measure(single, aggregate=False)(x[0], w[0], ids[0], gate, up, down)
+                _, kernels = profiler.measure(single, aggregate=False)(x[0], w[0], ids[0], gate, up, down)
+                breakdowns[name] = [(n, ms * 1e3) for n, ms in kernels]
             except Exception as e:  # noqa: BLE001
                 print(f"breakdown {name}: {type(e).__name__}: {e}"[:300], flush=True)
         for name, (kernel_us, wall_us) in res.items():
@@ -558,14 +559,14 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
             if name in kernel_blocks:
                 row["blocks"] = kernel_blocks[name].__dict__
             if name in breakdowns:
-                row["kernels_us"] = [(n, round(ms * 1e3, 2)) for n, ms in breakdowns[name]]
+                row["kernels_us"] = [(n, round(us, 2)) for n, us in breakdowns[name]]
             rows.append(row)
         pallas = {k: v[0] for k, v in res.items() if k.startswith("pallas")}
         best = min(pallas, key=pallas.get) if pallas else None
         print(f"moe {fmt} T={t}: floor {floor:.1f} us; " + "; ".join(
             f"{k} {v[0]:.1f}" for k, v in res.items() if not k.startswith("pallas[")) +
             (f"; best {best} {pallas[best]:.1f}" if best else "") + "".join(
-            f"; kernels {name} {[(n[:40], round(ms * 1e3, 1)) for n, ms in b]}" for name, b in breakdowns.items()),
+            f"; kernels {name} {[(n[:40], round(us, 1)) for n, us in b]}" for name, b in breakdowns.items()),
             flush=True)
 
 

@@ -154,6 +154,7 @@ def test_opened_blocks_need_whole_tokens():
 
 @pytest.mark.parametrize("tokens,program", [(9, dict(column_groups=5)), (64, {}), (64, dict(compact=True))])
 def test_opened_blocks_kernel_lowers_for_cuda(triton_for_sm90, tokens, program):
+    """One Triton kernel, compact slots included (XLA marks their opening pairs)."""
     shapes = (jax.ShapeDtypeStruct((tokens, 5120), jnp.bfloat16), jax.ShapeDtypeStruct((tokens * 8,), jnp.int32))
     op = functools.partial(rg.gather_opened_blocks, num_experts=256, block_t=8, **program)
     text = jax.jit(op).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
