@@ -92,12 +92,14 @@ def _pair_ranks(ids, num_experts: int, expert_offset):
     return pair_expert, same, (same & (pair[None, :] < pair[:, None])).sum(1)  # earlier pairs of the same expert
 
 
-def opening_pairs(ids, *, num_experts: int, block_t: int, expert_offset=0):
-    """Which pairs open a block (int32 0/1 `[P]`): local pairs whose rank among their expert's pairs is a
-    multiple of `block_t`: what compact slots (`gather_opened_blocks(compact=True)`) count. XLA makes three small
-    kernels of it (~3.7 µs at 40 tokens on the H200); one Triton kernel doing it took 3.5-4.4 µs (session 26)."""
-    pair_expert, _, rank = _pair_ranks(ids, num_experts, expert_offset)
-    return ((pair_expert < num_experts) & (rank % block_t == 0)).astype(jnp.int32)
+def earlier_same_id(ids):
+    """Each pair's count of earlier pairs with the same id (int32 `[P]`): a local pair's rank among its expert's
+    pairs, which compact slots (`gather_opened_blocks(compact=True)`) need; the kernel tests locality and
+    `rank % block_t == 0` itself. Written on the raw ids so that XLA makes one reduction kernel of it (with the
+    local ids and the test outside it took three kernels, ~3.7 µs at 40 tokens on the H200, session 26)."""
+    ids = ids.astype(jnp.int32)
+    pair = jnp.arange(ids.shape[0])
+    return ((ids[None, :] == ids[:, None]) & (pair[None, :] < pair[:, None])).sum(1, dtype=jnp.int32)
 
 
 def max_blocks(pairs: int, num_experts: int, block_t: int) -> int:
@@ -136,7 +138,7 @@ def opened_blocks_reference(ids, *, num_experts: int, block_t: int, expert_offse
 
 def _opened_blocks_kernel(ids_ref, offset_ref, *refs, num_experts: int, block_t: int, top_k: int, padded_pairs: int,
                           columns_per_program: int, columns_per_step: int, compact: bool):
-    opens_ref, x_ref, out_ref, block_expert_ref, row_pair_ref = refs if compact else (None, *refs)
+    ranks_ref, x_ref, out_ref, block_expert_ref, row_pair_ref = refs if compact else (None, *refs)
     slot, column_group = pl.program_id(0), pl.program_id(1)
     pairs = ids_ref.shape[0]
     pair = jnp.arange(padded_pairs)
@@ -145,7 +147,8 @@ def _opened_blocks_kernel(ids_ref, offset_ref, *refs, num_experts: int, block_t:
     experts = jnp.where(pair < pairs, jnp.where(local, experts, num_experts), -1)  # -1 (past the pairs): no match
     opener = slot  # the pair whose block this slot holds (if it opens one)
     if compact:  # slot s holds the block of the (s + 1)-th opening pair; past the last one, none (expert -1)
-        opening = plgpu.load(opens_ref.at[pair], mask=pair < pairs, other=0)
+        earlier = plgpu.load(ranks_ref.at[pair], mask=pair < pairs, other=1)  # rank among the expert's pairs
+        opening = ((pair < pairs) & local & (earlier % block_t == 0)).astype(jnp.int32)
         hit = (opening > 0) & (jnp.cumsum(opening) == slot + 1)
         opener = jnp.where(jnp.sum(hit.astype(jnp.int32)) > 0, jnp.sum(jnp.where(hit, pair, 0)), padded_pairs)
     expert = jnp.sum(jnp.where(pair == opener, experts, 0))
@@ -180,8 +183,8 @@ def gather_opened_blocks(x, ids, *, num_experts: int, block_t: int, expert_offse
     tokens' rows, `columns_per_step` columns at a time over its `1 / column_groups` of K (fewer programs
     count the pairs fewer times). `x [T, K]`, `ids [T * top_k]` (token t's pairs at t * top_k ...), local
     from `expert_offset` (an int or a traced scalar) on, as in the reference. `compact`: `compact_slots`
-    slots, the used ones first (the reference's `compact`), from the opening pairs that XLA marks
-    (`opening_pairs`); each program finds its opener by a cumulative count of them. Returns (rows
+    slots, the used ones first (the reference's `compact`), from the pairs' ranks that XLA counts
+    (`earlier_same_id`); each program finds its opener by a cumulative count of the opening pairs. Returns (rows
     [slots * block_t, K], unwritten for padding and unused slots; expert of each slot; pair of each row)."""
     tokens, k = x.shape
     pairs = ids.shape[0]
@@ -195,8 +198,7 @@ def gather_opened_blocks(x, ids, *, num_experts: int, block_t: int, expert_offse
     kernel = functools.partial(_opened_blocks_kernel, num_experts=num_experts, block_t=block_t,
                                top_k=pairs // tokens, padded_pairs=padded, columns_per_program=steps * columns_per_step,
                                columns_per_step=columns_per_step, compact=compact)
-    opens = ([opening_pairs(ids, num_experts=num_experts, block_t=block_t, expert_offset=expert_offset)]
-             if compact else [])
+    ranks = [earlier_same_id(ids)] if compact else []
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((slots * block_t, k), x.dtype), jax.ShapeDtypeStruct((slots,), jnp.int32),
@@ -204,7 +206,7 @@ def gather_opened_blocks(x, ids, *, num_experts: int, block_t: int, expert_offse
         grid=(slots, pl.cdiv(k, steps * columns_per_step)),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-    )(ids.astype(jnp.int32), jnp.asarray(expert_offset, jnp.int32).reshape(1), *opens, x)
+    )(ids.astype(jnp.int32), jnp.asarray(expert_offset, jnp.int32).reshape(1), *ranks, x)
 
 
 def gather_opened_blocks_on_backend(x, ids, *, num_experts: int, block_t: int, expert_offset=0, **program):
