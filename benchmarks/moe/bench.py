@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import pallas as pl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from pallas_kernels import moe_gemm as mg  # noqa: E402
@@ -250,26 +251,45 @@ def _traced_device_kernels(run) -> list[tuple[int, int, str]]:
     return sorted(events)
 
 
-def busy_matmul(a):
-    """A long matmul (~1.6 ms on an H200 at 8192^2) queued before each timed call by `time_spans`."""
-    return a @ a
+SEPARATOR_ITERATIONS = 400_000  # a dependent FMA chain: ~1 ms on an H200 (~4 cycles a step)
+
+
+def _spin_kernel(seed_ref, out_ref, *, iterations: int):
+    out_ref[...] = lax.fori_loop(0, iterations, lambda _, v: v * 0.999 + 0.001, seed_ref[...])[None, :]
+
+
+def separator(seed, iterations: int = SEPARATOR_ITERATIONS, interpret: bool = False):
+    """What `time_spans` queues before each timed call: one kernel named `spans_separator` that spins in registers
+    (no memory traffic, so L2 keeps what the calls left there; the name no layer's kernel has: a matmul separator
+    was also the name of cuBLAS GEMMs and memsets inside the T = 512 and 8192 layers, session 28).
+    `seed [128] f32`."""
+    from jax.experimental.pallas import triton as plgpu
+
+    return pl.pallas_call(
+        functools.partial(_spin_kernel, iterations=iterations), grid=(132,),
+        in_specs=[pl.BlockSpec((128,), lambda i: (0,))], out_specs=pl.BlockSpec((1, 128), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct((132, 128), jnp.float32), name="spans_separator",
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1), interpret=interpret)(seed)
 
 
 def time_spans(op, stacked, *rest):
     """Device time of `jit(op)` per call as the span of its kernels, first start to last end, from a profiler
     trace: unlike `time_calls` (CUPTI's summed kernel durations) it counts the gaps between a call's kernels
     and counts kernels that overlap (programmatic dependent launch) once. Each call is queued behind
-    `busy_matmul`, so its kernels wait on the device, not on the host's launches. Returns (mean span µs, the
+    `separator`, so its kernels wait on the device, not on the host's launches. Returns (mean span µs, the
     first call's kernels as (name, µs, start µs after the call's first kernel), the first call's output), as
     `time_calls` does. Not in a process that has used `time_calls`: the two CUPTI users clash (H200 session 26:
     "activity records were dropped")."""
-    fn, busy = jax.jit(op), jax.jit(busy_matmul)
+    fn, busy = jax.jit(op), jax.jit(separator)
     repeats = jax.tree_util.tree_leaves(stacked)[0].shape[0]
     calls = [jax.tree_util.tree_map(lambda a, r=r: a[r], stacked) for r in range(repeats)]
-    a = jnp.ones((8192, 8192), jnp.bfloat16)
+    a = jnp.ones((128,), jnp.float32)
     output = jax.block_until_ready(fn(*calls[0], *rest))  # compile and warm up
     jax.block_until_ready(busy(a))
-    busy_names = {name for _, _, name in _traced_device_kernels(lambda: jax.block_until_ready(busy(a)))}
+    busy_names = {name for _, _, name in _traced_device_kernels(lambda: jax.block_until_ready(busy(a)))
+                  if "spans_separator" in name}
+    if not busy_names:
+        raise RuntimeError("no spans_separator kernel in the separator's trace")
 
     def run():
         jax.block_until_ready([(busy(a), fn(*args, *rest)) for args in calls])

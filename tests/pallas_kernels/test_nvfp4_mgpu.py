@@ -545,3 +545,18 @@ def test_call_spans_time_each_call_from_its_first_start_to_its_last_end(monkeypa
     assert kernels == [("a", 2.5, 0.0), ("b", 6.5, 3.0)]
     with pytest.raises(RuntimeError, match="2 groups of kernels for 3 calls"):
         bench.call_spans(events, {"gemm"}, 3)
+
+
+def test_spans_separator_spins_without_memory_traffic(monkeypatch, triton_for_sm90):
+    """`time_spans`' separator: one Triton kernel named `spans_separator` (the name the spans are split at), whose
+    output is the recurrence v <- 0.999 v + 0.001 run `iterations` times from the seed, in every program's row."""
+    bench = _moe_benchmark("bench", monkeypatch)
+    seed = jnp.asarray(np.random.default_rng(0).standard_normal(128), jnp.float32)
+    out = bench.separator(seed, iterations=5, interpret=True)
+    want = np.asarray(seed, np.float64)
+    for _ in range(5):
+        want = want * 0.999 + 0.001
+    assert out.shape == (132, 128)
+    np.testing.assert_allclose(np.asarray(out), np.broadcast_to(want, (132, 128)), rtol=1e-6)
+    text = jax.jit(bench.separator).trace(seed).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("spans_separator") >= 1 and text.count("triton") == 1
