@@ -173,8 +173,9 @@ def default_config(tokens: int) -> dict:
       columns (79.0 / 91.7 against 81.1 / 93.8 at T = 12 / 16, slower at 24 / 32, run F), from 40 in compact
       slots, E + P/8 programs instead of one per pair (154.9 / 169.6 / 188.8 against 159.5 / 171.8 and
       compare-and-count's 194.6 at T = 40 / 48 / 64, session 24 run A; 156.3 / 169.9 / 188.3 against 158.0 /
-      171.7 / 194.0 in session 25; below 37 tokens Beam's 256 experts leave no slot to drop); past 64
-      sorted (`pair_blocks`).
+      171.7 / 194.0 in session 25; below 37 tokens Beam's 256 experts leave no slot to drop; the pairs' ranks
+      from one XLA kernel: 151.6-151.9 / 166.1-166.3 / 183.6-184.1 against 153.4 / 168.7 / 186.7 with three,
+      session 28 run A); past 64 sorted (`pair_blocks`).
     - 8 rows (wgmma's narrowest N) up to 64 tokens, then 32 up to 1024 (T = 512: 389.6 against 516.5 with
       64 rows and 416.1 with 16, run AA), then 64 (128 were slower at T = 512 and 8192, run W).
     Gate/up GEMM:

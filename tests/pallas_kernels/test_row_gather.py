@@ -93,6 +93,15 @@ def _pair_experts(tokens, top_k, experts, seed, other_devices=3):
 OPENED_CASES = [(1, 8, 256, 8, 64), (9, 8, 256, 8, 96), (17, 3, 5, 4, 1056), (40, 8, 12, 8, 608), (64, 8, 256, 8, 5120)]
 
 
+@pytest.mark.parametrize("tokens,top_k,experts", [(1, 8, 256), (17, 3, 5), (40, 8, 12)])
+def test_earlier_same_id_counts_earlier_pairs_of_each_id(tokens, top_k, experts):
+    """Compact slots' ranks: for each pair, how many earlier pairs carry its id (other devices' and padding ids
+    included; the kernel ignores those pairs), counted here pair by pair."""
+    flat = _pair_experts(tokens, top_k, experts, seed=tokens).reshape(-1)
+    want = [int((flat[:p] == flat[p]).sum()) for p in range(len(flat))]
+    np.testing.assert_array_equal(np.asarray(rg.earlier_same_id(jnp.asarray(flat))), want)
+
+
 @pytest.mark.parametrize("compact", [False, True])
 @pytest.mark.parametrize("tokens,top_k,experts,block_t,k", OPENED_CASES)
 def test_opened_blocks_hold_each_local_pair_once(tokens, top_k, experts, block_t, k, compact):
@@ -154,7 +163,7 @@ def test_opened_blocks_need_whole_tokens():
 
 @pytest.mark.parametrize("tokens,program", [(9, dict(column_groups=5)), (64, {}), (64, dict(compact=True))])
 def test_opened_blocks_kernel_lowers_for_cuda(triton_for_sm90, tokens, program):
-    """One Triton kernel, compact slots included (XLA marks their opening pairs)."""
+    """One Triton kernel, compact slots included (XLA counts their pairs' ranks: `rg.earlier_same_id`)."""
     shapes = (jax.ShapeDtypeStruct((tokens, 5120), jnp.bfloat16), jax.ShapeDtypeStruct((tokens * 8,), jnp.int32))
     op = functools.partial(rg.gather_opened_blocks, num_experts=256, block_t=8, **program)
     text = jax.jit(op).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
