@@ -53,9 +53,13 @@ class DecoderLayer(nnx.Module):
 
         h = self.pre_feedforward_layernorm(x)
         if self.is_sparse:
-            # A paged step's tokens past query_start[-1] are its bucket's padding: no expert for them.
-            real = cache.batch.query_start[-1] if isinstance(cache, PagedKVCache) and cache.batch is not None else None
-            mlp_out, expert_indices = self.mlp(h, real)
+            # A paged step's tokens past query_start[-1] are its bucket's padding: no expert for them. Its
+            # routing kernel's counter goes on to the next layer.
+            batch = cache.batch if isinstance(cache, PagedKVCache) else None
+            real, counter = (None, None) if batch is None else (batch.query_start[-1], batch.routing_counter)
+            mlp_out, expert_indices, *counter = self.mlp(h, real, counter)
+            if counter:
+                cache = cache.with_routing_counter(counter[0])
         else:
             mlp_out, expert_indices = self.mlp(h), None
         x = depth_scaled_residual(self.post_feedforward_layernorm(mlp_out), x, self.mlp_add_index)

@@ -93,6 +93,49 @@ def test_gpu_forward_routes_as_the_reference(monkeypatch):
             np.testing.assert_array_equal(np.asarray(layer_got), np.asarray(layer_want))
 
 
+@pytest.mark.gpu
+def test_gpu_paged_forward_routes_with_the_passed_counter(monkeypatch):
+    """On a GPU a paged one-token step routes with the fused kernel in every sparse layer, the kernel's counter
+    passed from layer to layer (`PagedBatch.routing_counter`): three steps select as the reference routing, and
+    each step's counter comes back zero (attention on the plain-jnp path: only the routing is under test)."""
+    from beam_jax.layers import moe as moe_module
+    from beam_jax.model import forward
+    from beam_jax.paged_cache import PagedBatch, PagedKVCache
+    from pallas_kernels import routing as rt
+    from serving.kv_cache import KVPool
+    from serving.runner import layer_groups
+
+    config = preset("beam-tiny")
+    params = init_params(config, seed=6, dtype=jnp.float32)
+    paged_forward = jax.jit(forward, static_argnames=("config", "return_routing"))
+
+    def three_steps():
+        pool = KVPool.from_config(config, 16, page_tokens=16)
+        groups = range(len(pool.groups))
+        cache = PagedKVCache.create(config, 16, 16, layer_groups(pool, config.num_hidden_layers), jnp.float32,
+                                    use_kernel=False)
+        outs = []
+        for position, token in enumerate((17, 230, 5)):
+            pool.allocate(0, position + 1)
+            slots = tuple(jnp.array([pool.page_table(0, g)[position // 16] * 16 + position % 16], jnp.int32)
+                          for g in groups)
+            batch = PagedBatch(query_start=jnp.array([0, 1], jnp.int32), seq_lens=jnp.array([position + 1], jnp.int32),
+                               page_tables=tuple(jnp.asarray(pool.page_tables([0], g, max_pages=4)) for g in groups),
+                               slot_mappings=slots)
+            outs.append(paged_forward(params, jnp.array([[token]]), jnp.array([[position]]), cache.with_batch(batch),
+                                      config=config, return_routing=True))
+            cache = outs[-1].cache.with_batch(None)
+        return outs
+
+    got = three_steps()
+    monkeypatch.setattr(moe_module, "route", functools.partial(rt.routing, use_kernel=False))
+    for g, w in zip(got, three_steps()):
+        np.testing.assert_array_equal(np.asarray(g.cache.batch.routing_counter), 0)
+        assert len(g.expert_indices) == config.mlp_layer_types.count(SPARSE)
+        for layer_got, layer_want in zip(g.expert_indices, w.expert_indices):
+            np.testing.assert_array_equal(np.asarray(layer_got), np.asarray(layer_want))
+
+
 def test_mosaic_nvfp4_layer_takes_the_models_experts():
     """The model's NVFP4 experts (`Experts.expert_weights()`) repacked into the Mosaic GPU kernel's
     layouts (`KernelNvfp4`, as a load step would) give the layer's reference output; the GEMM is

@@ -387,3 +387,31 @@ class _Spy:
     def __call__(self, *args, **kwargs):
         self.with_queries += kwargs.get("queries") is not None
         return self.fn(*args, **kwargs)
+
+
+def test_routing_counter_goes_from_layer_to_layer(params, monkeypatch):
+    """A paged step makes the routing kernel's counter once (`with_batch`) and every sparse layer routes with the
+    counter the layer before returned (`PagedBatch.routing_counter`): a routing that returns its counter plus one
+    leaves the step's batch with one count per sparse layer (the real kernel returns it zeroed)."""
+    from beam_jax.layers import moe as moe_module
+    from pallas_kernels import routing as rt
+
+    seen = []
+
+    def counting_route(*args, counter=None, **kwargs):
+        seen.append(counter)
+        return (*rt.routing(*args, use_kernel=False, **kwargs), counter + 1)
+
+    monkeypatch.setattr(moe_module, "route", counting_route)
+    pool = KVPool.from_config(CONFIG, NUM_PAGES, page_tokens=PAGE)
+    pool.allocate(0, 3)
+    cache = PagedKVCache.create(CONFIG, NUM_PAGES, PAGE, layer_groups(pool, CONFIG.num_hidden_layers), jnp.float32)
+    batch = PagedBatch(query_start=jnp.array([0, 3], jnp.int32), seq_lens=jnp.array([3], jnp.int32),
+                       page_tables=tuple(jnp.asarray(pool.page_tables([0], g, max_pages=MAX_PAGES))
+                                         for g in range(len(pool.groups))),
+                       slot_mappings=tuple(jnp.asarray(pool.page_table(0, g)[0] * PAGE + np.arange(3), jnp.int32)
+                                           for g in range(len(pool.groups))))
+    out = jax.jit(forward, static_argnames="config")(params, jnp.array([[5, 6, 7]]), jnp.array([[0, 1, 2]]),
+                                                      cache.with_batch(batch), config=CONFIG)
+    assert len(seen) == CONFIG.mlp_layer_types.count(SPARSE) and all(c.shape == (rt.COUNTER_SLOTS,) for c in seen)
+    np.testing.assert_array_equal(np.asarray(out.cache.batch.routing_counter), CONFIG.mlp_layer_types.count(SPARSE))

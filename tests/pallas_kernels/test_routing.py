@@ -68,6 +68,33 @@ def test_padding_tokens_select_nothing(fused, tokens, real):
         np.testing.assert_array_equal(np.asarray(got_w)[real:], 0.0)
 
 
+@pytest.mark.parametrize("fused, tokens", [(True, 1), (True, 3), (False, 5)], ids=["fused1", "fused3", "two_kernels"])
+def test_counter_passed_from_call_to_call(fused, tokens):
+    """`counter=`: three calls in one jit (as three layers), each taking the counter the one before returned, on
+    different inputs: each selects as the reference, and the counter comes back zero (the fused kernel resets
+    it; the two-kernel path passes it on). A counter too short for the token blocks is refused."""
+    kwargs = dict(num_groups=4, groups_kept=2, top_k=4, scaling=2.5)
+    inputs = [_inputs(100 * tokens + layer, tokens, 160, 32) for layer in range(3)]
+
+    def layers(counter):
+        selections = []
+        for x, w, b in inputs:
+            got_w, got_i, counter = rt.routing_kernel(x, w, b, fused=fused, counter=counter, interpret=not ON_GPU,
+                                                      **kwargs)
+            selections.append((got_w, got_i))
+        return selections, counter
+
+    selections, counter = jax.jit(layers)(jnp.zeros(rt.COUNTER_SLOTS, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(counter), 0)
+    for (x, w, b), (got_w, got_i) in zip(inputs, selections):
+        want_w, want_i = _run(rt.routing_reference, x, w, b, **kwargs)
+        np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+        np.testing.assert_allclose(np.asarray(got_w), np.asarray(want_w), rtol=1e-6, atol=1e-7)
+    x, w, b = _inputs(7, 3, 160, 32)
+    with pytest.raises(ValueError, match=r"counter must be int32 \[n >= 3\]"):
+        rt.routing_kernel(x, w, b, fused=fused, block_t=1, counter=jnp.zeros(2, jnp.int32), interpret=True, **kwargs)
+
+
 @pytest.mark.parametrize("tiles", [dict(block_t=1, block_k=32, splits=3), dict(block_t=1, block_e=1, splits=1),
                                    dict(block_t=4, block_e=8, block_k=16),
                                    dict(block_t=16, block_e=32, block_k=32, splits=2)], ids=str)
@@ -114,6 +141,19 @@ def test_kernels_lower_for_cuda(triton_for_sm90, tokens, fused, padded):
         op = functools.partial(lambda x, w, b, n, op: op(x, w, b, num_tokens=n), op=op)
     text = jax.jit(op).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == (1 if fused else 2)
+
+
+def test_fused_kernel_with_a_passed_counter_lowers_for_cuda(triton_for_sm90):
+    """The fused kernel that resets a passed counter (`counter=`): one Triton kernel that counts in the passed
+    array itself (without it, in zeros made for the call, which XLA copies into the kernel's buffer)."""
+    spec = jax.ShapeDtypeStruct
+    args = [spec((1, 5120), jnp.bfloat16), spec((256, 5120), jnp.float32), spec((256,), jnp.float32),
+            spec((rt.COUNTER_SLOTS,), jnp.int32)]
+    op = functools.partial(rt.routing_kernel, num_groups=8, groups_kept=4, top_k=8, scaling=2.5, fused=True)
+    text = jax.jit(lambda x, w, b, c: op(x, w, b, counter=c)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "triton(%arg0, %arg1, %arg2, %arg3)" in text
+    unchained = jax.jit(op).trace(*args[:3]).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton(%arg0, %arg1, %arg2, %0)" in unchained
 
 
 def test_bad_grouping_is_rejected():
