@@ -57,9 +57,9 @@ class DecoderLayer(nnx.Module):
             # routing kernel's counter goes on to the next layer.
             batch = cache.batch if isinstance(cache, PagedKVCache) else None
             real, counter = (None, None) if batch is None else (batch.query_start[-1], batch.routing_counter)
-            mlp_out, expert_indices, *counter = self.mlp(h, real, counter)
-            if counter:
-                cache = cache.with_routing_counter(counter[0])
+            mlp_out, expert_indices, *next_counter = self.mlp(h, real, counter)
+            if next_counter:
+                cache = cache.with_routing_counter(*next_counter)
         else:
             mlp_out, expert_indices = self.mlp(h), None
         x = depth_scaled_residual(self.post_feedforward_layernorm(mlp_out), x, self.mlp_add_index)

@@ -251,7 +251,7 @@ def _traced_device_kernels(run) -> list[tuple[int, int, str]]:
     return sorted(events)
 
 
-SEPARATOR_ITERATIONS = 400_000  # a dependent FMA chain: ~1 ms on an H200 (~4 cycles a step)
+SEPARATOR_ITERATIONS = 400_000  # a dependent FMA chain; at ~4 cycles a step ~1 ms (an estimate: not timed)
 
 
 def _spin_kernel(seed_ref, out_ref, *, iterations: int):

@@ -4,7 +4,9 @@ copied in for every call (the kernel's default), timed as spans (`bench.time_spa
 
 Each timed call routes `--layers` tokens, one per layer, each with its own router (fp32 [256, 5120]),
 in one jitted function; the figure is µs per layer. Both variants check their selections against the
-plain-jnp reference.
+plain-jnp reference. Each layer's token and router are sliced out of stacked arrays inside the jitted call,
+which adds copies to both variants (H200, session 28: a 2.5-4 µs `memcpy128` a layer): compare the two
+variants, not a layer's figure with the model's.
 
 Usage (GPU): python3 benchmarks/moe/routing_chain.py [--layers 4] [--out routing-chain.json]
 """
