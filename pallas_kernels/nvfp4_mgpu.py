@@ -364,7 +364,7 @@ def _swiglu_rows(block_t: int, width: int):
     """inline_mgpu body: smem [block_t, 2 width] (gate then up columns, bf16) -> smem [block_t, width]:
     `gate / (1 + exp(-gate)) * up` in fp32 (`moe_gemm._swiglu`; exp by `ex2.approx`), rounded to bf16."""
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, memref
+    from jax._src.lib.mlir.dialects import arith, memref
     from jax.experimental.mosaic.gpu import utils
 
     def body(ctx, projections_ref, out_ref):
@@ -377,14 +377,22 @@ def _swiglu_rows(block_t: int, width: int):
             t, j = arith.divui(i, utils.c(width, index)), arith.remui(i, utils.c(width, index))
             gate = arith.extf(f32, memref.load(projections_ref, [t, j]))
             up = arith.extf(f32, memref.load(projections_ref, [t, arith.addi(j, utils.c(width, index))]))
-            exp = llvm.inline_asm(f32, [arith.mulf(gate, arith.constant(f32, -1.4426950408889634))],
-                                  "ex2.approx.ftz.f32 $0, $1;", "=f,f")
-            silu = arith.divf(gate, arith.addf(exp, arith.constant(f32, 1.0)))
-            memref.store(arith.truncf(out_type, arith.mulf(silu, up)), out_ref, [t, j])
+            memref.store(arith.truncf(out_type, swiglu_value(gate, up)), out_ref, [t, j])
 
         for_each_index(block_t * width, one)
 
     return body
+
+
+def swiglu_value(gate, up):
+    """In an inline_mgpu body: fp32 `gate / (1 + exp(-gate)) * up` (`moe_gemm._swiglu`; exp by `ex2.approx`)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+
+    f32 = ir.F32Type.get()
+    exp = llvm.inline_asm(f32, [arith.mulf(gate, arith.constant(f32, -1.4426950408889634))],
+                          "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+    return arith.mulf(arith.divf(gate, arith.addf(exp, arith.constant(f32, 1.0))), up)
 
 
 def _check_operands(xs, block_expert, packed, scales, *, block_t, tile_k, splits, tile_n, shared_rows, global_scale,
@@ -497,11 +505,14 @@ def _block_of(spec, ref, indices):
                                                                                spec.block_shape))]
 
 
-def _prefetched_k_loop(step, specs, gmem_refs, *, k_steps: int, stages: int, after_wait):
+def _prefetched_k_loop(step, specs, gmem_refs, *, k_steps: int, stages: int, after_wait=None,
+                       fill_activations=None):
     """`emit_pipeline(step, grid=(k_steps,), in_specs=specs, max_concurrent_steps=stages)` for a dependent
     launch: the weight specs' (all but the last) first `stages` steps are fetched before `griddepcontrol.wait`,
     so that they stream while the kernel before still runs; then `after_wait()`, the activations of every
-    step (the last spec) into one buffer, and the signal that lets the next kernel launch."""
+    step (the last spec) into one buffer, and the signal that lets the next kernel launch.
+    `fill_activations(x_buf)` instead of the wait and the activations' copies: it waits and fills every step's
+    activations itself (the fused decode layer's down programs, `nvfp4_fused_moe`)."""
     weight_specs, x_spec = specs[:-1], specs[-1]
     stages = min(stages, k_steps)
     shape = lambda spec: tuple(d for d in spec.block_shape if not _squeezed(d))  # noqa: E731
@@ -513,12 +524,15 @@ def _prefetched_k_loop(step, specs, gmem_refs, *, k_steps: int, stages: int, aft
 
         for kk in range(stages):
             fetch(kk, kk)
-        plgpu.griddepcontrol_wait()
-        after_wait()
-        for kk in range(k_steps):
-            plgpu.copy_gmem_to_smem(_block_of(x_spec, gmem_refs[-1], (kk,)), x_buf.at[kk], x_barrier)
-        plgpu.griddepcontrol_launch_dependents()
-        plgpu.barrier_wait(x_barrier)
+        if fill_activations is not None:
+            fill_activations(x_buf)
+        else:
+            plgpu.griddepcontrol_wait()
+            after_wait()
+            for kk in range(k_steps):
+                plgpu.copy_gmem_to_smem(_block_of(x_spec, gmem_refs[-1], (kk,)), x_buf.at[kk], x_barrier)
+            plgpu.griddepcontrol_launch_dependents()
+            plgpu.barrier_wait(x_barrier)
 
         def body(kk, carry):
             slot = kk % stages

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import moe_gemm as mg
+from pallas_kernels import nvfp4_fused_moe as nfm
 from pallas_kernels import nvfp4_mgpu as nm
 from pallas_kernels import row_gather as rg
 
@@ -212,7 +213,27 @@ def default_config(tokens: int) -> dict:
                 gate_up_epilogue=tokens > 1, down_epilogue=not shared,
                 gate_up_decode_chunks=2 if tokens <= 8 else 1, gate_up_swiglu=True,
                 opened_program=dict(column_groups=5) if tokens <= 16 else dict(compact=True) if tokens >= 40 else {},
-                pdl=not shared and tokens <= 64)
+                pdl=not shared and tokens <= 64, fused=False)
+
+
+def _fused_layer(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, expert_offset, matmul, **settings):
+    """`moe_nvfp4(fused=True)`: shared-row blocks for `nfm.fused_decode_moe`. At one token a block is a pair:
+    the ids and weights go in as they are (the kernel skips ids outside its experts), no XLA kernel before it."""
+    tokens, top_k = ids.shape
+    num_experts = gate_up.packed.shape[0]
+    if tokens == 1 and expert_offset is None:
+        block_expert, block_weight = ids.reshape(top_k), weights.reshape(top_k, 1)
+    else:
+        local_ids, _ = mg._local_pairs(ids, expert_offset, num_experts)
+        _, block_expert, row_pair = _shared_blocks(local_ids, num_experts, -(-tokens // 8) * 8)
+        row_pair = row_pair.reshape(block_expert.shape[0], -1)[:, :tokens]
+        block_weight = jnp.where(row_pair >= 0, weights.reshape(-1)[jnp.maximum(row_pair, 0)], 0.0)
+    # The emulated GEMM (CPU tests) takes the emulated layer.
+    fused_layer = nfm.fused_decode_moe if matmul is nm.grouped_matmul else nfm.fused_decode_moe_emulated
+    out = fused_layer(x, block_expert, block_weight, gate_up.packed, gate_up.scales, gate_up.global_scale,
+                               down.packed, down.scales, down.global_scale, gate_up_tile_k=gate_up.tile_k,
+                               down_tile_k=down.tile_k, **settings)
+    return out[:tokens].astype(x.dtype)
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
@@ -222,7 +243,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
               gate_up_decode_chunks: int | None = None, gate_up_decode_row_chunks: int | None = None,
               down_decode_row_chunks: int | None = None, gate_up_swiglu: bool | None = None,
               staging_buffers: int | None = None, opened_program: dict | None = None, pdl: bool | None = None,
-              expert_offset: int | jax.Array | None = None,
+              expert_offset: int | jax.Array | None = None, fused: bool | None = None,
               matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
@@ -239,6 +260,9 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     dependents (`grouped_matmul(pdl=)`: gate/up "wait", down "prefetch", its weights streaming during the
     gate/up GEMM's last wave). `expert_offset`: the weights are one device's
     experts from that index on (expert parallelism); other pairs count zero.
+    `fused` (shared-row blocks only, up to SHARED_ROWS_MAX_TOKENS tokens): the whole layer in one launch,
+    `nvfp4_fused_moe.fused_decode_moe`, with the gate/up settings above (its K splits: `gate_up_splits`) and the
+    down GEMM's tile, stages and row chunks.
     `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation)."""
     tokens, top_k = ids.shape
     config = default_config(tokens)
@@ -264,6 +288,14 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     num_experts = gate_up.packed.shape[0]
     if block_builder not in BLOCK_BUILDERS:
         raise ValueError(f"block_builder must be one of {BLOCK_BUILDERS}, got {block_builder!r}")
+    fused = config["fused"] if fused is None else fused
+    if fused:
+        if block_builder != "shared":
+            raise ValueError(f"fused needs shared-row blocks (block_builder='shared'), got {block_builder!r}")
+        return _fused_layer(x, weights, ids, gate_up, down, expert_offset, matmul, splits=gate_up_splits,
+                            gate_up_stages=gate_up_stages, gate_up_tile_n=gate_up_tile_n,
+                            gate_up_decode_chunks=gate_up_decode_chunks, down_stages=down_stages,
+                            down_tile_n=down_tile_n, down_decode_row_chunks=down_decode_row_chunks)
     local_ids, local = mg._local_pairs(ids, expert_offset, num_experts)
     shared = block_builder == "shared"
     if shared:

@@ -1,0 +1,318 @@
+"""Beam's NVFP4 MoE layer for a few decode tokens in one Mosaic GPU launch (Hopper only): gate/up GEMM,
+SwiGLU, down GEMM and the routing-weighted pair sum.
+
+Why. At one token the layer of separate kernels (`nvfp4_moe_mgpu.moe_nvfp4`) is six launches, each waiting
+for the one before: the two GEMMs take 8.0 + 5.5 us of its 19.5, XLA's pass between them (the K splits'
+sum, the global scales, SwiGLU) 1.6 and the combine two kernels of 1.7 (H200, benchmarks/moe/RESULTS.md,
+session 27 run A). Here one grid holds two kinds of programs:
+- gate/up programs, first in the grid: `grouped_matmul`'s programs for shared-row blocks (K splits, fp32
+  partial sums), each counting itself done on its block's global semaphore once its sums are written;
+- down programs: fetch their first weight steps, wait on their block's semaphore, add the block's partial
+  sums and apply the global scales and SwiGLU into their activation tiles themselves, run the down GEMM, and
+  add their tile, times the expert's global scale and each token's routing weight, into the fp32 output by a
+  TMA reduction.
+A down program waits only on programs earlier in the grid, which the GPU starts first, so its wait cannot
+keep them from running (the assumption CUTLASS's stream-K fix-up makes too). The first programs zero the
+output before anything is added to it, and count that on a semaphore the down programs wait on as well.
+Rounding follows `moe_gemm_reference` but for the sum: a pair's output is rounded to bf16, weighted and rounded
+again, then the pairs are added in fp32 (in the order their programs finish) and the caller rounds once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import nvfp4_mgpu as nm
+
+_X_ROW_BYTES = 128  # the down GEMM's activation tile rows: tile_k 64 bf16, one 128-byte swizzled row
+_ZERO_COLUMNS = 256  # TMA's largest box side
+
+
+def _async_proxy_fence():
+    """Orders this thread's global accesses of the generic proxy (loads, the semaphores' atomics) with those
+    of the async proxy (TMA copies and reductions) across the release / acquire of a semaphore."""
+    @plgpu.inline_mgpu()
+    def fence(ctx):
+        del ctx
+        from jax.experimental.mosaic.gpu import utils
+        utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
+
+    fence()
+
+
+def _swiglu_activations(splits: int, tokens: int, block_t: int, intermediate: int):
+    """inline_mgpu body: the block's gate/up partial sums (gmem `[splits, rows, 2 I]` fp32, the block's rows from
+    `row0`) -> the down GEMM's activation tiles (smem `[I / 64, block_t, 64]` bf16, 128-byte swizzle):
+    for each of the first `tokens` rows, gate and up summed over the splits, times OUTPUT_FACTOR and their global
+    scales, rounded to bf16, and SwiGLU rounded to bf16 (as `moe_nvfp4`'s XLA pass); other rows zero."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref
+    from jax.experimental.mosaic.gpu import utils
+
+    def body(ctx, sums_ref, x_ref, row0, gate_scale, up_scale):
+        del ctx
+        index, i32, f32, bf16 = ir.IndexType.get(), ir.IntegerType.get_signless(32), ir.F32Type.get(), ir.BF16Type.get()
+        row0 = arith.index_cast(index, row0.registers.item())
+        gate_factor = arith.mulf(gate_scale.registers.item(), arith.constant(f32, nm.OUTPUT_FACTOR))
+        up_factor = arith.mulf(up_scale.registers.item(), arith.constant(f32, nm.OUTPUT_FACTOR))
+        base = utils.memref_ptr(x_ref)
+
+        def place(t, j):
+            """Byte of activation (row t, column j): tile j / 64, row t, 16-byte chunk (j % 64 / 8) ^ (t % 8)."""
+            step, k = arith.divui(j, utils.c(64, index)), arith.remui(j, utils.c(64, index))
+            chunk = arith.xori(arith.divui(k, utils.c(8, index)), arith.remui(t, utils.c(8, index)))
+            byte = arith.addi(arith.muli(arith.addi(arith.muli(step, utils.c(block_t, index)), t),
+                                         utils.c(_X_ROW_BYTES, index)),
+                              arith.addi(arith.muli(chunk, utils.c(16, index)),
+                                         arith.muli(arith.remui(k, utils.c(8, index)), utils.c(2, index))))
+            return utils.getelementptr(base, [arith.index_cast(i32, byte)], ir.IntegerType.get_signless(8))
+
+        def projection(row, column, factor):
+            total = memref.load(sums_ref, [utils.c(0, index), row, column])
+            for s in range(1, splits):
+                total = arith.addf(total, memref.load(sums_ref, [utils.c(s, index), row, column]))
+            return arith.extf(f32, arith.truncf(bf16, arith.mulf(total, factor)))
+
+        def one(i):
+            t, j = arith.divui(i, utils.c(intermediate, index)), arith.remui(i, utils.c(intermediate, index))
+            row = arith.addi(row0, t)
+            gate = projection(row, j, gate_factor)
+            up = projection(row, arith.addi(j, utils.c(intermediate, index)), up_factor)
+            llvm.store(arith.truncf(bf16, nm.swiglu_value(gate, up)), place(t, j))
+
+        def zero(i):
+            t = arith.addi(arith.divui(i, utils.c(intermediate, index)), utils.c(tokens, index))
+            llvm.store(arith.constant(bf16, 0.0), place(t, arith.remui(i, utils.c(intermediate, index))))
+
+        nm.for_each_index(tokens * intermediate, one)
+        if tokens < block_t:
+            nm.for_each_index((block_t - tokens) * intermediate, zero)
+
+    return body
+
+
+def _store_weighted_transposed(tile_n: int, block_t: int, tokens: int):
+    """inline_mgpu body: the down GEMM's fp32 accumulator [tile_n, block_t] (WGMMA layout) -> smem [block_t,
+    tile_n] fp32: each value times OUTPUT_FACTOR and its row's global scale, rounded to bf16 (the expert's
+    output), times its token's routing weight and rounded to bf16 again (the pair's output, as
+    `moe_gemm_reference`); rows past `tokens` zero."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, memref, vector
+    from jax.experimental.mosaic.gpu import utils
+
+    def body(ctx, acc, out_ref, scale_ref, *token_weights):
+        del ctx
+        index, f32, bf16 = ir.IndexType.get(), ir.F32Type.get(), ir.BF16Type.get()
+        round_bf16 = lambda v: arith.extf(f32, arith.truncf(bf16, v))  # noqa: E731
+        weights = [w.registers.item() for w in token_weights]
+        row0, lane = nm._thread_place()
+        col0 = arith.muli(arith.remui(lane, utils.c(4, index)), utils.c(2, index))
+        for m in range(tile_n // 64):
+            for half in range(2):
+                row = arith.addi(row0, utils.c(64 * m + 8 * half, index))
+                factor = arith.mulf(memref.load(scale_ref, [row]), arith.constant(f32, nm.OUTPUT_FACTOR))
+                for c in range(block_t // 8):
+                    pair = acc.registers[m, c, 0, 0, half, 0, 0, 0, 0]
+                    for j in range(2):
+                        col = arith.addi(col0, utils.c(8 * c + j, index))
+                        value = round_bf16(arith.mulf(vector.extract(pair, dynamic_position=[],
+                                                                     static_position=[j]), factor))
+                        # The column's token weight: a select over the few tokens (registers, no indexing).
+                        weight = arith.constant(f32, 0.0)
+                        for t, w in enumerate(weights):
+                            is_t = arith.cmpi(arith.CmpIPredicate.eq, col, utils.c(t, index))
+                            weight = arith.select(is_t, w, weight)
+                        memref.store(round_bf16(arith.mulf(value, weight)), out_ref, [col, row])
+
+    return body
+
+
+def fused_decode_moe(x, block_expert, block_weight, gate_up_packed, gate_up_scales, gate_up_global_scale,
+                     down_packed, down_scales, down_global_scale, *, gate_up_tile_k: int, down_tile_k: int,
+                     splits: int = 4, gate_up_stages: int = 2, gate_up_tile_n: int = 64,
+                     gate_up_decode_chunks: int = 2, down_stages: int = 4, down_tile_n: int = 64,
+                     down_decode_row_chunks: int = 1) -> jax.Array:
+    """`x [T, H]` bf16 (T <= 8, every block multiplies all of them: shared rows), `block_expert [B]` int32 (an
+    expert outside [0, E): skip the block), `block_weight [B, T]` fp32 (token t's routing weight for block b's
+    expert, 0 if it did not pick it), the gate/up weights (gate rows then up rows, `nm.pack_weights` with
+    `gate_up_tile_k`; global scales `[E, 2 I]`) and the down weights (`down_tile_k` 64) -> `[8, H]` fp32, the
+    routed experts' output of each token (rows past T zero). Settings as `grouped_matmul`'s: the gate/up
+    GEMM's `splits` K splits, pipeline `stages`, `tile_n` rows a program and `decode_chunks`; the down GEMM's."""
+    tokens, hidden = x.shape
+    experts, gu_steps, gu_rows, _ = gate_up_packed.shape
+    block_t = 8  # wgmma's narrowest N
+    blocks = block_expert.shape[0]
+    intermediate = gu_rows // 2
+    if (tokens > block_t or block_weight.shape != (blocks, tokens) or gu_steps * gate_up_tile_k != hidden
+            or down_tile_k * 2 != _X_ROW_BYTES or down_packed.shape[1:] != (intermediate // down_tile_k, hidden,
+                                                                               down_tile_k // 2)
+            or down_packed.shape[0] != experts or hidden % down_tile_n or gu_rows % gate_up_tile_n):
+        raise ValueError(f"shapes: x {x.shape}, block_weight {block_weight.shape}, gate/up {gate_up_packed.shape} "
+                         f"(tile_k {gate_up_tile_k}), down {down_packed.shape} (tile_k {down_tile_k}), "
+                         f"tile_n {gate_up_tile_n} / {down_tile_n}")
+    gu_k_steps, down_k_steps = gu_steps // splits, intermediate // down_tile_k
+    gu_programs_per_block = gu_rows // gate_up_tile_n * splits
+    gu_programs, down_programs = blocks * gu_programs_per_block, blocks * (hidden // down_tile_n)
+    zero_columns = math.gcd(hidden, _ZERO_COLUMNS)
+    zero_programs = hidden // zero_columns
+    if gu_steps % splits or zero_programs > gu_programs:
+        raise ValueError(f"splits={splits} must divide gate/up's {gu_steps} K steps, and the {zero_programs} "
+                         f"zeroing programs fit in its {gu_programs} programs")
+    gu_in_specs, gu_stage, gu_decodes, gu_store = nm._tile_programs(
+        gate_up_tile_n, gate_up_tile_k, block_t, False, False, gate_up_decode_chunks)
+    down_line_box = down_tile_k // 2 < nm._LINE
+    down_in_specs, down_stage, down_decodes, _ = nm._tile_programs(
+        down_tile_n, down_tile_k, block_t, True, down_line_box, 1, row_chunks=down_decode_row_chunks)
+    gu_scales = nm._fold_scales(gate_up_scales, gate_up_tile_k)
+    down_scales = nm._fold_scales(down_scales, down_tile_k)
+    if down_line_box:
+        down_packed = down_packed.reshape(*down_packed.shape[:2], -1, nm._LINE)
+    fill = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(transforms=down_in_specs(0, 0, 0, 0)[-1].transforms),
+                                        *[plgpu.Layout.WG_SPLAT(())] * 3))(
+        _swiglu_activations(splits, tokens, block_t, intermediate))
+    weighted_store = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(),
+                                                  *[plgpu.Layout.WG_SPLAT(())] * tokens))(
+        _store_weighted_transposed(down_tile_n, block_t, tokens))
+
+    def run_k_loop(step_body, tile_n, specs, gmem_refs, k_steps, stages, fill_activations=None):
+        """The program's K loop into a fresh accumulator [tile_n, block_t], returned in registers."""
+        def acc_scope(acc_ref):
+            def step(indices, w_smem, s_smem, x_smem):
+                step_body(acc_ref, indices, w_smem, s_smem, x_smem)
+            if fill_activations is None:
+                plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=specs, max_concurrent_steps=stages)(*gmem_refs)
+            else:
+                nm._prefetched_k_loop(step, specs, gmem_refs, k_steps=k_steps, stages=stages,
+                                      fill_activations=fill_activations)
+            return acc_ref[...]
+        return pl.run_scoped(acc_scope, plgpu.ACC((tile_n, block_t)))
+
+    def decode_step(stage, decodes, tile_n, tile_k, line_box, row_chunks, staged_smem):
+        def body(acc_ref, indices, w_smem, s_smem, x_smem):
+            del indices
+            weights = w_smem if line_box else plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT)
+            stage(s_smem, staged_smem)
+            chunks = len(decodes) // row_chunks
+            chunk_k, chunk_n = tile_k // chunks, tile_n // row_chunks
+            for piece, decode in enumerate(decodes):
+                chunk, row_chunk = divmod(piece, row_chunks)
+                x_chunk = x_smem if chunks == 1 else x_smem.at[:, pl.ds(chunk * chunk_k, chunk_k)]
+                acc = acc_ref if row_chunks == 1 else acc_ref.at[pl.ds(row_chunk * chunk_n, chunk_n)]
+                plgpu.wgmma(acc, decode(weights, staged_smem), x_chunk.transpose((1, 0)))
+                if piece + 1 < len(decodes):
+                    plgpu.wgmma_wait(1)
+            plgpu.wgmma_wait(0)
+        return body
+
+    def kernel(block_expert_gmem, block_weight_gmem, x_gmem, gu_packed_gmem, gu_scales_gmem, gu_global_gmem,
+               down_packed_gmem, down_scales_gmem, down_global_gmem, out_gmem, sums_gmem):
+        ready = pl.get_global(plgpu.SemaphoreType.REGULAR((blocks,)))
+        zeroed = pl.get_global(plgpu.SemaphoreType.REGULAR((1,)))
+        p = jax.lax.axis_index("p")
+
+        @pl.when(p < gu_programs)
+        def _():
+            @pl.when(p < zero_programs)
+            def _():
+                def zero(zero_smem):
+                    zero_smem[...] = jnp.zeros(zero_smem.shape, jnp.float32)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(zero_smem, out_gmem.at[:, pl.ds(p * zero_columns, zero_columns)])
+                    plgpu.wait_smem_to_gmem(0)
+                pl.run_scoped(zero, plgpu.SMEM((block_t, zero_columns), jnp.float32))
+                _async_proxy_fence()
+                plgpu.semaphore_signal(zeroed.at[0], 1, memory_scope="gpu")
+
+            b, rest = p // gu_programs_per_block, p % gu_programs_per_block
+            ni, si = rest // splits, rest % splits
+            expert = block_expert_gmem[b]
+
+            @pl.when((expert >= 0) & (expert < experts))
+            def _():
+                def scoped(out_smem, staged_smem):
+                    body = decode_step(gu_stage, gu_decodes, gate_up_tile_n, gate_up_tile_k, False, 1, staged_smem)
+                    specs = gu_in_specs(expert, si * gu_k_steps, ni, 0)
+                    acc = run_k_loop(body, gate_up_tile_n, specs, (gu_packed_gmem, gu_scales_gmem, x_gmem),
+                                     gu_k_steps, gate_up_stages)
+                    nm._write_tile(gu_store, acc, out_smem, sums_gmem, b, ni, si, block_t=block_t,
+                                   tile_n=gate_up_tile_n)
+                    plgpu.wait_smem_to_gmem(0)
+                pl.run_scoped(scoped, plgpu.SMEM((block_t, gate_up_tile_n), jnp.float32),
+                              plgpu.SMEM((gate_up_tile_n * gate_up_tile_k // 16,), jnp.uint32))
+                _async_proxy_fence()
+                plgpu.semaphore_signal(ready.at[b], 1, memory_scope="gpu")
+
+        @pl.when(p >= gu_programs)
+        def _():
+            q = p - gu_programs
+            b, ni = q // (hidden // down_tile_n), q % (hidden // down_tile_n)
+            expert = block_expert_gmem[b]
+
+            @pl.when((expert >= 0) & (expert < experts))
+            def _():
+                token_weights = [block_weight_gmem[b, t] for t in range(tokens)]
+                gate_scale, up_scale = gu_global_gmem[expert, 0], gu_global_gmem[expert, intermediate]
+
+                def scoped(out_smem, staged_smem, scale_smem, scale_barrier):
+                    plgpu.copy_gmem_to_smem(down_global_gmem.at[expert, pl.ds(ni * down_tile_n, down_tile_n)],
+                                            scale_smem, scale_barrier)
+
+                    def fill_activations(x_buf):
+                        plgpu.semaphore_wait(ready.at[b], gu_programs_per_block, decrement=False, memory_scope="gpu")
+                        _async_proxy_fence()
+                        fill(sums_gmem, x_buf, b * block_t, gate_scale, up_scale)
+                        plgpu.commit_smem()
+
+                    body = decode_step(down_stage, down_decodes, down_tile_n, down_tile_k, down_line_box,
+                                       down_decode_row_chunks, staged_smem)
+                    specs = down_in_specs(expert, 0, ni, 0)
+                    acc = run_k_loop(body, down_tile_n, specs, (down_packed_gmem, down_scales_gmem, x_gmem),
+                                     down_k_steps, down_stages, fill_activations=fill_activations)
+                    plgpu.barrier_wait(scale_barrier)
+                    weighted_store(acc, out_smem, scale_smem, *token_weights)
+                    plgpu.commit_smem()
+                    plgpu.semaphore_wait(zeroed.at[0], zero_programs, decrement=False, memory_scope="gpu")
+                    _async_proxy_fence()
+                    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[:, pl.ds(ni * down_tile_n, down_tile_n)],
+                                            reduction_op="add")
+                    plgpu.wait_smem_to_gmem(0)
+
+                pl.run_scoped(scoped, plgpu.SMEM((block_t, down_tile_n), jnp.float32),
+                              plgpu.SMEM((down_tile_n * down_tile_k // 16,), jnp.uint32),
+                              plgpu.SMEM((down_tile_n,), jnp.float32), plgpu.Barrier())
+
+    call = plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((block_t, hidden), jnp.float32),
+                  jax.ShapeDtypeStruct((splits, blocks * block_t, gu_rows), jnp.float32)),
+        grid=(gu_programs + down_programs,),
+        grid_names=("p",),
+    )
+    out, _ = call(block_expert.astype(jnp.int32), block_weight.astype(jnp.float32), x, gate_up_packed, gu_scales,
+                  gate_up_global_scale, down_packed, down_scales, down_global_scale)
+    return out
+
+
+def fused_decode_moe_emulated(x, block_expert, block_weight, gate_up_packed, gate_up_scales, gate_up_global_scale,
+                              down_packed, down_scales, down_global_scale, *, gate_up_tile_k: int, down_tile_k: int,
+                              **settings) -> jax.Array:
+    """`fused_decode_moe`'s contract in plain jnp, from the kernel layouts (for CPU tests of the code that calls
+    it): both GEMMs by `nm.grouped_matmul_emulated`, then the weighted sum with the kernel's rounding."""
+    del settings
+    tokens = x.shape[0]
+    block_t, blocks, experts = 8, block_expert.shape[0], gate_up_packed.shape[0]
+    computed = (block_expert >= 0) & (block_expert < experts)
+    block_expert = jnp.where(computed, block_expert, -1)
+    gu = nm.grouped_matmul_emulated(x, block_expert, gate_up_packed, gate_up_scales, block_t=block_t,
+                                    tile_k=gate_up_tile_k, shared_rows=True, global_scale=gate_up_global_scale,
+                                    swiglu=True)[0]
+    down = nm.grouped_matmul_emulated(gu, block_expert, down_packed, down_scales, block_t=block_t,
+                                      tile_k=down_tile_k, global_scale=down_global_scale)[0]
+    pair_out = down.reshape(blocks, block_t, -1)[:, :tokens].astype(jnp.float32) * block_weight[:, :, None]
+    pair_out = jnp.where(computed[:, None, None], pair_out.astype(jnp.bfloat16).astype(jnp.float32), 0.0)
+    return jnp.pad(pair_out.sum(0), ((0, block_t - tokens), (0, 0)))

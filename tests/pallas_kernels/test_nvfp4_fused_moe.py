@@ -1,0 +1,101 @@
+"""The one-launch NVFP4 decode layer (`nvfp4_fused_moe`): its glue through `moe_nvfp4(fused=True)` on the CPU
+with the kernel emulated, its lowering for sm_90, and the kernel against the reference on a GPU."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import nvfp4_fused_moe as nfm
+from pallas_kernels import nvfp4_mgpu as nm
+from pallas_kernels import nvfp4_moe_mgpu as nmm
+from tests.pallas_kernels.test_nvfp4_mgpu import _assert_layer_close, _layer_problem
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 16, 4), (3, 16, 4), (8, 12, 4), (5, 6, 3)])
+def test_fused_glue_matches_reference_with_emulated_kernel(tokens, experts, top_k):
+    """One token (ids and weights straight in) and shared blocks of several tokens, experts picked by several
+    tokens (12 and 6 experts for 32 and 15 pairs), on the emulated kernel."""
+    problem, (gate_up, down) = _layer_problem(tokens, tokens, 256, 64, experts, top_k, tile_k=128)
+    layer = functools.partial(nmm.moe_nvfp4, fused=True, matmul=nm.grouped_matmul_emulated)
+    _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
+
+
+def test_fused_glue_skips_other_devices_and_padding_pairs():
+    """Expert parallelism (`expert_offset`: the other half's pairs count zero) and padding tokens (id -1)."""
+    from tests.pallas_kernels.test_moe_gemm import share_of_experts
+
+    problem, _ = _layer_problem(21, 1, 256, 64, 16, 4, tile_k=128)
+    x, weights, ids, gate, up, down = problem
+    share = [share_of_experts(w, 8, 16) for w in (gate, up, down)]
+    kernel_weights = nmm.kernel_experts(*share, gate_up_tile_k=128)
+    got = nmm.moe_nvfp4(x, weights, ids, *kernel_weights, expert_offset=8, fused=True,
+                        matmul=nm.grouped_matmul_emulated)
+    _assert_layer_close((x, weights, ids, *share), got, expert_offset=8)
+    masked = nmm.moe_nvfp4(x, weights, jnp.full_like(ids, -1), *nmm.kernel_experts(gate, up, down, gate_up_tile_k=128),
+                           fused=True, matmul=nm.grouped_matmul_emulated)
+    np.testing.assert_array_equal(np.asarray(masked, np.float32), 0.0)
+
+
+def test_fused_needs_shared_blocks_and_few_tokens():
+    problem, (gate_up, down) = _layer_problem(2, 9, 256, 64, 16, 4, tile_k=128)
+    with pytest.raises(ValueError, match="shared-row blocks"):
+        nmm.moe_nvfp4(*problem[:3], gate_up, down, fused=True, block_builder="sort")
+    x = problem[0]
+    with pytest.raises(ValueError, match="shapes"):
+        nfm.fused_decode_moe(x, jnp.zeros(72, jnp.int32), jnp.zeros((72, 9)), gate_up.packed, gate_up.scales,
+                             gate_up.global_scale, down.packed, down.scales, down.global_scale,
+                             gate_up_tile_k=128, down_tile_k=64)
+
+
+def _specs(experts, hidden, intermediate, tokens, blocks, gate_up_tile_k=256, down_tile_k=64):
+    spec = jax.ShapeDtypeStruct
+    return (spec((tokens, hidden), jnp.bfloat16), spec((blocks,), jnp.int32), spec((blocks, tokens), jnp.float32),
+            spec((experts, hidden // gate_up_tile_k, 2 * intermediate, gate_up_tile_k // 2), jnp.uint8),
+            spec((experts, hidden // gate_up_tile_k, 2 * intermediate, gate_up_tile_k // 64), jnp.uint32),
+            spec((experts, 2 * intermediate), jnp.float32),
+            spec((experts, intermediate // down_tile_k, hidden, down_tile_k // 2), jnp.uint8),
+            spec((experts, intermediate // down_tile_k, hidden, down_tile_k // 64), jnp.uint32),
+            spec((experts, hidden), jnp.float32))
+
+
+@pytest.mark.parametrize("tokens,splits,down_tile_n,row_chunks", [(1, 4, 64, 1), (3, 1, 128, 1), (8, 2, 256, 4)])
+def test_lowers_for_cuda(tokens, splits, down_tile_n, row_chunks):
+    """Beam's TP8 expert shape (256 experts, hidden 5120, intermediate 320) lowers to Mosaic GPU on the CPU."""
+    op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64, splits=splits,
+                           down_tile_n=down_tile_n, down_decode_row_chunks=row_chunks)
+    text = jax.jit(op).trace(*_specs(256, 5120, 320, tokens, 8 * tokens)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,settings", [
+    (1, {}), (1, dict(gate_up_splits=5, down_tile_n=128, down_stages=5)), (2, {}), (5, {}), (8, {}),
+    (8, dict(gate_up_splits=2, down_tile_n=256, down_decode_row_chunks=4))])
+def test_fused_layer_matches_reference_on_gpu(tokens, settings):
+    """Beam's TP8 expert shape; the same call twice in one program with other inputs (the semaphores and the
+    output start from zero in each call)."""
+    problem, (gate_up, down) = _layer_problem(tokens + 300, tokens, 5120, 320, 256, 8, tile_k=256)
+    layer = functools.partial(nmm.moe_nvfp4, fused=True, **settings)
+    twice = jax.jit(lambda *args: (layer(*args), layer(args[0] * 2, *args[1:])))
+    once, doubled = twice(*problem[:3], gate_up, down)
+    _assert_layer_close(problem, once)
+    _assert_layer_close((problem[0] * 2, *problem[1:]), doubled)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_fused_expert_parallel_share_on_gpu(tokens):
+    """Half of Beam's experts on this device: the other half's pairs are skipped by the kernel."""
+    from tests.pallas_kernels.test_moe_gemm import share_of_experts
+
+    problem, _ = _layer_problem(tokens + 400, tokens, 5120, 320, 256, 8, tile_k=256)
+    x, weights, ids, gate, up, down = problem
+    share = [share_of_experts(w, 128, 256) for w in (gate, up, down)]
+    got = jax.jit(functools.partial(nmm.moe_nvfp4, expert_offset=128, fused=True))(
+        x, weights, ids, *nmm.kernel_experts(*share))
+    _assert_layer_close((x, weights, ids, *share), got, expert_offset=128)
