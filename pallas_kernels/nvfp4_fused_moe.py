@@ -1,21 +1,30 @@
 """Beam's NVFP4 MoE layer for a few decode tokens in one Mosaic GPU launch (Hopper only): gate/up GEMM,
-SwiGLU, down GEMM and the routing-weighted pair sum.
+SwiGLU, down GEMM and the routing-weighted pair sum. The layer's default at one token.
 
-Why. At one token the layer of separate kernels (`nvfp4_moe_mgpu.moe_nvfp4`) is six launches, each waiting
-for the one before: the two GEMMs take 8.0 + 5.5 us of its 19.5, XLA's pass between them (the K splits'
+Why. At one token the layer of separate kernels (`nvfp4_moe_mgpu.moe_nvfp4(fused=False)`) is six launches, each
+waiting for the one before: the two GEMMs took 8.0 + 5.5 us of its 19.5, XLA's pass between them (the K splits'
 sum, the global scales, SwiGLU) 1.6 and the combine two kernels of 1.7 (H200, benchmarks/moe/RESULTS.md,
 session 27 run A). Here one grid holds two kinds of programs:
 - gate/up programs, first in the grid: `grouped_matmul`'s programs for shared-row blocks (K splits, fp32
   partial sums), each counting itself done on its block's global semaphore once its sums are written;
-- down programs: fetch their first weight steps, wait on their block's semaphore, add the block's partial
-  sums and apply the global scales and SwiGLU into their activation tiles themselves, run the down GEMM, and
-  add their tile, times the expert's global scale and each token's routing weight, into the fp32 output by a
-  TMA reduction.
+- down programs: fetch their weight steps, wait on their block's semaphore, add the block's partial sums and
+  apply the global scales and SwiGLU into their activation tiles themselves, run the down GEMM, and add their
+  tile, times the expert's global scale and each token's routing weight, into the fp32 output by a TMA
+  reduction.
 A down program waits only on programs earlier in the grid, which the GPU starts first, so its wait cannot
 keep them from running (the assumption CUTLASS's stream-K fix-up makes too). The first programs zero the
 output before anything is added to it, and count that on a semaphore the down programs wait on as well.
 Rounding follows `moe_gemm_reference` but for the sum: a pair's output is rounded to bf16, weighted and rounded
 again, then the pairs are added in fp32 (in the order their programs finish) and the caller rounds once.
+
+H200 (RESULTS.md, session 29): 16.2-16.3 us at one token against 18.7-18.9 for the six launches (spans: an XLA
+zeroing of the semaphores, this kernel, the output's conversion to bf16). Slower from 2 tokens (33.1 against
+29.9 at 2, 67.3 against 59.0 at 8). Mosaic GPU's profiler (benchmarks/moe/fused_timeline.py) shows where its
+13 us go: the gate/up programs end 6-9 us in (400 of them, 4 K steps each, the HBM shared with the resident down
+programs' first fetches); the kernel's 102 registers fit 4 programs an SM, so of its 720 programs ~190 down
+programs start only as gate/up programs leave, 9-13 us in, and fetch their weights then; a down program's wait,
+SwiGLU, 5 K steps and write take ~4 us after its block is ready. Prefetching the down weights into L2 from the
+gate/up programs (TMA prefetch) made the gate/up programs ~0.8 us slower and the down programs no faster.
 """
 
 from __future__ import annotations
@@ -134,15 +143,17 @@ def _store_weighted_transposed(tile_n: int, block_t: int, tokens: int):
 
 def fused_decode_moe(x, block_expert, block_weight, gate_up_packed, gate_up_scales, gate_up_global_scale,
                      down_packed, down_scales, down_global_scale, *, gate_up_tile_k: int, down_tile_k: int,
-                     splits: int = 4, gate_up_stages: int = 2, gate_up_tile_n: int = 64,
-                     gate_up_decode_chunks: int = 2, down_stages: int = 4, down_tile_n: int = 64,
-                     down_decode_row_chunks: int = 1) -> jax.Array:
+                     splits: int | None = None, gate_up_stages: int = 2, gate_up_tile_n: int = 64,
+                     gate_up_decode_chunks: int = 2, down_stages: int = 5, down_tile_n: int = 128,
+                     down_decode_row_chunks: int = 1, compiler_params=None) -> jax.Array:
     """`x [T, H]` bf16 (T <= 8, every block multiplies all of them: shared rows), `block_expert [B]` int32 (an
     expert outside [0, E): skip the block), `block_weight [B, T]` fp32 (token t's routing weight for block b's
     expert, 0 if it did not pick it), the gate/up weights (gate rows then up rows, `nm.pack_weights` with
     `gate_up_tile_k`; global scales `[E, 2 I]`) and the down weights (`down_tile_k` 64) -> `[8, H]` fp32, the
     routed experts' output of each token (rows past T zero). Settings as `grouped_matmul`'s: the gate/up
-    GEMM's `splits` K splits, pipeline `stages`, `tile_n` rows a program and `decode_chunks`; the down GEMM's."""
+    GEMM's `splits` K splits, pipeline `stages`, `tile_n` rows a program and `decode_chunks`; the down GEMM's.
+    `compiler_params`: `plgpu.CompilerParams` for the kernel (e.g. Mosaic GPU's profiler, which records the
+    named scopes of each program: benchmarks/moe/fused_timeline.py)."""
     tokens, hidden = x.shape
     experts, gu_steps, gu_rows, _ = gate_up_packed.shape
     block_t = 8  # wgmma's narrowest N
@@ -155,9 +166,12 @@ def fused_decode_moe(x, block_expert, block_weight, gate_up_packed, gate_up_scal
         raise ValueError(f"shapes: x {x.shape}, block_weight {block_weight.shape}, gate/up {gate_up_packed.shape} "
                          f"(tile_k {gate_up_tile_k}), down {down_packed.shape} (tile_k {down_tile_k}), "
                          f"tile_n {gate_up_tile_n} / {down_tile_n}")
+    if splits is None:  # at one token up to 5 (16.2-16.3 us against 17.4-17.5 with 4, H200 session 29), else 1
+        splits = max(s for s in (1, 2, 4, 5) if gu_steps % s == 0) if tokens == 1 else 1
     gu_k_steps, down_k_steps = gu_steps // splits, intermediate // down_tile_k
     gu_programs_per_block = gu_rows // gate_up_tile_n * splits
-    gu_programs, down_programs = blocks * gu_programs_per_block, blocks * (hidden // down_tile_n)
+    down_tiles = hidden // down_tile_n
+    gu_programs, down_programs = blocks * gu_programs_per_block, blocks * down_tiles
     zero_columns = math.gcd(hidden, _ZERO_COLUMNS)
     zero_programs = hidden // zero_columns
     if gu_steps % splits or zero_programs > gu_programs:
@@ -237,11 +251,13 @@ def fused_decode_moe(x, block_expert, block_weight, gate_up_packed, gate_up_scal
                 def scoped(out_smem, staged_smem):
                     body = decode_step(gu_stage, gu_decodes, gate_up_tile_n, gate_up_tile_k, False, 1, staged_smem)
                     specs = gu_in_specs(expert, si * gu_k_steps, ni, 0)
-                    acc = run_k_loop(body, gate_up_tile_n, specs, (gu_packed_gmem, gu_scales_gmem, x_gmem),
-                                     gu_k_steps, gate_up_stages)
-                    nm._write_tile(gu_store, acc, out_smem, sums_gmem, b, ni, si, block_t=block_t,
-                                   tile_n=gate_up_tile_n)
-                    plgpu.wait_smem_to_gmem(0)
+                    with jax.named_scope("gate_up_k_loop"):
+                        acc = run_k_loop(body, gate_up_tile_n, specs, (gu_packed_gmem, gu_scales_gmem, x_gmem),
+                                         gu_k_steps, gate_up_stages)
+                    with jax.named_scope("gate_up_write"):
+                        nm._write_tile(gu_store, acc, out_smem, sums_gmem, b, ni, si, block_t=block_t,
+                                       tile_n=gate_up_tile_n)
+                        plgpu.wait_smem_to_gmem(0)
                 pl.run_scoped(scoped, plgpu.SMEM((block_t, gate_up_tile_n), jnp.float32),
                               plgpu.SMEM((gate_up_tile_n * gate_up_tile_k // 16,), jnp.uint32))
                 _async_proxy_fence()
@@ -250,7 +266,7 @@ def fused_decode_moe(x, block_expert, block_weight, gate_up_packed, gate_up_scal
         @pl.when(p >= gu_programs)
         def _():
             q = p - gu_programs
-            b, ni = q // (hidden // down_tile_n), q % (hidden // down_tile_n)
+            b, ni = q // down_tiles, q % down_tiles
             expert = block_expert_gmem[b]
 
             @pl.when((expert >= 0) & (expert < experts))
@@ -263,24 +279,29 @@ def fused_decode_moe(x, block_expert, block_weight, gate_up_packed, gate_up_scal
                                             scale_smem, scale_barrier)
 
                     def fill_activations(x_buf):
-                        plgpu.semaphore_wait(ready.at[b], gu_programs_per_block, decrement=False, memory_scope="gpu")
-                        _async_proxy_fence()
-                        fill(sums_gmem, x_buf, b * block_t, gate_scale, up_scale)
-                        plgpu.commit_smem()
+                        with jax.named_scope("down_wait"):
+                            plgpu.semaphore_wait(ready.at[b], gu_programs_per_block, decrement=False,
+                                                 memory_scope="gpu")
+                            _async_proxy_fence()
+                        with jax.named_scope("down_swiglu"):
+                            fill(sums_gmem, x_buf, b * block_t, gate_scale, up_scale)
+                            plgpu.commit_smem()
 
                     body = decode_step(down_stage, down_decodes, down_tile_n, down_tile_k, down_line_box,
                                        down_decode_row_chunks, staged_smem)
                     specs = down_in_specs(expert, 0, ni, 0)
-                    acc = run_k_loop(body, down_tile_n, specs, (down_packed_gmem, down_scales_gmem, x_gmem),
-                                     down_k_steps, down_stages, fill_activations=fill_activations)
-                    plgpu.barrier_wait(scale_barrier)
-                    weighted_store(acc, out_smem, scale_smem, *token_weights)
-                    plgpu.commit_smem()
-                    plgpu.semaphore_wait(zeroed.at[0], zero_programs, decrement=False, memory_scope="gpu")
-                    _async_proxy_fence()
-                    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[:, pl.ds(ni * down_tile_n, down_tile_n)],
-                                            reduction_op="add")
-                    plgpu.wait_smem_to_gmem(0)
+                    with jax.named_scope("down_k_loop"):
+                        acc = run_k_loop(body, down_tile_n, specs, (down_packed_gmem, down_scales_gmem, x_gmem),
+                                         down_k_steps, down_stages, fill_activations=fill_activations)
+                    with jax.named_scope("down_write"):
+                        plgpu.barrier_wait(scale_barrier)
+                        weighted_store(acc, out_smem, scale_smem, *token_weights)
+                        plgpu.commit_smem()
+                        plgpu.semaphore_wait(zeroed.at[0], zero_programs, decrement=False, memory_scope="gpu")
+                        _async_proxy_fence()
+                        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[:, pl.ds(ni * down_tile_n, down_tile_n)],
+                                                reduction_op="add")
+                        plgpu.wait_smem_to_gmem(0)
 
                 pl.run_scoped(scoped, plgpu.SMEM((block_t, down_tile_n), jnp.float32),
                               plgpu.SMEM((down_tile_n * down_tile_k // 16,), jnp.uint32),
@@ -292,6 +313,7 @@ def fused_decode_moe(x, block_expert, block_weight, gate_up_packed, gate_up_scal
                   jax.ShapeDtypeStruct((splits, blocks * block_t, gu_rows), jnp.float32)),
         grid=(gu_programs + down_programs,),
         grid_names=("p",),
+        compiler_params=compiler_params,
     )
     out, _ = call(block_expert.astype(jnp.int32), block_weight.astype(jnp.float32), x, gate_up_packed, gu_scales,
                   gate_up_global_scale, down_packed, down_scales, down_global_scale)

@@ -11,9 +11,9 @@ themselves). Rounding follows `moe_gemm_reference`.
 
 H200 (benchmarks/moe/RESULTS.md, session 26: the span of a call's kernels on the device): 58.4 / 77.2 / 88.0 /
 136.3 / 154.7 / 168.4 / 185.7 us at T = 8 / 12 / 16 / 32 / 40 / 48 / 64 (62.0 / 68.2 / 76.3 / 76.8 / 74.5 / 79.0 /
-81.2 % of the HBM floor), 2.73-3.61x faster than the bf16 layer in the same runs; at T = 1 19.2 us. The two
-GEMMs are 90-98 % of the time at T = 8-64.
-"""
+81.2 % of the HBM floor), 2.73-3.61x faster than the bf16 layer in the same runs; at T = 1 19.2 us, and 16.2-16.3
+in one launch (`nvfp4_fused_moe`, the default there since session 29). The two GEMMs are 90-98 % of the time at
+T = 8-64."""
 
 from __future__ import annotations
 
@@ -198,6 +198,9 @@ def default_config(tokens: int) -> dict:
       the epilogue gains nothing with shared rows, session 17 run B); at one token 64.
     - pipelines of 2 stages past one token (K is 5 steps; 3 and 5 stages were slower, session 22 run B,
       session 23 run C), 4 at one token.
+    One launch: at one token the whole layer is one kernel (`nvfp4_fused_moe`: 16.2-16.3 us against 18.7-18.9 for
+    the GEMMs and XLA's kernels between them, spans, session 29 run F; at 2 tokens 33.1 against 29.9, at 8 67.3
+    against 59.0, run A).
     Launches: from 9 to 64 tokens both GEMMs launch as programmatic dependents, the down GEMM's weights
     streaming during the gate/up GEMM's last wave (spans of the layer's kernels, session 26 runs B-C: 77.2 / 88.0 /
     117.9 / 136.3 against 83.5 / 92.8 / 123.2 / 140.0 at T = 12 / 16 / 24 / 32; equal at 40-64); not at 8 (58.6
@@ -213,7 +216,7 @@ def default_config(tokens: int) -> dict:
                 gate_up_epilogue=tokens > 1, down_epilogue=not shared,
                 gate_up_decode_chunks=2 if tokens <= 8 else 1, gate_up_swiglu=True,
                 opened_program=dict(column_groups=5) if tokens <= 16 else dict(compact=True) if tokens >= 40 else {},
-                pdl=not shared and tokens <= 64, fused=False)
+                pdl=not shared and tokens <= 64, fused=tokens == 1)
 
 
 def _fused_layer(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, expert_offset, matmul, **settings):
@@ -261,12 +264,23 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     gate/up GEMM's last wave). `expert_offset`: the weights are one device's
     experts from that index on (expert parallelism); other pairs count zero.
     `fused` (shared-row blocks only, up to SHARED_ROWS_MAX_TOKENS tokens): the whole layer in one launch,
-    `nvfp4_fused_moe.fused_decode_moe`, with the gate/up settings above (its K splits: `gate_up_splits`) and the
-    down GEMM's tile, stages and row chunks.
+    `nvfp4_fused_moe.fused_decode_moe`, with the gate/up settings above that are set (its K splits:
+    `gate_up_splits`) and the down GEMM's tile, stages and row chunks; unset, the kernel's own defaults.
     `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation)."""
     tokens, top_k = ids.shape
     config = default_config(tokens)
     block_builder = config["block_builder"] if block_builder is None else block_builder
+    if fused is None:  # the default where nothing asks for the two GEMMs' blocks
+        fused = config["fused"] and block_builder == "shared"
+    if fused:
+        if block_builder != "shared":
+            raise ValueError(f"fused needs shared-row blocks (block_builder='shared'), got {block_builder!r}")
+        # The fused kernel's own defaults where unset (its programs differ from the two GEMMs').
+        settings = dict(splits=gate_up_splits, gate_up_stages=gate_up_stages, gate_up_tile_n=gate_up_tile_n,
+                        gate_up_decode_chunks=gate_up_decode_chunks, down_stages=down_stages, down_tile_n=down_tile_n,
+                        down_decode_row_chunks=down_decode_row_chunks)
+        return _fused_layer(x, weights, ids, gate_up, down, expert_offset, matmul,
+                            **{key: value for key, value in settings.items() if value is not None})
     block_t = config["block_t"] if block_t is None else block_t
     if gate_up_splits is None:  # the default, where it divides gate/up's K steps (else fewer)
         gate_up_splits = math.gcd(config["gate_up_splits"], x.shape[1] // gate_up.tile_k)
@@ -288,14 +302,6 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     num_experts = gate_up.packed.shape[0]
     if block_builder not in BLOCK_BUILDERS:
         raise ValueError(f"block_builder must be one of {BLOCK_BUILDERS}, got {block_builder!r}")
-    fused = config["fused"] if fused is None else fused
-    if fused:
-        if block_builder != "shared":
-            raise ValueError(f"fused needs shared-row blocks (block_builder='shared'), got {block_builder!r}")
-        return _fused_layer(x, weights, ids, gate_up, down, expert_offset, matmul, splits=gate_up_splits,
-                            gate_up_stages=gate_up_stages, gate_up_tile_n=gate_up_tile_n,
-                            gate_up_decode_chunks=gate_up_decode_chunks, down_stages=down_stages,
-                            down_tile_n=down_tile_n, down_decode_row_chunks=down_decode_row_chunks)
     local_ids, local = mg._local_pairs(ids, expert_offset, num_experts)
     shared = block_builder == "shared"
     if shared:

@@ -63,7 +63,7 @@ def _specs(experts, hidden, intermediate, tokens, blocks, gate_up_tile_k=256, do
             spec((experts, hidden), jnp.float32))
 
 
-@pytest.mark.parametrize("tokens,splits,down_tile_n,row_chunks", [(1, 4, 64, 1), (3, 1, 128, 1), (8, 2, 256, 4)])
+@pytest.mark.parametrize("tokens,splits,down_tile_n,row_chunks", [(1, 4, 64, 1), (3, None, 128, 1), (2, 2, 256, 4)])
 def test_lowers_for_cuda(tokens, splits, down_tile_n, row_chunks):
     """Beam's TP8 expert shape (256 experts, hidden 5120, intermediate 320) lowers to Mosaic GPU on the CPU."""
     op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64, splits=splits,
@@ -74,7 +74,8 @@ def test_lowers_for_cuda(tokens, splits, down_tile_n, row_chunks):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,settings", [
-    (1, {}), (1, dict(gate_up_splits=5, down_tile_n=128, down_stages=5)), (2, {}), (5, {}), (8, {}),
+    (1, {}), (1, dict(gate_up_splits=2, gate_up_tile_n=64, down_tile_n=256, down_decode_row_chunks=4)), (2, {}),
+    (3, dict(gate_up_splits=1, down_tile_n=64, down_stages=2)), (8, {}),
     (8, dict(gate_up_splits=2, down_tile_n=256, down_decode_row_chunks=4))])
 def test_fused_layer_matches_reference_on_gpu(tokens, settings):
     """Beam's TP8 expert shape; the same call twice in one program with other inputs (the semaphores and the

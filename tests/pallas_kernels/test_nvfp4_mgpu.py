@@ -257,7 +257,7 @@ def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits
     blocks of 8 rows up to 64, then sorted blocks of 32); with and without the kernel's own epilogue."""
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 256, 64, 16, 4, tile_k=128)
     layer = functools.partial(nmm.moe_nvfp4, block_t=block_t, gate_up_splits=splits, **_builder(builder),
-                              **_epilogues(epilogue), matmul=nm.grouped_matmul_emulated)
+                              **_epilogues(epilogue), fused=False, matmul=nm.grouped_matmul_emulated)
     _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
 
 
@@ -399,7 +399,7 @@ def test_layer_matches_reference_on_gpu(tokens, down_tile_n, builder, epilogue, 
     chunks), with and without the kernel's own epilogue."""
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 5120, 320, 256, 8, tile_k=256)
     layer = functools.partial(nmm.moe_nvfp4, down_tile_n=down_tile_n, **_builder(builder),
-                              gate_up_decode_chunks=chunks, **_epilogues(epilogue))
+                              gate_up_decode_chunks=chunks, **_epilogues(epilogue), fused=False)
     _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
 
 
@@ -410,7 +410,7 @@ def test_dependent_launches_match_reference_on_gpu(tokens):
     prefetching its weights before it waits), on the defaults' blocks at each size; the same call twice in a
     row, so that the second's down GEMM may start during the first's kernels."""
     problem, (gate_up, down) = _layer_problem(tokens + 100, tokens, 5120, 320, 256, 8, tile_k=256)
-    layer = functools.partial(nmm.moe_nvfp4, pdl=True)
+    layer = functools.partial(nmm.moe_nvfp4, pdl=True, fused=False)
     twice = jax.jit(lambda *args: (layer(*args), layer(args[0] * 2, *args[1:])))
     once, doubled = twice(*problem[:3], gate_up, down)
     _assert_layer_close(problem, once)

@@ -1,0 +1,102 @@
+"""Where the one-launch NVFP4 decode layer's time goes (`nvfp4_fused_moe.fused_decode_moe`), from Mosaic GPU's
+profiler: each program's named scopes (gate/up K loop and write; down wait, SwiGLU, K loop, write) timed on the
+device, summarized as the spread of their start and end times across the programs of each kind.
+
+    OUT=dir python3 -u benchmarks/moe/fused_timeline.py [--tokens 1] [--settings '{"down_tile_n": 128}']
+
+Times are µs from the first program's start. A program's start is the GPU's global timer; its scopes are SM clock
+cycles after that, converted at `--clock-ghz` (the H200's SM clock under load: `nvidia-smi -q -d CLOCK`). The
+profiler's own cost (a shared-memory store per event) is small against these scopes but not zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+sys.path.insert(0, os.path.dirname(__file__))
+import bench  # noqa: E402
+
+from pallas_kernels import nvfp4_fused_moe as nfm  # noqa: E402
+
+
+def run(tokens: int, settings: dict, profile_dir: str):
+    """Profiled calls of the fused layer on Beam's TP8 NVFP4 experts; returns the last call's trace file."""
+    gate, up, down = bench.make_weights("nvfp4", jax.random.key(0))
+    gate_up, down_k = bench.mosaic_layout(gate, up, down)
+    x, w, ids = bench.make_tokens(tokens, 3, jax.random.key(tokens))
+    os.makedirs(profile_dir, exist_ok=True)
+    params = plgpu.CompilerParams(profile_space=32, profile_dir=profile_dir)
+
+    @jax.jit
+    def layer(x, w, ids, gate_up, down_k):
+        if tokens != 1:
+            raise ValueError("the timeline takes one token (its blocks are the pairs)")
+        return nfm.fused_decode_moe(x, ids.reshape(-1), w.reshape(-1, 1), gate_up.packed, gate_up.scales,
+                                    gate_up.global_scale, down_k.packed, down_k.scales, down_k.global_scale,
+                                    gate_up_tile_k=gate_up.tile_k, down_tile_k=down_k.tile_k, compiler_params=params,
+                                    **settings)
+
+    for r in range(3):
+        jax.block_until_ready(layer(x[r], w[r], ids[r], gate_up, down_k))
+    return max(glob.glob(os.path.join(profile_dir, "*.json")), key=os.path.getmtime)
+
+
+def summarize(trace_file: str, clock_ghz: float) -> dict:
+    """Per scope name: (programs, first / median / last begin, first / median / last end), µs from the first
+    program's start."""
+    events = json.load(open(trace_file))["traceEvents"]
+    by_program: dict[int, list] = {}
+    for event in events:
+        by_program.setdefault(event["tid"], []).append(event)
+    spans: dict[str, list] = {}
+    program_starts = []
+    for program_events in by_program.values():
+        start_us = program_events[0]["ts"]  # the program's global timer; later events add clock cycles
+        program_starts.append(start_us)
+        at = lambda e: start_us + (e["ts"] - start_us) / clock_ghz  # noqa: E731, B023 (cycles / 1e3 -> µs)
+        open_events = {}
+        for event in program_events:
+            if event["ph"] == "B":
+                open_events[event["name"]] = at(event)
+            else:
+                spans.setdefault(event["name"], []).append((open_events.pop(event["name"]), at(event)))
+    origin = min(program_starts)
+    summary = {}
+    for name, pairs in sorted(spans.items()):
+        begins, ends = (np.array([p[i] for p in pairs]) - origin for i in (0, 1))
+        summary[name] = dict(programs=len(pairs), begin=[round(float(np.min(begins)), 2),
+                                                         round(float(np.median(begins)), 2),
+                                                         round(float(np.max(begins)), 2)],
+                             end=[round(float(np.min(ends)), 2), round(float(np.median(ends)), 2),
+                                  round(float(np.max(ends)), 2)],
+                             median_length=round(float(np.median(ends - begins)), 2))
+    summary["last_program_start"] = round(max(program_starts) - origin, 2)
+    return summary
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=1)
+    parser.add_argument("--settings", default="{}", help="fused_decode_moe settings (JSON)")
+    parser.add_argument("--clock-ghz", type=float, default=1.98)
+    args = parser.parse_args()
+    out = os.environ.get("OUT", ".")
+    settings = json.loads(args.settings)
+    trace = run(args.tokens, settings, os.path.join(out, "fused-profile"))
+    summary = dict(tokens=args.tokens, settings=settings, clock_ghz=args.clock_ghz, trace=os.path.basename(trace),
+                   scopes=summarize(trace, args.clock_ghz))
+    print(json.dumps(summary, indent=1))
+    with open(os.path.join(out, "fused-timeline.json"), "a") as f:
+        f.write(json.dumps(summary) + "\n")
+
+
+if __name__ == "__main__":
+    main()
