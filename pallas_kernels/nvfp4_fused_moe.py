@@ -141,10 +141,17 @@ def _store_weighted_transposed(tile_n: int, block_t: int, tokens: int):
     return body
 
 
+def fits(hidden: int, down_tile_k: int, tokens: int) -> bool:
+    """Whether `fused_decode_moe` takes these shapes: down weights in K steps of 64 (its activation tiles are one
+    128-byte row), a hidden size in whole 64-row down tiles, at most 8 tokens."""
+    return down_tile_k * 2 == _X_ROW_BYTES and hidden % 64 == 0 and tokens <= 8
+
+
 def fused_decode_moe(x, block_expert, block_weight, gate_up_packed, gate_up_scales, gate_up_global_scale,
                      down_packed, down_scales, down_global_scale, *, gate_up_tile_k: int, down_tile_k: int,
                      splits: int | None = None, gate_up_stages: int = 2, gate_up_tile_n: int = 64,
-                     gate_up_decode_chunks: int = 2, down_stages: int = 5, down_tile_n: int = 128,
+                     gate_up_decode_chunks: int | None = None, down_stages: int = 5,
+                     down_tile_n: int | None = None,
                      down_decode_row_chunks: int = 1, compiler_params=None) -> jax.Array:
     """`x [T, H]` bf16 (T <= 8, every block multiplies all of them: shared rows), `block_expert [B]` int32 (an
     expert outside [0, E): skip the block), `block_weight [B, T]` fp32 (token t's routing weight for block b's
@@ -156,6 +163,11 @@ def fused_decode_moe(x, block_expert, block_weight, gate_up_packed, gate_up_scal
     named scopes of each program: benchmarks/moe/fused_timeline.py)."""
     tokens, hidden = x.shape
     experts, gu_steps, gu_rows, _ = gate_up_packed.shape
+    if gate_up_decode_chunks is None:  # two K chunks where a step has them (`default_config`)
+        gate_up_decode_chunks = 2 if gate_up_tile_k % (2 * nm.TILE_K_QUANTUM) == 0 else 1
+    if down_tile_n is None:  # 128 rows where they divide the hidden size (17.1 us against 19.1 with 64
+        # and 4 stages, session 29 run A)
+        down_tile_n = 128 if hidden % 128 == 0 else 64
     block_t = 8  # wgmma's narrowest N
     blocks = block_expert.shape[0]
     intermediate = gu_rows // 2
@@ -168,6 +180,9 @@ def fused_decode_moe(x, block_expert, block_weight, gate_up_packed, gate_up_scal
                          f"tile_n {gate_up_tile_n} / {down_tile_n}")
     if splits is None:  # at one token up to 5 (16.2-16.3 us against 17.4-17.5 with 4, H200 session 29), else 1
         splits = max(s for s in (1, 2, 4, 5) if gu_steps % s == 0) if tokens == 1 else 1
+    if gate_up_tile_k % (nm.TILE_K_QUANTUM * gate_up_decode_chunks):
+        raise ValueError(f"gate_up_decode_chunks={gate_up_decode_chunks} must split gate_up_tile_k={gate_up_tile_k} "
+                         f"into multiples of {nm.TILE_K_QUANTUM}")
     gu_k_steps, down_k_steps = gu_steps // splits, intermediate // down_tile_k
     gu_programs_per_block = gu_rows // gate_up_tile_n * splits
     down_tiles = hidden // down_tile_n

@@ -265,13 +265,16 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     experts from that index on (expert parallelism); other pairs count zero.
     `fused` (shared-row blocks only, up to SHARED_ROWS_MAX_TOKENS tokens): the whole layer in one launch,
     `nvfp4_fused_moe.fused_decode_moe`, with the gate/up settings above that are set (its K splits:
-    `gate_up_splits`) and the down GEMM's tile, stages and row chunks; unset, the kernel's own defaults.
+    `gate_up_splits`) and the down GEMM's tile, stages and row chunks; unset, the kernel's own defaults (the
+    epilogue, SwiGLU, staging and `pdl` settings are the two GEMMs' and do not apply). Unset, on at one token
+    with shared-row blocks where the kernel takes the shapes (`nfm.fits`).
     `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation)."""
     tokens, top_k = ids.shape
     config = default_config(tokens)
     block_builder = config["block_builder"] if block_builder is None else block_builder
     if fused is None:  # the default where nothing asks for the two GEMMs' blocks
-        fused = config["fused"] and block_builder == "shared"
+        fused = (config["fused"] and block_builder == "shared"
+                 and nfm.fits(x.shape[1], down.tile_k, tokens))
     if fused:
         if block_builder != "shared":
             raise ValueError(f"fused needs shared-row blocks (block_builder='shared'), got {block_builder!r}")

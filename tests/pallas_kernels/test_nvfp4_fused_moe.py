@@ -72,6 +72,30 @@ def test_lowers_for_cuda(tokens, splits, down_tile_n, row_chunks):
     assert "mosaic_gpu" in text
 
 
+def test_hidden_sizes_of_64_row_tiles_lower_for_cuda():
+    """A hidden size that 128-row down tiles do not divide (320) takes 64-row tiles by default."""
+    op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=64, down_tile_k=64)
+    text = jax.jit(op).trace(*_specs(16, 320, 128, 1, 8, gate_up_tile_k=64)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_one_token_takes_the_two_gemms_where_the_fused_kernel_does_not_fit():
+    """Down weights in K steps of 128 (the fused kernel's activation tiles need 64): the default at one token
+    is then the two GEMMs (their emulation is called), with the reference's output."""
+    problem, (gate_up, _) = _layer_problem(5, 1, 256, 128, 16, 4, tile_k=128)
+    down = nmm.KernelNvfp4.from_expert_weights(problem[5], tile_k=128)
+    calls = []
+
+    def matmul(*args, **kwargs):
+        calls.append(kwargs["tile_k"])
+        return nm.grouped_matmul_emulated(*args, **kwargs)
+
+    _assert_layer_close(problem, nmm.moe_nvfp4(*problem[:3], gate_up, down, matmul=matmul))
+    assert calls == [128, 128]
+    assert not nfm.fits(256, 128, 1) and nfm.fits(256, 64, 1) and not nfm.fits(256, 64, 9)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,settings", [
     (1, {}), (1, dict(gate_up_splits=2, gate_up_tile_n=64, down_tile_n=256, down_decode_row_chunks=4)), (2, {}),
