@@ -4,6 +4,7 @@ with the kernel emulated, its lowering for sm_90, and the kernel against the ref
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ import pytest
 from pallas_kernels import nvfp4_fused_moe as nfm
 from pallas_kernels import nvfp4_mgpu as nm
 from pallas_kernels import nvfp4_moe_mgpu as nmm
-from tests.pallas_kernels.test_nvfp4_mgpu import _assert_layer_close, _layer_problem
+from tests.pallas_kernels.test_nvfp4_mgpu import _assert_layer_close, _layer_problem, _moe_benchmark
 
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 16, 4), (3, 16, 4), (8, 12, 4), (5, 6, 3)])
@@ -94,6 +95,24 @@ def test_one_token_takes_the_two_gemms_where_the_fused_kernel_does_not_fit():
     _assert_layer_close(problem, nmm.moe_nvfp4(*problem[:3], gate_up, down, matmul=matmul))
     assert calls == [128, 128]
     assert not nfm.fits(256, 128, 1) and nfm.fits(256, 64, 1) and not nfm.fits(256, 64, 9)
+
+
+def test_timeline_summarizes_each_scope_across_programs(tmp_path, monkeypatch):
+    """benchmarks/moe/fused_timeline.py's summary of a profiler trace: a program's first event is its start (the
+    global timer, µs), later events clock cycles after it (the trace writes start + cycles / 1e3 as µs)."""
+    timeline = _moe_benchmark("fused_timeline", monkeypatch)
+    events = []
+    for tid, start, (begin, end) in ((1, 10.0, (200, 2200)), (2, 11.0, (200, 4200))):
+        for name, (b, e) in (("Init", (0, 100)), ("gate_up_k_loop", (begin, end))):
+            events += [dict(name=name, ph="B", ts=start + b / 1e3, tid=tid, pid=1),
+                       dict(name=name, ph="E", ts=start + e / 1e3, tid=tid, pid=1)]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps(dict(traceEvents=events)))
+    summary = timeline.summarize(str(trace), clock_ghz=2.0)
+    # Program 1: 0.1 us after its start (10.0) to 1.1 us after; program 2 starts 1 us later and runs 2 us.
+    assert summary["gate_up_k_loop"] == dict(programs=2, begin=[0.1, 0.6, 1.1], end=[1.1, 2.1, 3.1],
+                                             median_length=1.5)
+    assert summary["last_program_start"] == 1.0
 
 
 @pytest.mark.gpu
