@@ -18,8 +18,8 @@ Rounding follows `moe_gemm_reference` but for the sum: a pair's output is rounde
 again, then the pairs are added in fp32 (in the order their programs finish) and the caller rounds once.
 
 H200 (RESULTS.md, session 29): 16.2-16.3 us at one token against 18.7-18.9 for the six launches (spans: an XLA
-zeroing of the semaphores, this kernel, the output's conversion to bf16). Slower from 2 tokens (33.1 against
-29.9 at 2, 67.3 against 59.0 at 8). Mosaic GPU's profiler (benchmarks/moe/fused_timeline.py) shows where its
+zeroing of the semaphores, this kernel, the output's conversion to bf16). Slower from 2 tokens (32.0 against
+30.0 at 2, 67.3 against 59.0 at 8, run A). Mosaic GPU's profiler (benchmarks/moe/fused_timeline.py) shows where its
 13 us go: the gate/up programs end 6-9 us in (400 of them, 4 K steps each, the HBM shared with the resident down
 programs' first fetches); the kernel's 102 registers fit 4 programs an SM, so of its 720 programs ~190 down
 programs start only as gate/up programs leave, 9-13 us in, and fetch their weights then; a down program's wait,

@@ -199,7 +199,7 @@ def default_config(tokens: int) -> dict:
     - pipelines of 2 stages past one token (K is 5 steps; 3 and 5 stages were slower, session 22 run B,
       session 23 run C), 4 at one token.
     One launch: at one token the whole layer is one kernel (`nvfp4_fused_moe`: 16.2-16.3 us against 18.7-18.9 for
-    the GEMMs and XLA's kernels between them, spans, session 29 run F; at 2 tokens 33.1 against 29.9, at 8 67.3
+    the GEMMs and XLA's kernels between them, spans, session 29 run F; at 2 tokens 32.0 against 30.0, at 8 67.3
     against 59.0, run A).
     Launches: from 9 to 64 tokens both GEMMs launch as programmatic dependents, the down GEMM's weights
     streaming during the gate/up GEMM's last wave (spans of the layer's kernels, session 26 runs B-C: 77.2 / 88.0 /
