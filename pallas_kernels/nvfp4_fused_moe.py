@@ -201,7 +201,8 @@ def fused_decode_moe(x, block_expert, block_weight, gate_up_packed, gate_up_scal
     down_scales = nm._fold_scales(down_scales, down_tile_k)
     if down_line_box:
         down_packed = down_packed.reshape(*down_packed.shape[:2], -1, nm._LINE)
-    fill = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(transforms=down_in_specs(0, 0, 0, 0)[-1].transforms),
+    x_transforms = down_in_specs(0, 0, 0, 0)[-1].transforms  # the down GEMM's activation tiles (swizzled)
+    fill = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(transforms=x_transforms),
                                         *[plgpu.Layout.WG_SPLAT(())] * 3))(
         _swiglu_activations(splits, tokens, block_t, intermediate))
     weighted_store = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(),
