@@ -234,8 +234,8 @@ def _fused_layer(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, exper
     # The emulated GEMM (CPU tests) takes the emulated layer.
     fused_layer = nfm.fused_decode_moe if matmul is nm.grouped_matmul else nfm.fused_decode_moe_emulated
     out = fused_layer(x, block_expert, block_weight, gate_up.packed, gate_up.scales, gate_up.global_scale,
-                               down.packed, down.scales, down.global_scale, gate_up_tile_k=gate_up.tile_k,
-                               down_tile_k=down.tile_k, **settings)
+                      down.packed, down.scales, down.global_scale, gate_up_tile_k=gate_up.tile_k,
+                      down_tile_k=down.tile_k, **settings)
     return out[:tokens].astype(x.dtype)
 
 
