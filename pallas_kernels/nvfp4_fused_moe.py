@@ -227,16 +227,8 @@ def fused_decode_moe(x, block_expert, block_weight, gate_up_packed, gate_up_scal
             del indices
             weights = w_smem if line_box else plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT)
             stage(s_smem, staged_smem)
-            chunks = len(decodes) // row_chunks
-            chunk_k, chunk_n = tile_k // chunks, tile_n // row_chunks
-            for piece, decode in enumerate(decodes):
-                chunk, row_chunk = divmod(piece, row_chunks)
-                x_chunk = x_smem if chunks == 1 else x_smem.at[:, pl.ds(chunk * chunk_k, chunk_k)]
-                acc = acc_ref if row_chunks == 1 else acc_ref.at[pl.ds(row_chunk * chunk_n, chunk_n)]
-                plgpu.wgmma(acc, decode(weights, staged_smem), x_chunk.transpose((1, 0)))
-                if piece + 1 < len(decodes):
-                    plgpu.wgmma_wait(1)
-            plgpu.wgmma_wait(0)
+            nm.multiply_step(acc_ref, decodes, weights, staged_smem, x_smem, tile_n=tile_n, tile_k=tile_k,
+                             row_chunks=row_chunks)
         return body
 
     def kernel(block_expert_gmem, block_weight_gmem, x_gmem, gu_packed_gmem, gu_scales_gmem, gu_global_gmem,

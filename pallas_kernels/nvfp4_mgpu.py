@@ -555,6 +555,22 @@ def _prefetched_k_loop(step, specs, gmem_refs, *, k_steps: int, stages: int, aft
                   plgpu.Barrier(num_arrivals=k_steps))
 
 
+def multiply_step(acc_ref, decodes, weights, staged, x_smem, *, tile_n: int, tile_k: int, row_chunks: int):
+    """One K step of a program: each of `decodes` (`_tile_programs`' pieces: K chunks, each in `row_chunks` row
+    chunks) decodes its piece of the step's `weights` with the `staged` block scales and multiplies it by its K
+    chunk of the activations into its rows of the accumulator, the next piece decoding while one multiplies."""
+    chunks = len(decodes) // row_chunks
+    chunk_k, chunk_n = tile_k // chunks, tile_n // row_chunks
+    for piece, decode in enumerate(decodes):
+        chunk, row_chunk = divmod(piece, row_chunks)
+        x_chunk = x_smem if chunks == 1 else x_smem.at[:, pl.ds(chunk * chunk_k, chunk_k)]
+        acc = acc_ref if row_chunks == 1 else acc_ref.at[pl.ds(row_chunk * chunk_n, chunk_n)]
+        plgpu.wgmma(acc, decode(weights, staged), x_chunk.transpose((1, 0)))
+        if piece + 1 < len(decodes):
+            plgpu.wgmma_wait(1)
+    plgpu.wgmma_wait(0)
+
+
 def _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, *, block_t: int, tile_n: int, scale_smem=None,
                 destination_smem=None):
     """A finished tile (block b, rows ni, split si): the accumulator transposed into `out_smem` (times the
@@ -666,15 +682,8 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                     size = tile_n * tile_k // 16
                     staged = staged_smem.at[pl.ds(indices[0] % 2 * size, size)]
                 stage(s_smem, staged)
-                chunk_k, chunk_n = tile_k // decode_chunks, tile_n // decode_row_chunks
-                for piece, decode in enumerate(decodes):
-                    chunk, row_chunk = divmod(piece, decode_row_chunks)
-                    x_chunk = x_smem if decode_chunks == 1 else x_smem.at[:, pl.ds(chunk * chunk_k, chunk_k)]
-                    acc = acc_ref if decode_row_chunks == 1 else acc_ref.at[pl.ds(row_chunk * chunk_n, chunk_n)]
-                    plgpu.wgmma(acc, decode(weights, staged), x_chunk.transpose((1, 0)))
-                    if piece + 1 < len(decodes):  # the next piece decodes while this one multiplies
-                        plgpu.wgmma_wait(1)
-                plgpu.wgmma_wait(0)
+                multiply_step(acc_ref, decodes, weights, staged, x_smem, tile_n=tile_n, tile_k=tile_k,
+                              row_chunks=decode_row_chunks)
 
             specs = in_specs(expert, k0, ni, 0 if shared_rows else b)
             if pdl == "prefetch":
