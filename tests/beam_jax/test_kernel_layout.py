@@ -75,13 +75,13 @@ def sparse_layer(config):
 def test_converted_forward_matches_the_checkpoint_layout():
     """bf16, fresh random weights and tokens each run: logits and the sparse layer's output within
     bf16 rounding at 1, 8 and 13 tokens; and the experts alone (which the residual stream would
-    hide) at 13, 40 and 70 tokens (each of `moe_nvfp4`'s block plans by default: shared rows, sorted
-    blocks of 8 rows, of 64)."""
+    hide) at 1, 13, 40 and 70 tokens (each a plan of `moe_nvfp4`'s defaults: one launch, blocks opened
+    per pair, compact slots, sorted blocks of 32 rows)."""
     seed = secrets.randbelow(2**31)
     config, params = nvfp4_model(seed, config=fitting_config(ONE_SPARSE_LAYER))
     rng = np.random.default_rng(seed)
     layer_inputs = {}
-    for count in (13, 40, 70):
+    for count in (1, 13, 40, 70):
         x = jnp.asarray(rng.standard_normal((count, config.hidden_size)), jnp.bfloat16)
         ids = jnp.asarray(np.stack([rng.choice(config.num_experts, config.num_experts_per_tok, replace=False)
                                     for _ in range(count)]))
