@@ -332,7 +332,8 @@ def fused_decode_moe_emulated(x, block_expert, block_weight, gate_up_packed, gat
                               down_packed, down_scales, down_global_scale, *, gate_up_tile_k: int, down_tile_k: int,
                               **settings) -> jax.Array:
     """`fused_decode_moe`'s contract in plain jnp, from the kernel layouts (for CPU tests of the code that calls
-    it): both GEMMs by `nm.grouped_matmul_emulated`, then the weighted sum with the kernel's rounding."""
+    it): both GEMMs by `nm.grouped_matmul_emulated`, then the weighted sum with the kernel's rounding in `x`'s
+    dtype."""
     del settings
     tokens = x.shape[0]
     block_t, blocks, experts = 8, block_expert.shape[0], gate_up_packed.shape[0]
@@ -344,5 +345,6 @@ def fused_decode_moe_emulated(x, block_expert, block_weight, gate_up_packed, gat
     down = nm.grouped_matmul_emulated(gu, block_expert, down_packed, down_scales, block_t=block_t,
                                       tile_k=down_tile_k, global_scale=down_global_scale)[0]
     pair_out = down.reshape(blocks, block_t, -1)[:, :tokens].astype(jnp.float32) * block_weight[:, :, None]
-    pair_out = jnp.where(computed[:, None, None], pair_out.astype(jnp.bfloat16).astype(jnp.float32), 0.0)
+    # Rounded to the activations' dtype (the kernel's bf16; the model's fp32 on a CPU), as the two GEMMs' glue.
+    pair_out = jnp.where(computed[:, None, None], pair_out.astype(x.dtype).astype(jnp.float32), 0.0)
     return jnp.pad(pair_out.sum(0), ((0, block_t - tokens), (0, 0)))
