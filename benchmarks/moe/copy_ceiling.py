@@ -7,11 +7,13 @@ tiles' transforms: 8-row tiling, swizzle = cols), so it separates the box shape 
 from the bytes in flight. Each call reads a different part of a buffer 4x its bytes (weights come from
 HBM, not L2). XLA's own reduction over the same bytes is the same run's baseline.
 
-Usage (GPU): OUT=dir python3 -u benchmarks/moe/copy_ceiling.py
+Usage (GPU): OUT=dir python3 -u benchmarks/moe/copy_ceiling.py [--totals 14680064,23068672]
+    [--configs '[[64, 128, 4, 2, "plain"]]']   (bytes per call; (rows, cols, steps, stages, variant) as CONFIGS)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -23,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402
 
 HBM_BYTES_PER_S = 4.2e12  # the floor rate of benchmarks/moe (RESULTS.md)
-REPEATS = 4
+L2_CLEAR_BYTES = 200 * 2**20  # a call's bytes were last read this many bytes of other calls ago (H200's L2: 50 MB)
 
 # (rows, cols bytes, steps a program, stages, variant): the down GEMM's today, then one change at a time.
 # Variants: "plain" (one warpgroup, `emit_pipeline`), "ws" (`emit_pipeline_warp_specialized`: a memory
@@ -37,8 +39,13 @@ CONFIGS = [(128, 32, 5, 4, "plain"), (128, 32, 5, 4, "smem28"), (128, 32, 20, 4,
 TOTALS = (52_428_800, 209_715_200)  # about the down GEMM's bytes at T = 8 and T = 64
 
 
+def repeats_for(total: int) -> int:
+    """Calls timed, each on its own part of the buffer: at least 4, and enough that L2 holds none of a call's bytes."""
+    return max(4, -(-L2_CLEAR_BYTES // total))
+
+
 def copy_kernel(programs: int, steps: int, rows: int, cols: int, stages: int, variant: str = "plain"):
-    """`(offset [1] int32, data [REPEATS * programs, steps, rows, cols] uint8) -> unused [1] int32`: program p
+    """`(offset [1] int32, data [repeats * programs, steps, rows, cols] uint8) -> unused [1] int32`: program p
     copies steps boxes of `data[offset + p]` into shared memory, and does nothing with them."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -67,8 +74,9 @@ def copy_kernel(programs: int, steps: int, rows: int, cols: int, stages: int, va
 
 def time_config(rows, cols, steps, stages, variant, total):
     programs = max(1, round(total / (rows * cols * steps)))
-    data = jax.random.bits(jax.random.key(rows * cols + steps), (REPEATS * programs, steps, rows, cols), jnp.uint8)
-    offsets = jnp.arange(REPEATS, dtype=jnp.int32)[:, None] * programs
+    repeats = repeats_for(total)
+    data = jax.random.bits(jax.random.key(rows * cols + steps), (repeats * programs, steps, rows, cols), jnp.uint8)
+    offsets = jnp.arange(repeats, dtype=jnp.int32)[:, None] * programs
     us, _, _ = bench.time_calls(copy_kernel(programs, steps, rows, cols, stages, variant), (offsets,), data)
     read = programs * steps * rows * cols
     return dict(kind="copy", rows=rows, cols=cols, steps=steps, stages=stages, variant=variant, programs=programs, bytes=read,
@@ -78,8 +86,9 @@ def time_config(rows, cols, steps, stages, variant, total):
 def time_xla(total):
     """XLA reading the same bytes: a sum of uint32 words (one reduction kernel)."""
     words = total // 4
-    data = jax.random.bits(jax.random.key(7), (REPEATS * words,), jnp.uint32)
-    offsets = jnp.arange(REPEATS, dtype=jnp.int32)[:, None] * words
+    repeats = repeats_for(total)
+    data = jax.random.bits(jax.random.key(7), (repeats * words,), jnp.uint32)
+    offsets = jnp.arange(repeats, dtype=jnp.int32)[:, None] * words
 
     def op(offset, data):
         return jax.lax.dynamic_slice(data, offset, (words,)).sum()
@@ -90,11 +99,16 @@ def time_xla(total):
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--totals", default=",".join(map(str, TOTALS)), help="bytes a call reads, comma-separated")
+    parser.add_argument("--configs", default=None, help="JSON list of (rows, cols, steps, stages, variant)")
+    args = parser.parse_args()
+    configs = json.loads(args.configs) if args.configs else CONFIGS
     rows_out = []
-    for total in TOTALS:
+    for total in map(int, args.totals.split(",")):
         for label, fn in [("xla sum", lambda: time_xla(total))] + [
                 (f"{r:3d} x {c:3d} B, {s:2d} steps, {st} stages, {v}", lambda cfg=(r, c, s, st, v): time_config(*cfg, total))
-                for r, c, s, st, v in CONFIGS]:
+                for r, c, s, st, v in configs]:
             try:
                 row = fn()
             except Exception as e:  # noqa: BLE001 - report and go on
