@@ -1,15 +1,16 @@
 """Beam's NVFP4 MoE layer for a few decode tokens in one Mosaic GPU launch (Hopper only): gate/up GEMM,
-SwiGLU, down GEMM and the routing-weighted pair sum. The layer's default at one token.
+SwiGLU, down GEMM and the routing-weighted pair sum. The layer's default at 1-4 tokens.
 
 Why. At one token the layer of separate kernels (`nvfp4_moe_mgpu.moe_nvfp4(fused=False)`) is six launches, each
 waiting for the one before: the two GEMMs took 8.0 + 5.5 us of its 19.5, XLA's pass between them (the K splits'
 sum, the global scales, SwiGLU) 1.6 and the combine two kernels of 1.7 (H200, benchmarks/moe/RESULTS.md,
-session 27 run A). Here one grid holds two kinds of programs:
+session 27 run A). Here a block is a (token, expert) pair of the routing as it comes (no kernel before this one),
+and one grid holds two kinds of programs:
 - gate/up programs, first in the grid: `grouped_matmul`'s programs for shared-row blocks (K splits, fp32
   partial sums), each counting itself done on its block's global semaphore once its sums are written;
-- down programs: fetch their weight steps, wait on their block's semaphore, add the block's partial sums and
-  apply the global scales and SwiGLU into their activation tiles themselves, run the down GEMM, and add their
-  tile, times the expert's global scale and each token's routing weight, into the fp32 output by a TMA
+- down programs: fetch their weight steps, wait on their block's semaphore, add the partial sums of their pair's
+  token row and apply the global scales and SwiGLU into their activation tiles themselves, run the down GEMM, and
+  add their tile, times the expert's global scale and each token's routing weight, into the fp32 output by a TMA
   reduction.
 A down program waits only on programs earlier in the grid, which the GPU starts first, so its wait cannot
 keep them from running (the assumption CUTLASS's stream-K fix-up makes too). The first programs zero the
@@ -18,13 +19,15 @@ Rounding follows `moe_gemm_reference` but for the sum: a pair's output is rounde
 again, then the pairs are added in fp32 (in the order their programs finish) and the caller rounds once.
 
 H200 (RESULTS.md, session 29): 16.2-16.3 us at one token against 18.7-18.9 for the six launches (spans: an XLA
-zeroing of the semaphores, this kernel, the output's conversion to bf16). Slower from 2 tokens (32.0 against
-30.0 at 2, 67.3 against 59.0 at 8, run A). Mosaic GPU's profiler (benchmarks/moe/fused_timeline.py) shows where its
-13 us go: the gate/up programs end 6-9 us in (400 of them, 4 K steps each, the HBM shared with the resident down
-programs' first fetches); the kernel's 102 registers fit 4 programs an SM, so of its 720 programs ~190 down
-programs start only as gate/up programs leave, 9-13 us in, and fetch their weights then; a down program's wait,
-SwiGLU, 5 K steps and write take ~4 us after its block is ready. Prefetching the down weights into L2 from the
-gate/up programs (TMA prefetch) made the gate/up programs ~0.8 us slower and the down programs no faster.
+zeroing of the semaphores, this kernel, the output's conversion to bf16). Session 30 (runs 3-4): with a block a pair
+and only its token's SwiGLU row, 23.8-24.3 / 29.8-30.4 / 37.0-37.4 us at 2 / 3 / 4 tokens against 29.9 / 34.5 / 39.9
+for the two GEMMs; 44.4 against 45.4 at 5, slower at 6 and 8 (50.7 / 65.2 against 48.4 / 58.6). At one token Mosaic
+GPU's profiler (benchmarks/moe/fused_timeline.py) shows where its 13 us go: the gate/up programs end 6-9 us in (400
+of them, 4 K steps each, the HBM shared with the resident down programs' first fetches); the kernel's 102 registers
+fit 4 programs an SM, so of its 720 programs ~190 down programs start only as gate/up programs leave, 9-13 us in,
+and fetch their weights then; a down program's wait, SwiGLU, 5 K steps and write take ~4 us after its block is
+ready. Prefetching the down weights into L2 from the gate/up programs (TMA prefetch) made the gate/up programs ~0.8
+us slower and the down programs no faster.
 """
 
 from __future__ import annotations
@@ -54,19 +57,21 @@ def _async_proxy_fence():
     fence()
 
 
-def _swiglu_activations(splits: int, tokens: int, block_t: int, intermediate: int):
+def _swiglu_activations(splits: int, block_t: int, intermediate: int):
     """inline_mgpu body: the block's gate/up partial sums (gmem `[splits, rows, 2 I]` fp32, the block's rows from
-    `row0`) -> the down GEMM's activation tiles (smem `[I / 64, block_t, 64]` bf16, 128-byte swizzle):
-    for each of the first `tokens` rows, gate and up summed over the splits, times OUTPUT_FACTOR and their global
-    scales, rounded to bf16, and SwiGLU rounded to bf16 (as `moe_nvfp4`'s XLA pass); other rows zero."""
+    `row0`) -> the down GEMM's activation tiles (smem `[I / 64, block_t, 64]` bf16, 128-byte swizzle): for the
+    pair's `token` row, gate and up summed over the splits, times OUTPUT_FACTOR and their global scales, rounded
+    to bf16, and SwiGLU rounded to bf16 (as `moe_nvfp4`'s XLA pass); the other rows zero (their tokens' routing
+    weights are zero for this pair, so they are not computed)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref
     from jax.experimental.mosaic.gpu import utils
 
-    def body(ctx, sums_ref, x_ref, row0, gate_scale, up_scale):
+    def body(ctx, sums_ref, x_ref, row0, token, gate_scale, up_scale):
         del ctx
         index, i32, f32, bf16 = ir.IndexType.get(), ir.IntegerType.get_signless(32), ir.F32Type.get(), ir.BF16Type.get()
-        row0 = arith.index_cast(index, row0.registers.item())
+        token = arith.index_cast(index, token.registers.item())
+        row = arith.addi(arith.index_cast(index, row0.registers.item()), token)
         gate_factor = arith.mulf(gate_scale.registers.item(), arith.constant(f32, nm.OUTPUT_FACTOR))
         up_factor = arith.mulf(up_scale.registers.item(), arith.constant(f32, nm.OUTPUT_FACTOR))
         base = utils.memref_ptr(x_ref)
@@ -81,26 +86,24 @@ def _swiglu_activations(splits: int, tokens: int, block_t: int, intermediate: in
                                          arith.muli(arith.remui(k, utils.c(8, index)), utils.c(2, index))))
             return utils.getelementptr(base, [arith.index_cast(i32, byte)], ir.IntegerType.get_signless(8))
 
-        def projection(row, column, factor):
+        def projection(column, factor):
             total = memref.load(sums_ref, [utils.c(0, index), row, column])
             for s in range(1, splits):
                 total = arith.addf(total, memref.load(sums_ref, [utils.c(s, index), row, column]))
             return arith.extf(f32, arith.truncf(bf16, arith.mulf(total, factor)))
 
-        def one(i):
-            t, j = arith.divui(i, utils.c(intermediate, index)), arith.remui(i, utils.c(intermediate, index))
-            row = arith.addi(row0, t)
-            gate = projection(row, j, gate_factor)
-            up = projection(row, arith.addi(j, utils.c(intermediate, index)), up_factor)
-            llvm.store(arith.truncf(bf16, nm.swiglu_value(gate, up)), place(t, j))
+        def one(j):
+            gate = projection(j, gate_factor)
+            up = projection(arith.addi(j, utils.c(intermediate, index)), up_factor)
+            llvm.store(arith.truncf(bf16, nm.swiglu_value(gate, up)), place(token, j))
 
-        def zero(i):
-            t = arith.addi(arith.divui(i, utils.c(intermediate, index)), utils.c(tokens, index))
-            llvm.store(arith.constant(bf16, 0.0), place(t, arith.remui(i, utils.c(intermediate, index))))
+        def zero(i):  # the k-th row after the token's, cyclically: every other row once
+            k, j = arith.divui(i, utils.c(intermediate, index)), arith.remui(i, utils.c(intermediate, index))
+            t = arith.remui(arith.addi(token, arith.addi(k, utils.c(1, index))), utils.c(block_t, index))
+            llvm.store(arith.constant(bf16, 0.0), place(t, j))
 
-        nm.for_each_index(tokens * intermediate, one)
-        if tokens < block_t:
-            nm.for_each_index((block_t - tokens) * intermediate, zero)
+        nm.for_each_index(intermediate, one)
+        nm.for_each_index((block_t - 1) * intermediate, zero)
 
     return body
 
@@ -147,17 +150,19 @@ def fits(hidden: int, down_tile_k: int, tokens: int) -> bool:
     return down_tile_k * 2 == _X_ROW_BYTES and hidden % 64 == 0 and tokens <= 8
 
 
-def fused_decode_moe(x, block_expert, block_weight, gate_up_packed, gate_up_scales, gate_up_global_scale,
+def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales, gate_up_global_scale,
                      down_packed, down_scales, down_global_scale, *, gate_up_tile_k: int, down_tile_k: int,
                      splits: int | None = None, gate_up_stages: int = 2, gate_up_tile_n: int = 64,
                      gate_up_decode_chunks: int | None = None, down_stages: int = 5,
                      down_tile_n: int | None = None,
                      down_decode_row_chunks: int = 1, compiler_params=None) -> jax.Array:
-    """`x [T, H]` bf16 (T <= 8, every block multiplies all of them: shared rows), `block_expert [B]` int32 (an
-    expert outside [0, E): skip the block), `block_weight [B, T]` fp32 (token t's routing weight for block b's
-    expert, 0 if it did not pick it), the gate/up weights (gate rows then up rows, `nm.pack_weights` with
-    `gate_up_tile_k`; global scales `[E, 2 I]`) and the down weights (`down_tile_k` 64) -> `[8, H]` fp32, the
-    routed experts' output of each token (rows past T zero). Settings as `grouped_matmul`'s: the gate/up
+    """`x [T, H]` bf16 (T <= 8), `pair_expert [T * top_k]` int32 (token t's picks from t * top_k on; an expert
+    outside [0, E): skip the pair) and `pair_weight [T * top_k]` fp32, its routing weights. Each pair is a block
+    of all T rows (shared rows), of which only its token's row is weighted: two pairs of one expert read its
+    weights twice, at the same time (no kernel before this one to merge them: RESULTS.md, session 30). The
+    gate/up weights (gate rows then up rows, `nm.pack_weights` with `gate_up_tile_k`; global scales `[E, 2 I]`)
+    and the down weights (`down_tile_k` 64) -> `[8, H]` fp32, the routed experts' output of each token (rows
+    past T zero). Settings as `grouped_matmul`'s: the gate/up
     GEMM's `splits` K splits, pipeline `stages`, `tile_n` rows a program and `decode_chunks`; the down GEMM's.
     `compiler_params`: `plgpu.CompilerParams` for the kernel (e.g. Mosaic GPU's profiler, which records the
     named scopes of each program: benchmarks/moe/fused_timeline.py)."""
@@ -169,17 +174,21 @@ def fused_decode_moe(x, block_expert, block_weight, gate_up_packed, gate_up_scal
         # and 4 stages, session 29 run A)
         down_tile_n = 128 if hidden % 128 == 0 else 64
     block_t = 8  # wgmma's narrowest N
-    blocks = block_expert.shape[0]
+    blocks = pair_expert.shape[0]  # a block a pair
+    top_k = blocks // tokens
     intermediate = gu_rows // 2
-    if (tokens > block_t or block_weight.shape != (blocks, tokens) or gu_steps * gate_up_tile_k != hidden
+    if (tokens > block_t or pair_weight.shape != (blocks,) or blocks % tokens or gu_steps * gate_up_tile_k != hidden
             or down_tile_k * 2 != _X_ROW_BYTES or down_packed.shape[1:] != (intermediate // down_tile_k, hidden,
                                                                                down_tile_k // 2)
             or down_packed.shape[0] != experts or hidden % down_tile_n or gu_rows % gate_up_tile_n):
-        raise ValueError(f"shapes: x {x.shape}, block_weight {block_weight.shape}, gate/up {gate_up_packed.shape} "
-                         f"(tile_k {gate_up_tile_k}), down {down_packed.shape} (tile_k {down_tile_k}), "
-                         f"tile_n {gate_up_tile_n} / {down_tile_n}")
-    if splits is None:  # at one token up to 5 (16.2-16.3 us against 17.4-17.5 with 4, H200 session 29), else 1
-        splits = max(s for s in (1, 2, 4, 5) if gu_steps % s == 0) if tokens == 1 else 1
+        raise ValueError(f"shapes: x {x.shape}, pairs {pair_expert.shape} / {pair_weight.shape}, gate/up "
+                         f"{gate_up_packed.shape} (tile_k {gate_up_tile_k}), down {down_packed.shape} "
+                         f"(tile_k {down_tile_k}), tile_n {gate_up_tile_n} / {down_tile_n}")
+    if splits is None:  # up to 5 at 1-2 tokens, 2 at 3-4, else 1 (H200 spans: 16.2-16.3 us against 17.4-17.5 with
+        # 4 at one token, session 29; 23.8 / 29.8 / 37.4 us at 2 / 3 / 4 tokens against 25.0 / 32.4 / 40.7 with
+        # the other of 2 and 5, and 29.2 / 34.7 / 39.4 with 1, session 30 run 4)
+        most = 5 if tokens <= 2 else 2 if tokens <= 4 else 1
+        splits = max(s for s in (1, 2, 4, 5) if gu_steps % s == 0 and s <= most)
     if gate_up_tile_k % (nm.TILE_K_QUANTUM * gate_up_decode_chunks):
         raise ValueError(f"gate_up_decode_chunks={gate_up_decode_chunks} must split gate_up_tile_k={gate_up_tile_k} "
                          f"into multiples of {nm.TILE_K_QUANTUM}")
@@ -203,8 +212,8 @@ def fused_decode_moe(x, block_expert, block_weight, gate_up_packed, gate_up_scal
         down_packed = down_packed.reshape(*down_packed.shape[:2], -1, nm._LINE)
     x_transforms = down_in_specs(0, 0, 0, 0)[-1].transforms  # the down GEMM's activation tiles (swizzled)
     fill = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(transforms=x_transforms),
-                                        *[plgpu.Layout.WG_SPLAT(())] * 3))(
-        _swiglu_activations(splits, tokens, block_t, intermediate))
+                                        *[plgpu.Layout.WG_SPLAT(())] * 4))(
+        _swiglu_activations(splits, block_t, intermediate))
     weighted_store = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(),
                                                   *[plgpu.Layout.WG_SPLAT(())] * tokens))(
         _store_weighted_transposed(down_tile_n, block_t, tokens))
@@ -231,7 +240,7 @@ def fused_decode_moe(x, block_expert, block_weight, gate_up_packed, gate_up_scal
                              row_chunks=row_chunks)
         return body
 
-    def kernel(block_expert_gmem, block_weight_gmem, x_gmem, gu_packed_gmem, gu_scales_gmem, gu_global_gmem,
+    def kernel(pair_expert_gmem, pair_weight_gmem, x_gmem, gu_packed_gmem, gu_scales_gmem, gu_global_gmem,
                down_packed_gmem, down_scales_gmem, down_global_gmem, out_gmem, sums_gmem):
         ready = pl.get_global(plgpu.SemaphoreType.REGULAR((blocks,)))
         zeroed = pl.get_global(plgpu.SemaphoreType.REGULAR((1,)))
@@ -252,7 +261,7 @@ def fused_decode_moe(x, block_expert, block_weight, gate_up_packed, gate_up_scal
 
             b, rest = p // gu_programs_per_block, p % gu_programs_per_block
             ni, si = rest // splits, rest % splits
-            expert = block_expert_gmem[b]
+            expert = pair_expert_gmem[b]
 
             @pl.when((expert >= 0) & (expert < experts))
             def _():
@@ -275,11 +284,12 @@ def fused_decode_moe(x, block_expert, block_weight, gate_up_packed, gate_up_scal
         def _():
             q = p - gu_programs
             b, ni = q // down_tiles, q % down_tiles
-            expert = block_expert_gmem[b]
+            expert = pair_expert_gmem[b]
 
             @pl.when((expert >= 0) & (expert < experts))
             def _():
-                token_weights = [block_weight_gmem[b, t] for t in range(tokens)]
+                weight = pair_weight_gmem[b]  # its token's row gets it, the other rows none
+                token_weights = [jnp.where(b // top_k == t, weight, 0.0) for t in range(tokens)]
                 gate_scale, up_scale = gu_global_gmem[expert, 0], gu_global_gmem[expert, intermediate]
 
                 def scoped(out_smem, staged_smem, scale_smem, scale_barrier):
@@ -292,7 +302,7 @@ def fused_decode_moe(x, block_expert, block_weight, gate_up_packed, gate_up_scal
                                                  memory_scope="gpu")
                             _async_proxy_fence()
                         with jax.named_scope("down_swiglu"):
-                            fill(sums_gmem, x_buf, b * block_t, gate_scale, up_scale)
+                            fill(sums_gmem, x_buf, b * block_t, b // top_k, gate_scale, up_scale)
                             plgpu.commit_smem()
 
                     body = decode_step(down_stage, down_decodes, down_tile_n, down_tile_k, down_line_box,
@@ -323,12 +333,12 @@ def fused_decode_moe(x, block_expert, block_weight, gate_up_packed, gate_up_scal
         grid_names=("p",),
         compiler_params=compiler_params,
     )
-    out, _ = call(block_expert.astype(jnp.int32), block_weight.astype(jnp.float32), x, gate_up_packed, gu_scales,
+    out, _ = call(pair_expert.astype(jnp.int32), pair_weight.astype(jnp.float32), x, gate_up_packed, gu_scales,
                   gate_up_global_scale, down_packed, down_scales, down_global_scale)
     return out
 
 
-def fused_decode_moe_emulated(x, block_expert, block_weight, gate_up_packed, gate_up_scales, gate_up_global_scale,
+def fused_decode_moe_emulated(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales, gate_up_global_scale,
                               down_packed, down_scales, down_global_scale, *, gate_up_tile_k: int, down_tile_k: int,
                               **settings) -> jax.Array:
     """`fused_decode_moe`'s contract in plain jnp, from the kernel layouts (for CPU tests of the code that calls
@@ -336,15 +346,17 @@ def fused_decode_moe_emulated(x, block_expert, block_weight, gate_up_packed, gat
     dtype."""
     del settings
     tokens = x.shape[0]
-    block_t, blocks, experts = 8, block_expert.shape[0], gate_up_packed.shape[0]
-    computed = (block_expert >= 0) & (block_expert < experts)
-    block_expert = jnp.where(computed, block_expert, -1)
+    block_t, blocks, experts = 8, pair_expert.shape[0], gate_up_packed.shape[0]
+    computed = (pair_expert >= 0) & (pair_expert < experts)
+    block_expert = jnp.where(computed, pair_expert, -1)
     gu = nm.grouped_matmul_emulated(x, block_expert, gate_up_packed, gate_up_scales, block_t=block_t,
                                     tile_k=gate_up_tile_k, shared_rows=True, global_scale=gate_up_global_scale,
                                     swiglu=True)[0]
     down = nm.grouped_matmul_emulated(gu, block_expert, down_packed, down_scales, block_t=block_t,
                                       tile_k=down_tile_k, global_scale=down_global_scale)[0]
-    pair_out = down.reshape(blocks, block_t, -1)[:, :tokens].astype(jnp.float32) * block_weight[:, :, None]
+    pair_token = jnp.arange(blocks) // (blocks // tokens)
+    token_weight = jnp.where(pair_token[:, None] == jnp.arange(tokens), pair_weight[:, None], 0.0)
+    pair_out = down.reshape(blocks, block_t, -1)[:, :tokens].astype(jnp.float32) * token_weight[:, :, None]
     # Rounded to the activations' dtype (the kernel's bf16; the model's fp32 on a CPU), as the two GEMMs' glue.
     pair_out = jnp.where(computed[:, None, None], pair_out.astype(x.dtype).astype(jnp.float32), 0.0)
     return jnp.pad(pair_out.sum(0), ((0, block_t - tokens), (0, 0)))

@@ -40,7 +40,7 @@ def run(settings: dict, profile_dir: str):
 
     @jax.jit
     def layer(x, w, ids, gate_up, down_k):
-        return nfm.fused_decode_moe(x, ids.reshape(-1), w.reshape(-1, 1), gate_up.packed, gate_up.scales,
+        return nfm.fused_decode_moe(x, ids.reshape(-1), w.reshape(-1), gate_up.packed, gate_up.scales,
                                     gate_up.global_scale, down_k.packed, down_k.scales, down_k.global_scale,
                                     gate_up_tile_k=gate_up.tile_k, down_tile_k=down_k.tile_k, compiler_params=params,
                                     **settings)

@@ -53,9 +53,9 @@ def test_fused_needs_shared_blocks_and_few_tokens():
                              gate_up_tile_k=128, down_tile_k=64)
 
 
-def _specs(experts, hidden, intermediate, tokens, blocks, gate_up_tile_k=256, down_tile_k=64):
+def _specs(experts, hidden, intermediate, tokens, pairs, gate_up_tile_k=256, down_tile_k=64):
     spec = jax.ShapeDtypeStruct
-    return (spec((tokens, hidden), jnp.bfloat16), spec((blocks,), jnp.int32), spec((blocks, tokens), jnp.float32),
+    return (spec((tokens, hidden), jnp.bfloat16), spec((pairs,), jnp.int32), spec((pairs,), jnp.float32),
             spec((experts, hidden // gate_up_tile_k, 2 * intermediate, gate_up_tile_k // 2), jnp.uint8),
             spec((experts, hidden // gate_up_tile_k, 2 * intermediate, gate_up_tile_k // 64), jnp.uint32),
             spec((experts, 2 * intermediate), jnp.float32),
@@ -95,6 +95,21 @@ def test_one_token_takes_the_two_gemms_where_the_fused_kernel_does_not_fit():
     _assert_layer_close(problem, nmm.moe_nvfp4(*problem[:3], gate_up, down, matmul=matmul))
     assert calls == [128, 128]
     assert not nfm.fits(256, 128, 1) and nfm.fits(256, 64, 1) and not nfm.fits(256, 64, 9)
+
+
+@pytest.mark.parametrize("tokens,fused", [(2, True), (4, True), (5, False)])
+def test_default_is_one_launch_up_to_four_tokens(tokens, fused):
+    """`default_config`: the fused layer at 1-4 tokens (its emulation, not the GEMM passed in, is called), the two
+    GEMMs from 5; the reference's output either way, experts picked by several tokens (12 experts, 20 pairs)."""
+    problem, (gate_up, down) = _layer_problem(tokens + 60, tokens, 256, 64, 12, 4, tile_k=128)
+    calls = []
+
+    def matmul(*args, **kwargs):
+        calls.append(kwargs["tile_k"])
+        return nm.grouped_matmul_emulated(*args, **kwargs)
+
+    _assert_layer_close(problem, nmm.moe_nvfp4(*problem[:3], gate_up, down, matmul=matmul))
+    assert calls == ([] if fused else [128, 64])
 
 
 def test_timeline_summarizes_each_scope_across_programs(tmp_path, monkeypatch):
