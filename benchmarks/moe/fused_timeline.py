@@ -2,9 +2,9 @@
 profiler: each program's named scopes (gate/up K loop and write; down wait, SwiGLU, K loop, write) timed on the
 device, summarized as the spread of their start and end times across the programs of each kind.
 
-    OUT=dir python3 -u benchmarks/moe/fused_timeline.py [--settings '{"down_tile_n": 128}']
+    OUT=dir python3 -u benchmarks/moe/fused_timeline.py [--tokens 8] [--settings '{"down_tile_n": 128}']
 
-One token (the layer's default use of the kernel: a block per pair, ids and weights straight in).
+The ids and weights of `--tokens` tokens go in as they are (a block per pair), as in the layer.
 
 Times are µs from the first program's start. A program's start is the GPU's global timer; its scopes are SM clock
 cycles after that, converted at `--clock-ghz` (the H200's SM clock under load: `nvidia-smi -q -d CLOCK`). The
@@ -29,12 +29,12 @@ import bench  # noqa: E402
 from pallas_kernels import nvfp4_fused_moe as nfm  # noqa: E402
 
 
-def run(settings: dict, profile_dir: str):
-    """Profiled one-token calls of the fused layer on Beam's TP8 NVFP4 experts; returns the last call's trace
-    file."""
+def run(tokens: int, settings: dict, profile_dir: str):
+    """Profiled calls of the fused layer on `tokens` tokens and Beam's TP8 NVFP4 experts; returns the last call's
+    trace file."""
     gate, up, down = bench.make_weights("nvfp4", jax.random.key(0))
     gate_up, down_k = bench.mosaic_layout(gate, up, down)
-    x, w, ids = bench.make_tokens(1, 3, jax.random.key(1))
+    x, w, ids = bench.make_tokens(tokens, 3, jax.random.key(1))
     os.makedirs(profile_dir, exist_ok=True)
     params = plgpu.CompilerParams(profile_space=32, profile_dir=profile_dir)
 
@@ -85,13 +85,14 @@ def summarize(trace_file: str, clock_ghz: float) -> dict:
 
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--settings", default="{}", help="fused_decode_moe settings (JSON)")
     parser.add_argument("--clock-ghz", type=float, default=1.98)
     args = parser.parse_args()
     out = os.environ.get("OUT", ".")
     settings = json.loads(args.settings)
-    trace = run(settings, os.path.join(out, "fused-profile"))
-    summary = dict(tokens=1, settings=settings, clock_ghz=args.clock_ghz, trace=os.path.basename(trace),
+    trace = run(args.tokens, settings, os.path.join(out, "fused-profile"))
+    summary = dict(tokens=args.tokens, settings=settings, clock_ghz=args.clock_ghz, trace=os.path.basename(trace),
                    scopes=summarize(trace, args.clock_ghz))
     print(json.dumps(summary, indent=1))
     with open(os.path.join(out, "fused-timeline.json"), "a") as f:

@@ -64,7 +64,8 @@ def _specs(experts, hidden, intermediate, tokens, pairs, gate_up_tile_k=256, dow
             spec((experts, hidden), jnp.float32))
 
 
-@pytest.mark.parametrize("tokens,splits,down_tile_n,row_chunks", [(1, 4, 64, 1), (3, None, 128, 1), (2, 2, 256, 4)])
+@pytest.mark.parametrize("tokens,splits,down_tile_n,row_chunks", [(1, 4, 64, 1), (3, None, 128, 1), (2, 2, 256, 4),
+                                                                (5, None, 128, 1)])
 def test_lowers_for_cuda(tokens, splits, down_tile_n, row_chunks):
     """Beam's TP8 expert shape (256 experts, hidden 5120, intermediate 320) lowers to Mosaic GPU on the CPU."""
     op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64, splits=splits,
@@ -97,10 +98,10 @@ def test_one_token_takes_the_two_gemms_where_the_fused_kernel_does_not_fit():
     assert not nfm.fits(256, 128, 1) and nfm.fits(256, 64, 1) and not nfm.fits(256, 64, 9)
 
 
-@pytest.mark.parametrize("tokens,fused", [(2, True), (4, True), (5, False)])
-def test_default_is_one_launch_up_to_four_tokens(tokens, fused):
-    """`default_config`: the fused layer at 1-4 tokens (its emulation, not the GEMM passed in, is called), the two
-    GEMMs from 5; the reference's output either way, experts picked by several tokens (12 experts, 20 pairs)."""
+@pytest.mark.parametrize("tokens,fused", [(2, True), (6, True), (7, False)])
+def test_default_is_one_launch_up_to_six_tokens(tokens, fused):
+    """`default_config`: the fused layer at 1-6 tokens (its emulation, not the GEMM passed in, is called), the two
+    GEMMs from 7; the reference's output either way, experts picked by several tokens (12 experts, 24 pairs)."""
     problem, (gate_up, down) = _layer_problem(tokens + 60, tokens, 256, 64, 12, 4, tile_k=128)
     calls = []
 
@@ -133,7 +134,7 @@ def test_timeline_summarizes_each_scope_across_programs(tmp_path, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,settings", [
     (1, {}), (1, dict(gate_up_splits=2, gate_up_tile_n=64, down_tile_n=256, down_decode_row_chunks=4)), (2, {}),
-    (3, dict(gate_up_splits=1, down_tile_n=64, down_stages=2)), (8, {}),
+    (3, dict(gate_up_splits=1, down_tile_n=64, down_stages=2)), (5, {}), (8, {}),
     (8, dict(gate_up_splits=2, down_tile_n=256, down_decode_row_chunks=4))])
 def test_fused_layer_matches_reference_on_gpu(tokens, settings):
     """Beam's TP8 expert shape; the same call twice in one program with other inputs (the semaphores and the
