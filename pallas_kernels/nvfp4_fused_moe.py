@@ -1,5 +1,5 @@
 """Beam's NVFP4 MoE layer for a few decode tokens in one Mosaic GPU launch (Hopper only): gate/up GEMM,
-SwiGLU, down GEMM and the routing-weighted pair sum. The layer's default at 1-6 tokens.
+SwiGLU, down GEMM and the routing-weighted pair sum. The layer's default at 1-7 tokens.
 
 Why. At one token the layer of separate kernels (`nvfp4_moe_mgpu.moe_nvfp4(fused=False)`) is six launches, each
 waiting for the one before: the two GEMMs took 8.0 + 5.5 us of its 19.5, XLA's pass between them (the K splits'
@@ -20,8 +20,9 @@ again, then the pairs are added in fp32 (in the order their programs finish) and
 
 H200 (RESULTS.md, session 29): 16.2-16.3 us at one token against 18.7-18.9 for the six launches (spans: an XLA
 zeroing of the semaphores, this kernel, the output's conversion to bf16). Session 30 (runs 3-6): with a block a pair,
-only its token's SwiGLU row, and at 4-6 tokens the gate/up decode in 4 K chunks, 24.2 / 30.0 / 35.1 / 41.1 / 46.8 us
-at 2-6 tokens against 29.8 / 34.3 / 40.1 / 45.4 / 48.8 for the two GEMMs; 60.1 against 59.2 at 8. At one token Mosaic
+only its token's SwiGLU row, and at 4-7 tokens the gate/up decode in 4 K chunks, 24.2 / 30.0 / 35.1 / 41.1 / 46.8 /
+54.2 us at 2-7 tokens against 29.8 / 34.3 / 40.1 / 45.4 / 48.8 / 57.2 for the two GEMMs; 60.9 against 58.8 at 8
+(runs 6, 8). At one token Mosaic
 GPU's profiler (benchmarks/moe/fused_timeline.py) shows where its 13 us go: the gate/up programs end 6-9 us in (400
 of them, 4 K steps each, the HBM shared with the resident down programs' first fetches); the kernel's 102 registers
 fit 4 programs an SM, so of its 720 programs ~190 down programs start only as gate/up programs leave, 9-13 us in,
@@ -168,10 +169,10 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     named scopes of each program: benchmarks/moe/fused_timeline.py)."""
     tokens, hidden = x.shape
     experts, gu_steps, gu_rows, _ = gate_up_packed.shape
-    if gate_up_decode_chunks is None:  # 4 K chunks at 4-6 tokens (75 registers instead of 102: the gate/up grid in
+    if gate_up_decode_chunks is None:  # 4 K chunks at 4-7 tokens (75 registers instead of 102: the gate/up grid in
         # one wave; 35.1 / 41.1 / 46.8 us at 4 / 5 / 6 tokens against 36.9 / 44.5 / 50.9, H200 session 30 run 6;
         # slower at 1 and 3), else 2, where a step has them
-        wanted = 4 if 4 <= tokens <= 6 else 2
+        wanted = 4 if 4 <= tokens <= 7 else 2
         gate_up_decode_chunks = max(c for c in (1, 2, 4)
                                     if c <= wanted and gate_up_tile_k % (c * nm.TILE_K_QUANTUM) == 0)
     if down_tile_n is None:  # 128 rows where they divide the hidden size (17.1 us against 19.1 with 64
@@ -188,11 +189,11 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
         raise ValueError(f"shapes: x {x.shape}, pairs {pair_expert.shape} / {pair_weight.shape}, gate/up "
                          f"{gate_up_packed.shape} (tile_k {gate_up_tile_k}), down {down_packed.shape} "
                          f"(tile_k {down_tile_k}), tile_n {gate_up_tile_n} / {down_tile_n}")
-    if splits is None:  # up to 5 at 1-2 tokens, 2 at 3-6, else 1 (H200 spans: 16.2-16.3 us against 17.4-17.5 with
+    if splits is None:  # up to 5 at 1-2 tokens, 2 at 3-7, else 1 (H200 spans: 16.2-16.3 us against 17.4-17.5 with
         # 4 at one token, session 29; 23.8 / 29.8 / 37.4 us at 2 / 3 / 4 tokens against 25.0 / 32.4 / 40.7 with
         # the other of 2 and 5, and 29.2 / 34.7 / 39.4 with 1, session 30 run 4; with 4 decode chunks 41.1 / 46.8
-        # at 5 / 6 against 45.4 / 50.1 with 1, run 6)
-        most = 5 if tokens <= 2 else 2 if tokens <= 6 else 1
+        # / 54.2 at 5 / 6 / 7 against 45.4 / 50.1 / 55.2 with 1, runs 6 and 8)
+        most = 5 if tokens <= 2 else 2 if tokens <= 7 else 1
         splits = max(s for s in (1, 2, 4, 5) if gu_steps % s == 0 and s <= most)
     if gate_up_tile_k % (nm.TILE_K_QUANTUM * gate_up_decode_chunks):
         raise ValueError(f"gate_up_decode_chunks={gate_up_decode_chunks} must split gate_up_tile_k={gate_up_tile_k} "

@@ -12,8 +12,9 @@ themselves). Rounding follows `moe_gemm_reference`.
 H200 (benchmarks/moe/RESULTS.md, session 26: the span of a call's kernels on the device): 58.4 / 77.2 / 88.0 /
 136.3 / 154.7 / 168.4 / 185.7 us at T = 8 / 12 / 16 / 32 / 40 / 48 / 64 (62.0 / 68.2 / 76.3 / 76.8 / 74.5 / 79.0 /
 81.2 % of the HBM floor), 2.73-3.61x faster than the bf16 layer in the same runs; at T = 1 19.2 us, and 16.2-16.3
-in one launch (`nvfp4_fused_moe`, the default at 1-6 tokens since session 30: 24.2 / 30.0 / 35.1 / 41.1 / 46.8 us at
-T = 2-6 against 29.8 / 34.3 / 40.1 / 45.4 / 48.8). The two GEMMs are 90-98 % of the time at T = 8-64."""
+in one launch (`nvfp4_fused_moe`, the default at 1-7 tokens since session 30: 24.2 / 30.0 / 35.1 / 41.1 / 46.8 /
+54.2 us at T = 2-7 against 29.8 / 34.3 / 40.1 / 45.4 / 48.8 / 57.2). The two GEMMs are 90-98 % of the time at
+T = 8-64."""
 
 from __future__ import annotations
 
@@ -198,10 +199,10 @@ def default_config(tokens: int) -> dict:
       the epilogue gains nothing with shared rows, session 17 run B); at one token 64.
     - pipelines of 2 stages past one token (K is 5 steps; 3 and 5 stages were slower, session 22 run B,
       session 23 run C), 4 at one token.
-    One launch: at 1-6 tokens the whole layer is one kernel on the pairs as they come (`nvfp4_fused_moe`: 16.2-16.3
+    One launch: at 1-7 tokens the whole layer is one kernel on the pairs as they come (`nvfp4_fused_moe`: 16.2-16.3
     us against 18.7-18.9 for the GEMMs and XLA's kernels between them at one token, spans, session 29 run F; 24.2
-    / 30.0 / 35.1 / 41.1 / 46.8 against 29.8 / 34.3 / 40.1 / 45.4 / 48.8 at 2-6 tokens, session 30 run 6; at 8
-    60.1 against 59.2).
+    / 30.0 / 35.1 / 41.1 / 46.8 / 54.2 against 29.8 / 34.3 / 40.1 / 45.4 / 48.8 / 57.2 at 2-7 tokens, session 30
+    runs 6 and 8; at 8 60.9 against 58.8, though 1-8 % faster at the 8-token bucket with 5-7 real tokens, run 8).
     Launches: from 9 to 64 tokens both GEMMs launch as programmatic dependents, the down GEMM's weights
     streaming during the gate/up GEMM's last wave (spans of the layer's kernels, session 26 runs B-C: 77.2 / 88.0 /
     117.9 / 136.3 against 83.5 / 92.8 / 123.2 / 140.0 at T = 12 / 16 / 24 / 32; equal at 40-64); not at 8 (58.6
@@ -217,7 +218,7 @@ def default_config(tokens: int) -> dict:
                 gate_up_epilogue=tokens > 1, down_epilogue=not shared,
                 gate_up_decode_chunks=2 if tokens <= 8 else 1, gate_up_swiglu=True,
                 opened_program=dict(column_groups=5) if tokens <= 16 else dict(compact=True) if tokens >= 40 else {},
-                pdl=not shared and tokens <= 64, fused=tokens <= 6)
+                pdl=not shared and tokens <= 64, fused=tokens <= 7)
 
 
 def _fused_layer(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, expert_offset, matmul, **settings):
@@ -261,7 +262,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     `fused` (shared-row blocks only, up to SHARED_ROWS_MAX_TOKENS tokens): the whole layer in one launch,
     `nvfp4_fused_moe.fused_decode_moe`, with the gate/up settings above that are set (its K splits:
     `gate_up_splits`) and the down GEMM's tile, stages and row chunks; unset, the kernel's own defaults (the
-    epilogue, SwiGLU, staging and `pdl` settings are the two GEMMs' and do not apply). Unset, on at 1-6 tokens
+    epilogue, SwiGLU, staging and `pdl` settings are the two GEMMs' and do not apply). Unset, on at 1-7 tokens
     with shared-row blocks where the kernel takes the shapes (`nfm.fits`).
     `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation)."""
     tokens, top_k = ids.shape

@@ -97,14 +97,17 @@ def _timer(spans: bool):
     return (bench.time_spans, "span") if spans else (bench.time_calls, "cupti")
 
 
-def time_layers(t, variants, weights, repeats=4, spans=False):
+def time_layers(t, variants, weights, repeats=4, spans=False, real=None):
     """The whole NVFP4 MoE layer, Triton kernels against the Mosaic GEMMs, same weights and tokens:
     CUPTI total per call (`bench.time_calls`; with `spans` the span of a call's kernels instead,
-    `bench.time_spans`) and one call's kernels; plus each layer's error against the reference."""
+    `bench.time_spans`) and one call's kernels; plus each layer's error against the reference. `real`: only the
+    first `real` tokens are routed, the others padding (id -1, as the model masks an engine bucket's padding)."""
     from pallas_kernels import nvfp4_moe_mgpu as nmm
 
     (gate, up, down), _ = weights
     x, w, ids = bench.make_tokens(t, repeats, jax.random.key(t))
+    real = t if real is None else real
+    ids = ids.at[:, real:].set(-1)
     # Weights are arguments, not closed over: jit would make them constants of the program.
     layers = {"triton": lambda x, w, ids, weights: mg.moe_gemm_kernel(x, w, ids, *weights[0])}
     for settings in variants:  # moe_nvfp4 keyword arguments; the rest from default_config
@@ -112,10 +115,10 @@ def time_layers(t, variants, weights, repeats=4, spans=False):
         layers[name] = functools.partial(
             lambda x, w, ids, weights, **kw: nmm.moe_nvfp4(x, w, ids, *weights[1], **kw), **settings)
     # Tokens are independent: the reference (which gathers every pair's weights) checks the first 64.
-    checked = min(t, 64)
+    checked = min(real, 64)
     want = np.asarray(jax.jit(mg.moe_gemm_reference)(x[0, :checked], w[0, :checked], ids[0, :checked], gate, up,
                                                      down), np.float32)
-    row = dict(kind="layers", t=t)
+    row = dict(kind="layers", t=t, real=real)
     timer, timer_name = _timer(spans)
     for name, layer in layers.items():
         t0 = time.time()
@@ -128,7 +131,7 @@ def time_layers(t, variants, weights, repeats=4, spans=False):
         row[name] = dict(us=total, kernels=kernels, timer=timer_name,
                          max_err=float(np.abs(got - want).max()), max_ref=float(np.abs(want).max()),
                          seconds=round(time.time() - t0, 1))
-    floor_bytes = bench.expert_bytes(gate, up, down) * len(np.unique(np.asarray(ids[0])))
+    floor_bytes = bench.expert_bytes(gate, up, down) * len(np.unique(np.asarray(ids[0, :real])))
     row["floor_us"] = floor_bytes / HBM_BYTES_PER_S * 1e6
     return row
 
@@ -223,17 +226,19 @@ def time_glue(t, opened_shapes, repeats=4):
     return row
 
 
-def compare_variants(variants, tokens, with_bf16, record, spans=False):
+def compare_variants(variants, tokens, with_bf16, record, spans=False, real=None):
     """`--variants`: per T, `time_layers` with these settings and a line per layer (µs, % of the floor, error,
     kernels); with `with_bf16` the model's bf16 layer and its ratio to each NVFP4 variant; `spans`: timed as
-    the span of a call's kernels (`bench.time_spans`), the kernels' start times in the lines."""
+    the span of a call's kernels (`bench.time_spans`), the kernels' start times in the lines; `real`: per T, the
+    real token counts below T to time it with (the rest padding), instead of T real tokens."""
     nvfp4 = layer_weights()
     bf16 = bench.make_weights("bf16", jax.random.key(0)) if with_bf16 else None
-    for t in tokens:
-        row = time_layers(t, variants, nvfp4, spans=spans)
+    shapes = [(t, r) for t in tokens for r in ([t] if real is None else [r for r in real if r < t])]
+    for t, r in shapes:
+        row = time_layers(t, variants, nvfp4, spans=spans, real=r)
         record(row)
         bf16_us = None
-        if with_bf16 and t > 1:
+        if with_bf16 and t > 1 and r == t:
             bf16_row = time_bf16_layers(t, [], bf16, spans=spans)
             record(bf16_row)
             bf16_us = bf16_row["moe_gemm"].get("us")
@@ -242,11 +247,11 @@ def compare_variants(variants, tokens, with_bf16, record, spans=False):
             if not isinstance(layer, dict):
                 continue
             if "error" in layer:
-                print(f"SUMMARY T={t} {name} ERROR {layer['error'][:300]}", flush=True)
+                print(f"SUMMARY T={t} real={r} {name} ERROR {layer['error'][:300]}", flush=True)
                 continue
             ratio = f" bf16/this {bf16_us / layer['us']:.2f}" if bf16_us else ""
             kernels = [(kernel[:10], *[round(v, 1) for v in times]) for kernel, *times in layer["kernels"]]
-            print(f"SUMMARY T={t} {name} {layer['us']:.1f} us ({100 * row['floor_us'] / layer['us']:.1f} % of "
+            print(f"SUMMARY T={t} real={r} {name} {layer['us']:.1f} us ({100 * row['floor_us'] / layer['us']:.1f} % of "
                   f"{row['floor_us']:.1f}){ratio} err {layer['max_err']:.4f} {layer['timer']} kernels {kernels}",
                   flush=True)
 
@@ -264,6 +269,8 @@ def main():
     parser.add_argument("--variants", help="JSON list of moe_nvfp4 settings: the layer with each, per --tokens")
     parser.add_argument("--tokens", default="1,8,16,32,64", help="token counts for --variants and --glue")
     parser.add_argument("--bf16", action="store_true", help="with --variants: the bf16 layer too (T > 1)")
+    parser.add_argument("--real", default=None,
+                        help="with --variants: real token counts below each T, the rest padding (id -1), e.g. 5,6,7")
     parser.add_argument("--spans", action="store_true",
                         help="with --variants: time each call as its kernels' span, not CUPTI's sum of kernel times")
     args = parser.parse_args()
@@ -279,7 +286,7 @@ def main():
 
     if args.variants:
         compare_variants(json.loads(args.variants), [int(t) for t in args.tokens.split(",")], args.bf16, record,
-                         spans=args.spans)
+                         spans=args.spans, real=args.real and [int(r) for r in args.real.split(",")])
         return
     if args.bf16_prefill:
         weights = bench.make_weights("bf16", jax.random.key(0))

@@ -98,10 +98,10 @@ def test_one_token_takes_the_two_gemms_where_the_fused_kernel_does_not_fit():
     assert not nfm.fits(256, 128, 1) and nfm.fits(256, 64, 1) and not nfm.fits(256, 64, 9)
 
 
-@pytest.mark.parametrize("tokens,fused", [(2, True), (6, True), (7, False)])
-def test_default_is_one_launch_up_to_six_tokens(tokens, fused):
-    """`default_config`: the fused layer at 1-6 tokens (its emulation, not the GEMM passed in, is called), the two
-    GEMMs from 7; the reference's output either way, experts picked by several tokens (12 experts, 24 pairs)."""
+@pytest.mark.parametrize("tokens,fused", [(2, True), (7, True), (8, False)])
+def test_default_is_one_launch_up_to_seven_tokens(tokens, fused):
+    """`default_config`: the fused layer at 1-7 tokens (its emulation, not the GEMM passed in, is called), the two
+    GEMMs from 8; the reference's output either way, experts picked by several tokens (12 experts, 28 pairs)."""
     problem, (gate_up, down) = _layer_problem(tokens + 60, tokens, 256, 64, 12, 4, tile_k=128)
     calls = []
 
