@@ -148,6 +148,18 @@ def test_fused_layer_matches_reference_on_gpu(tokens, settings):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bucket,real", [(4, 3), (8, 5)])
+def test_fused_layer_skips_a_buckets_padding_on_gpu(bucket, real):
+    """An engine step's bucket with padding tokens (ids -1, as `MoE(num_tokens=)` masks them): the real tokens as
+    the reference on them alone, the padding's rows zero."""
+    problem, (gate_up, down) = _layer_problem(bucket + 500, bucket, 5120, 320, 256, 8, tile_k=256)
+    x, weights, ids = problem[:3]
+    got = jax.jit(functools.partial(nmm.moe_nvfp4, fused=True))(x, weights, ids.at[real:].set(-1), gate_up, down)
+    np.testing.assert_array_equal(np.asarray(got[real:], np.float32), 0.0)
+    _assert_layer_close((x[:real], weights[:real], ids[:real], *problem[3:]), got[:real])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 4])
 def test_fused_expert_parallel_share_on_gpu(tokens):
     """Half of Beam's experts on this device: the other half's pairs are skipped by the kernel."""
