@@ -19,16 +19,15 @@ Rounding follows `moe_gemm_reference` but for the sum: a pair's output is rounde
 again, then the pairs are added in fp32 (in the order their programs finish) and the caller rounds once.
 
 H200 (RESULTS.md, session 29): 16.2-16.3 us at one token against 18.7-18.9 for the six launches (spans: an XLA
-zeroing of the semaphores, this kernel, the output's conversion to bf16). Session 30 (runs 3-6): with a block a pair,
-only its token's SwiGLU row, and at 4-7 tokens the gate/up decode in 4 K chunks, 24.2 / 30.0 / 35.1 / 41.1 / 46.8 /
-54.2 us at 2-7 tokens against 29.8 / 34.3 / 40.1 / 45.4 / 48.8 / 57.2 for the two GEMMs; 60.9 against 58.8 at 8
-(runs 6, 8). At one token Mosaic
-GPU's profiler (benchmarks/moe/fused_timeline.py) shows where its 13 us go: the gate/up programs end 6-9 us in (400
-of them, 4 K steps each, the HBM shared with the resident down programs' first fetches); the kernel's 102 registers
-fit 4 programs an SM, so of its 720 programs ~190 down programs start only as gate/up programs leave, 9-13 us in,
-and fetch their weights then; a down program's wait, SwiGLU, 5 K steps and write take ~4 us after its block is
-ready. Prefetching the down weights into L2 from the gate/up programs (TMA prefetch) made the gate/up programs ~0.8
-us slower and the down programs no faster.
+zeroing of the semaphores, this kernel, the output's conversion to bf16). Session 30 (runs 3-6): with a block a
+pair, only its token's SwiGLU row, and at 4-7 tokens the gate/up decode in 4 K chunks, 24.2 / 30.0 / 35.1 / 41.1 /
+46.8 / 54.2 us at 2-7 tokens against 29.8 / 34.3 / 40.1 / 45.4 / 48.8 / 57.2 for the two GEMMs; 60.9 against 58.8 at
+8 (runs 6, 8). At one token Mosaic GPU's profiler (benchmarks/moe/fused_timeline.py) shows where its 13 us go: the
+gate/up programs end 6-9 us in (400 of them, 4 K steps each, the HBM shared with the resident down programs' first
+fetches); the kernel's 102 registers fit 4 programs an SM, so of its 720 programs ~190 down programs start only as
+gate/up programs leave, 9-13 us in, and fetch their weights then; a down program's wait, SwiGLU, 5 K steps and write
+take ~4 us after its block is ready. Prefetching the down weights into L2 from the gate/up programs (TMA prefetch)
+made the gate/up programs ~0.8 us slower and the down programs no faster.
 """
 
 from __future__ import annotations
@@ -158,15 +157,14 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                      down_tile_n: int | None = None,
                      down_decode_row_chunks: int = 1, compiler_params=None) -> jax.Array:
     """`x [T, H]` bf16 (T <= 8), `pair_expert [T * top_k]` int32 (token t's picks from t * top_k on; an expert
-    outside [0, E): skip the pair) and `pair_weight [T * top_k]` fp32, its routing weights. Each pair is a block
-    of all T rows (shared rows), of which only its token's row is weighted: two pairs of one expert read its
-    weights twice, at the same time (no kernel before this one to merge them: RESULTS.md, session 30). The
-    gate/up weights (gate rows then up rows, `nm.pack_weights` with `gate_up_tile_k`; global scales `[E, 2 I]`)
-    and the down weights (`down_tile_k` 64) -> `[8, H]` fp32, the routed experts' output of each token (rows
-    past T zero). Settings as `grouped_matmul`'s: the gate/up
-    GEMM's `splits` K splits, pipeline `stages`, `tile_n` rows a program and `decode_chunks`; the down GEMM's.
-    `compiler_params`: `plgpu.CompilerParams` for the kernel (e.g. Mosaic GPU's profiler, which records the
-    named scopes of each program: benchmarks/moe/fused_timeline.py)."""
+    outside [0, E): skip the pair) and `pair_weight [T * top_k]` fp32, its routing weights. Each pair is a block of
+    all T rows (shared rows), of which only its token's row is weighted: two pairs of one expert read its weights
+    twice, at the same time (no kernel before this one to merge them: RESULTS.md, session 30). The gate/up weights
+    (gate rows then up rows, `nm.pack_weights` with `gate_up_tile_k`; global scales `[E, 2 I]`) and the down weights
+    (`down_tile_k` 64) -> `[8, H]` fp32, the routed experts' output of each token (rows past T zero). Settings as
+    `grouped_matmul`'s: the gate/up GEMM's `splits` K splits, pipeline `stages`, `tile_n` rows a program and
+    `decode_chunks`; the down GEMM's. `compiler_params`: `plgpu.CompilerParams` for the kernel (e.g. Mosaic GPU's
+    profiler, which records the named scopes of each program: benchmarks/moe/fused_timeline.py)."""
     tokens, hidden = x.shape
     experts, gu_steps, gu_rows, _ = gate_up_packed.shape
     if gate_up_decode_chunks is None:  # 4 K chunks at 4-7 tokens (75 registers instead of 102: the gate/up grid in

@@ -4,8 +4,8 @@ The NVFP4 down GEMM's copies alone reach 65-71 % of its floor (RESULTS.md, sessi
 128 rows x 32 bytes, five a program. Gate/up's (64 rows x 128 bytes, 20 a program) reach 90-98 %. This
 kernel does nothing but `emit_pipeline` over `steps` boxes of `rows x cols` bytes per program (the weight
 tiles' transforms: 8-row tiling, swizzle = cols), so it separates the box shape from the program length
-from the bytes in flight. Each call reads a different part of a buffer 4x its bytes (weights come from
-HBM, not L2). XLA's own reduction over the same bytes is the same run's baseline.
+from the bytes in flight. Each call reads a different part of a buffer, 200 MB from the last read of its
+bytes (weights come from HBM, not L2). XLA's own reduction over the same bytes is the same run's baseline.
 
 Usage (GPU): OUT=dir python3 -u benchmarks/moe/copy_ceiling.py [--totals 14680064,23068672]
     [--configs '[[64, 128, 4, 2, "plain"]]']   (bytes per call; (rows, cols, steps, stages, variant) as CONFIGS)
