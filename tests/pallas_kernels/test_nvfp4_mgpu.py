@@ -345,7 +345,7 @@ def test_expert_parallel_shares_add_up(tokens, builder, epilogue):
 
 
 def test_swiglu_needs_whole_swizzled_rows():
-    """The GEMM refuses SwiGLU on line-box steps (tile_k < 256); the layer's default then leaves it to XLA."""
+    """The GEMM refuses SwiGLU on line-box steps (tile_k < 256); the two-GEMM layer's default then leaves it to XLA."""
     operands = (jnp.zeros((8, 512), jnp.bfloat16), jnp.zeros((1,), jnp.int32), jnp.zeros((4, 4, 128, 64), jnp.uint8),
                 jnp.zeros((4, 4, 128, 2), jnp.uint32))
     with pytest.raises(ValueError, match="swiglu needs"):
@@ -359,7 +359,7 @@ def test_swiglu_needs_whole_swizzled_rows():
     for tile_k, want in ((128, False), (256, True)):
         problem, (gate_up, down) = _layer_problem(2, 5, 512, 64, 16, 4, tile_k=tile_k)
         asked.clear()
-        _assert_layer_close(problem, nmm.moe_nvfp4(*problem[:3], gate_up, down, matmul=matmul))
+        _assert_layer_close(problem, nmm.moe_nvfp4(*problem[:3], gate_up, down, fused=False, matmul=matmul))
         assert asked[0] is want  # the gate/up GEMM's call
 
 
@@ -518,20 +518,27 @@ def test_copy_ceiling_kernels_lower_for_cuda(monkeypatch):
 
 def test_probe_variants_summarize_every_layer(monkeypatch, capsys):
     """`mgpu_probe.py --variants`: a line per layer and T with its % of the floor and bf16 ratio; a layer that
-    failed is reported, not dropped (the timings are stand-ins: CUPTI needs a GPU)."""
+    failed is reported, not dropped; with `--real`, each T with fewer real tokens (no bf16 row there). The timings
+    are stand-ins: CUPTI needs a GPU."""
     probe = _moe_benchmark("mgpu_probe", monkeypatch)
     layer = dict(us=50.0, kernels=[("kernel_mosaic_gpu_kernel", 40.0)], max_err=0.002, timer="cupti")
     monkeypatch.setattr(probe, "layer_weights", lambda: None)
     monkeypatch.setattr(probe.bench, "make_weights", lambda *args: None)
-    monkeypatch.setattr(probe, "time_layers", lambda t, variants, weights, spans: {
-        "kind": "layers", "t": t, "floor_us": 25.0, "mosaic[default]": layer, "mosaic[x=1]": dict(error="boom")})
+    monkeypatch.setattr(probe, "time_layers", lambda t, variants, weights, spans, real: {
+        "kind": "layers", "t": t, "real": real, "floor_us": 25.0, "mosaic[default]": layer,
+        "mosaic[x=1]": dict(error="boom")})
     monkeypatch.setattr(probe, "time_bf16_layers", lambda t, variants, weights, spans: {"moe_gemm": dict(us=150.0)})
     rows = []
     probe.compare_variants([{}, {"x": 1}], [1, 8], True, rows.append)
     out = capsys.readouterr().out
-    assert "T=8 mosaic[default] 50.0 us (50.0 % of 25.0) bf16/this 3.00" in out
-    assert "T=1 mosaic[default] 50.0 us (50.0 % of 25.0) err" in out and "T=1 bf16" not in out
+    assert "T=8 real=8 mosaic[default] 50.0 us (50.0 % of 25.0) bf16/this 3.00" in out
+    assert "T=1 real=1 mosaic[default] 50.0 us (50.0 % of 25.0) err" in out and "T=1 bf16" not in out
     assert out.count("mosaic[x=1] ERROR boom") == 2 and len(rows) == 3
+    rows.clear()
+    probe.compare_variants([{}], [1, 8], True, rows.append, real=[5, 8])
+    out = capsys.readouterr().out
+    assert "T=8 real=5 mosaic[default] 50.0 us (50.0 % of 25.0) err" in out and "real=8" not in out
+    assert [row["real"] for row in rows] == [5]
 
 
 def test_call_spans_time_each_call_from_its_first_start_to_its_last_end(monkeypatch):
