@@ -1,8 +1,9 @@
 """Beam's NVFP4 MoE layer on the Mosaic GPU grouped GEMM (`nvfp4_mgpu.grouped_matmul`), Hopper only.
 
 The weights are repacked once into the kernel's layouts (`KernelNvfp4.from_expert_weights`; the model
-does it at load time on Hopper, `beam_jax.quant.kernel_layout`). Per call the pairs are put into blocks
-of one expert each (decode: one block per distinct expert, multiplying all the step's tokens; 9-64
+does it at load time on Hopper, `beam_jax.quant.kernel_layout`). At 1-7 tokens the whole layer is one kernel
+on the pairs as they come (`nvfp4_fused_moe`). Otherwise per call the pairs are put into blocks
+of one expert each (up to 8 tokens: one block per distinct expert, multiplying all the step's tokens; 9-64
 tokens: blocks opened by the pairs, built and gathered by one kernel, `row_gather.gather_opened_blocks`;
 larger batches: pairs sorted by XLA into blocks of `block_t` rows), and after
 each GEMM XLA adds the K splits, applies the global scales, SwiGLU and the routing weights (with
