@@ -19,8 +19,8 @@ from tests.pallas_kernels.test_nvfp4_mgpu import _assert_layer_close, _layer_pro
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 16, 4), (3, 16, 4), (8, 12, 4), (5, 6, 3)])
 def test_fused_glue_matches_reference_with_emulated_kernel(tokens, experts, top_k):
-    """One token (ids and weights straight in) and shared blocks of several tokens, experts picked by several
-    tokens (12 and 6 experts for 32 and 15 pairs), on the emulated kernel."""
+    """The pairs straight in, a block each, at one and several tokens; experts picked by several tokens (12 and 6
+    experts for 32 and 15 pairs: one expert's weights in several blocks), on the emulated kernel."""
     problem, (gate_up, down) = _layer_problem(tokens, tokens, 256, 64, experts, top_k, tile_k=128)
     layer = functools.partial(nmm.moe_nvfp4, fused=True, matmul=nm.grouped_matmul_emulated)
     _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
