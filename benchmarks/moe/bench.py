@@ -181,16 +181,20 @@ def time_chain(fn, stacked, *rest, repeats: int, wall: bool = True):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(stacked, *rest))
         walls.append(time.perf_counter() - t0)
+    flush_l2()
     _, kernel_ms = profiler.measure(fn)(stacked, *rest)
     return kernel_ms * 1e3 / repeats, (min(walls) * 1e6 / repeats if walls else float("nan"))
 
 
-def time_variant(op, stacked, *rest, repeats: int, wall: bool = True):
+def time_variant(op, stacked, *rest, repeats: int, wall: bool = True, carry=None):
     """(µs per call, wall µs or NaN, the first call's kernels as (name, µs) or None) of `op(*stacked[r], *rest)`
-    over the leading index r: `time_chain` of an unrolled chain, or with `--timer spans` `time_spans`."""
+    over the leading index r: `time_chain` of an unrolled chain, or with `--timer spans` `time_spans` (which
+    alone takes a `carry`)."""
     if SPANS[0]:
-        us, kernels, _ = time_spans(op, stacked, *rest)
+        us, kernels, _ = time_spans(op, stacked, *rest, carry=carry)
         return us, float("nan"), [(name, kernel_us) for name, kernel_us, _ in kernels]
+    if carry is not None:
+        raise ValueError("a carry passed from call to call needs --timer spans")
     return (*time_chain(chain(op), stacked, *rest, repeats=repeats, wall=wall), None)
 
 
@@ -218,6 +222,7 @@ def time_calls(op, stacked, *rest):
     repeats = jax.tree_util.tree_leaves(stacked)[0].shape[0]
     calls = [jax.tree_util.tree_map(lambda a, r=r: a[r], stacked) for r in range(repeats)]
     first = jax.block_until_ready(fn(*calls[0], *rest))  # compile and warm up
+    flush_l2()
     ext = mosaic_gpu_lib._mosaic_gpu_ext
     ext._cupti_init()
     try:
@@ -262,7 +267,8 @@ def separator(seed, iterations: int = SEPARATOR_ITERATIONS, interpret: bool = Fa
     """What `time_spans` queues before each timed call: one kernel named `spans_separator` that spins in registers
     (no memory traffic, so L2 keeps what the calls left there; the name no layer's kernel has: a matmul separator
     was also the name of cuBLAS GEMMs and memsets inside the T = 512 and 8192 layers, session 28).
-    `seed [128] f32`."""
+    `seed [128] f32`. (A separator that streamed memory instead, so that each call found the HBM busy, made the
+    routing kernel no faster and let the next call's first XLA kernel start during its tail: H200, session 31.)"""
     from jax.experimental.pallas import triton as plgpu
 
     return pl.pallas_call(
@@ -272,27 +278,58 @@ def separator(seed, iterations: int = SEPARATOR_ITERATIONS, interpret: bool = Fa
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1), interpret=interpret)(seed)
 
 
-def time_spans(op, stacked, *rest):
+L2_FLUSH_BYTES = 1 << 27  # 128 MiB read and written: more than the H200's 50 MB L2
+
+
+def flush_l2():
+    """Reads and writes more bytes than L2 holds, so that no input of a timed call is left there from the warm-up
+    call (until session 31 the first timed call of `time_spans` and `time_calls` found them there: at one token the
+    NVFP4 layer's 22 MB and the routing kernel's 5 MB router, so its kernels, which rows show, were an L2-warm
+    call's, and so was 1 / repeats of the mean)."""
+    jax.block_until_ready(jax.jit(lambda a: a * 2)(jnp.ones((L2_FLUSH_BYTES // 4,), jnp.float32)))
+
+
+def jitted_caller(op, num_args: int, rest, carry=None):
+    """`call(args)`: `jit(op)(*args, *rest)`; with a `carry`, `op`'s last argument and last output, passed from
+    call to call (donated: no call copies it) and left off the outputs."""
+    if carry is None:
+        fn = jax.jit(op)
+        return lambda args: fn(*args, *rest)
+    fn, state = jax.jit(op, donate_argnums=num_args + len(rest)), [carry]
+
+    def call(args):
+        *out, state[0] = fn(*args, *rest, state[0])
+        return out
+
+    return call
+
+
+def time_spans(op, stacked, *rest, carry=None):
     """Device time of `jit(op)` per call as the span of its kernels, first start to last end, from a profiler
     trace: unlike `time_calls` (CUPTI's summed kernel durations) it counts the gaps between a call's kernels
     and counts kernels that overlap (programmatic dependent launch) once. Each call is queued behind
-    `separator`, so its kernels wait on the device, not on the host's launches. Returns (mean span µs, the
+    `separator`, so its kernels wait on the device, not on the host's launches; `flush_l2` before the first.
+    Returns (mean span µs, the
     first call's kernels as (name, µs, start µs after the call's first kernel), the first call's output), as
     `time_calls` does. Not in a process that has used `time_calls`: the two CUPTI users clash (H200 session 26:
-    "activity records were dropped")."""
-    fn, busy = jax.jit(op), jax.jit(separator)
+    "activity records were dropped").
+    `carry`: state passed from call to call, as a model passes it from layer to layer (the routing kernel's
+    ticket counter): `op(*stacked[r], *rest, carry)` returns its outputs and the next carry last; the carry is
+    donated, so no call copies it."""
+    a, busy = jnp.ones((128,), jnp.float32), jax.jit(separator)
     repeats = jax.tree_util.tree_leaves(stacked)[0].shape[0]
     calls = [jax.tree_util.tree_map(lambda a, r=r: a[r], stacked) for r in range(repeats)]
-    a = jnp.ones((128,), jnp.float32)
-    output = jax.block_until_ready(fn(*calls[0], *rest))  # compile and warm up
+    call = jitted_caller(op, len(calls[0]), rest, carry)
+    output = jax.block_until_ready(call(calls[0]))  # compile and warm up
     jax.block_until_ready(busy(a))
     busy_names = {name for _, _, name in _traced_device_kernels(lambda: jax.block_until_ready(busy(a)))
                   if "spans_separator" in name}
+    flush_l2()
     if not busy_names:
         raise RuntimeError("no spans_separator kernel in the separator's trace")
 
     def run():
-        jax.block_until_ready([(busy(a), fn(*args, *rest)) for args in calls])
+        jax.block_until_ready([(busy(a), call(args)) for args in calls])
 
     mean_us, kernels = call_spans(_traced_device_kernels(run), busy_names, repeats)
     return mean_us, kernels, output
@@ -402,6 +439,12 @@ def check_routing(rows, tokens=100_000):
                       flush=True)
 
 
+def _routing_counter_passed(x, router_weight, correction_bias, counter, **kw_args):
+    """The fused routing kernel with its ticket counter passed in and back (`routing_kernel(counter=)`), as the
+    model's layers pass it on (`PagedBatch.routing_counter`): no call copies a zeroed counter in."""
+    return rt.routing_kernel(x, router_weight, correction_bias, counter=counter, **kw_args)
+
+
 def bench_routing(token_counts, rows, *, sweep: bool, repeats=16):
     from jax.experimental.mosaic.gpu import profiler
 
@@ -420,9 +463,12 @@ def bench_routing(token_counts, rows, *, sweep: bool, repeats=16):
             for block_e, block_k, splits, stages, warps in (
                     (4, 1024, 5, 1, 4), (4, 1024, 5, 2, 4), (4, 1024, 5, 1, 2), (4, 1024, 5, 1, 8), (2, 1024, 5, 1, 4),
                     (4, 512, 10, 1, 4), (8, 512, 10, 1, 4), (2, 2048, 3, 1, 4), (8, 256, None, 2, 4)):
-                variants[f"pallas_fused[e{block_e},k{block_k},s{splits},st{stages},w{warps}]"] = functools.partial(
-                    rt.routing_kernel, fused=True, block_e=block_e, block_k=block_k, splits=splits,
-                    num_stages=stages, num_warps=warps)
+                tile = dict(fused=True, block_e=block_e, block_k=block_k, splits=splits, num_stages=stages,
+                            num_warps=warps)
+                name = f"[e{block_e},k{block_k},s{splits},st{stages},w{warps}]"
+                variants[f"pallas_fused{name}"] = functools.partial(rt.routing_kernel, **tile)
+                if SPANS[0]:
+                    variants[f"pallas_counter_passed{name}"] = functools.partial(_routing_counter_passed, **tile)
         if sweep:  # tiles of the logits kernel (token block, expert block, programs, K splits)
             tilings = ([(1, 1, 256, 1), (1, 2, 128, 1), (1, 4, 64, 1), (1, 4, 256, None), (1, 8, 256, None),
                         (1, 8, 512, None), (1, 16, 256, None)] if t == 1 else
@@ -431,14 +477,18 @@ def bench_routing(token_counts, rows, *, sweep: bool, repeats=16):
             for block_t, block_e, programs, splits in tilings:
                 variants[f"pallas[t{block_t},e{block_e},p{programs},s{splits}]"] = functools.partial(
                     rt.routing_kernel, block_t=block_t, block_e=block_e, target_programs=programs, splits=splits)
+        if SPANS[0] and t <= rt.KERNEL_MAX_TOKENS:  # as the model calls it: the ticket counter passed on from call to call, never copied
+            variants["pallas_counter_passed"] = _routing_counter_passed
         x = jax.random.normal(jax.random.fold_in(key, t), (repeats, t, H), jnp.float32).astype(jnp.bfloat16)
         res = {}
         breakdown = {}
         for name, op in [("warm-up", rt.routing_kernel), *variants.items()]:  # (the first timing runs slow)
+            passed = name.startswith("pallas_counter_passed")
+            carry = jnp.zeros((rt.COUNTER_SLOTS,), jnp.int32) if passed else None
             try:
                 *res[name], kernels = time_variant(functools.partial(op, **kw_args), (x, weights), bias,
-                                                   repeats=repeats, wall=not sweep)
-                if kernels is not None and name in ("pallas", "xla"):
+                                                   repeats=repeats, wall=not sweep, carry=carry)
+                if kernels is not None and name in ("pallas", "pallas_counter_passed", "xla"):
                     breakdown[f"{name}_kernels_us"] = [(n[:40], round(us, 2)) for n, us in kernels]
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"routing {name} T={t}: {type(e).__name__}: {e}"[:400], flush=True)

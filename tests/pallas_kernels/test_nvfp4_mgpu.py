@@ -554,6 +554,21 @@ def test_call_spans_time_each_call_from_its_first_start_to_its_last_end(monkeypa
         bench.call_spans(events, {"gemm"}, 3)
 
 
+def test_jitted_caller_passes_the_carry_from_call_to_call(monkeypatch):
+    """`time_spans(carry=)`'s calls: each gets the carry the call before returned (as the routing counter passes
+    from layer to layer), which is left off the outputs; without a carry the outputs are op's own."""
+    bench = _moe_benchmark("bench", monkeypatch)
+    xs = np.random.default_rng(1).standard_normal((3, 4)).astype(np.float32)
+    call = bench.jitted_caller(lambda x, y, c: (x * y + c, c + 1.0), 1, (jnp.float32(2.0),), carry=jnp.float32(0.5))
+    for r in range(3):
+        (out,) = call((xs[r],))
+        np.testing.assert_allclose(np.asarray(out), xs[r] * 2.0 + 0.5 + r, rtol=1e-6)
+    plain = bench.jitted_caller(lambda x, y: (x - y, y), 1, (jnp.float32(2.0),))
+    out, y = plain((xs[0],))
+    np.testing.assert_allclose(np.asarray(out), xs[0] - 2.0, rtol=1e-6)
+    assert float(y) == 2.0
+
+
 def test_spans_separator_spins_without_memory_traffic(monkeypatch, triton_for_sm90):
     """`time_spans`' separator: one Triton kernel named `spans_separator` (the name the spans are split at), whose
     output is the recurrence v <- 0.999 v + 0.001 run `iterations` times from the seed, in every program's row."""
