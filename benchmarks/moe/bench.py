@@ -24,7 +24,9 @@ Variants (MoE layer = both GEMMs, SwiGLU, routing-weight combine; routing exclud
               mosaic_sort (1 < T <= 64): the same with sorted blocks instead of its default ones (shared
               rows up to 8 tokens, opened by the pairs up to 64). Timed by `time_calls`
               (no wall time)
-Routing: pallas_kernels.routing.routing_kernel against the jitted plain-jnp reference.
+Routing: pallas_kernels.routing.routing_kernel against the jitted plain-jnp reference; with `--timer spans` also
+`pallas_counter_passed`, the fused kernel with its ticket counter passed from call to call as the model's layers
+pass it (a lone call copies a zeroed counter in first).
 
 Timing (`--timer cupti`, the default): each variant runs R times on R different inputs inside one jitted
 function; the figure is the sum of its kernels' device times per call measured with CUPTI
@@ -278,15 +280,16 @@ def separator(seed, iterations: int = SEPARATOR_ITERATIONS, interpret: bool = Fa
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1), interpret=interpret)(seed)
 
 
-L2_FLUSH_BYTES = 1 << 27  # 128 MiB read and written: more than the H200's 50 MB L2
+L2_FLUSH_BYTES = 1 << 28  # 256 MiB read: more than the H200's 50 MB L2
 
 
 def flush_l2():
-    """Reads and writes more bytes than L2 holds, so that no input of a timed call is left there from the warm-up
-    call (until session 31 the first timed call of `time_spans` and `time_calls` found them there: at one token the
-    NVFP4 layer's 22 MB and the routing kernel's 5 MB router, so its kernels, which rows show, were an L2-warm
-    call's, and so was 1 / repeats of the mean)."""
-    jax.block_until_ready(jax.jit(lambda a: a * 2)(jnp.ones((L2_FLUSH_BYTES // 4,), jnp.float32)))
+    """Reads more bytes than L2 holds, so that no input of a timed call is left there from the warm-up call (until
+    session 31 the first timed call of `time_spans` and `time_calls` found them there: at one token the NVFP4
+    layer's 22 MB and the routing kernel's 5 MB router, so its kernels, which rows show, were an L2-warm call's,
+    and so was 1 / repeats of the mean). A read, not a write, as benchmarks/attention's flush: written lines would
+    be left dirty in L2 for the first call to write back (session 31's runs 3-6 wrote 128 MiB so)."""
+    jax.block_until_ready(jax.jit(jnp.max)(jnp.ones((L2_FLUSH_BYTES // 4,), jnp.float32)))
 
 
 def jitted_caller(op, num_args: int, rest, carry=None):
@@ -309,10 +312,9 @@ def time_spans(op, stacked, *rest, carry=None):
     trace: unlike `time_calls` (CUPTI's summed kernel durations) it counts the gaps between a call's kernels
     and counts kernels that overlap (programmatic dependent launch) once. Each call is queued behind
     `separator`, so its kernels wait on the device, not on the host's launches; `flush_l2` before the first.
-    Returns (mean span µs, the
-    first call's kernels as (name, µs, start µs after the call's first kernel), the first call's output), as
-    `time_calls` does. Not in a process that has used `time_calls`: the two CUPTI users clash (H200 session 26:
-    "activity records were dropped").
+    Returns (mean span µs, the first call's kernels as (name, µs, start µs after the call's first kernel), the
+    first call's output), as `time_calls` does. Not in a process that has used `time_calls`: the two CUPTI users
+    clash (H200 session 26: "activity records were dropped").
     `carry`: state passed from call to call, as a model passes it from layer to layer (the routing kernel's
     ticket counter): `op(*stacked[r], *rest, carry)` returns its outputs and the next carry last; the carry is
     donated, so no call copies it."""
@@ -324,9 +326,9 @@ def time_spans(op, stacked, *rest, carry=None):
     jax.block_until_ready(busy(a))
     busy_names = {name for _, _, name in _traced_device_kernels(lambda: jax.block_until_ready(busy(a)))
                   if "spans_separator" in name}
-    flush_l2()
     if not busy_names:
         raise RuntimeError("no spans_separator kernel in the separator's trace")
+    flush_l2()
 
     def run():
         jax.block_until_ready([(busy(a), call(args)) for args in calls])
@@ -477,7 +479,7 @@ def bench_routing(token_counts, rows, *, sweep: bool, repeats=16):
             for block_t, block_e, programs, splits in tilings:
                 variants[f"pallas[t{block_t},e{block_e},p{programs},s{splits}]"] = functools.partial(
                     rt.routing_kernel, block_t=block_t, block_e=block_e, target_programs=programs, splits=splits)
-        if SPANS[0] and t <= rt.KERNEL_MAX_TOKENS:  # as the model calls it: the ticket counter passed on from call to call, never copied
+        if SPANS[0] and t <= rt.KERNEL_MAX_TOKENS:  # as the model calls it: the counter passed on, never copied
             variants["pallas_counter_passed"] = _routing_counter_passed
         x = jax.random.normal(jax.random.fold_in(key, t), (repeats, t, H), jnp.float32).astype(jnp.bfloat16)
         res = {}
