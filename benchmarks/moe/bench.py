@@ -461,10 +461,13 @@ def bench_routing(token_counts, rows, *, sweep: bool, repeats=16):
                     "pallas_two_kernels": functools.partial(rt.routing_kernel, fused=False),
                     **{f"pallas_fused[w{w}]": functools.partial(rt.routing_kernel, fused=True, num_warps=w)
                        for w in (1, 2, 4)}}
-        if sweep and t == 1:  # the fused kernel's logits tiles: (experts, K block, K splits, stages, warps)
+        if sweep and t == 1:  # the fused kernel's logits tiles: (experts, K block, K splits, stages, warps); one
+            # warp a program makes the last program's selection warp shuffles only (each pick of its chain of 8 cost
+            # ~0.2 us with 4 warps, session 31 run 9), smaller tiles keep the GEMV's loads in flight (not yet timed)
             for block_e, block_k, splits, stages, warps in (
                     (4, 1024, 5, 1, 4), (4, 1024, 5, 2, 4), (4, 1024, 5, 1, 2), (4, 1024, 5, 1, 8), (2, 1024, 5, 1, 4),
-                    (4, 512, 10, 1, 4), (8, 512, 10, 1, 4), (2, 2048, 3, 1, 4), (8, 256, None, 2, 4)):
+                    (4, 512, 10, 1, 4), (8, 512, 10, 1, 4), (2, 2048, 3, 1, 4), (8, 256, None, 2, 4),
+                    (2, 512, 10, 1, 1), (1, 1024, 5, 1, 1), (1, 512, 10, 1, 1), (2, 256, 20, 1, 1)):
                 tile = dict(fused=True, block_e=block_e, block_k=block_k, splits=splits, num_stages=stages,
                             num_warps=warps)
                 name = f"[e{block_e},k{block_k},s{splits},st{stages},w{warps}]"
