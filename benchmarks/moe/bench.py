@@ -288,8 +288,17 @@ def flush_l2():
     session 31 the first timed call of `time_spans` and `time_calls` found them there: at one token the NVFP4
     layer's 22 MB and the routing kernel's 5 MB router, so its kernels, which rows show, were an L2-warm call's,
     and so was 1 / repeats of the mean). A read, not a write, as benchmarks/attention's flush: written lines would
-    be left dirty in L2 for the first call to write back (session 31's runs 3-6 wrote 128 MiB so)."""
-    jax.block_until_ready(jax.jit(jnp.max)(jnp.ones((L2_FLUSH_BYTES // 4,), jnp.float32)))
+    be left dirty in L2 for the first call to write back (session 31's runs 3-6 wrote 128 MiB so); the buffer is
+    made once, so no fill writes it before each read."""
+    jax.block_until_ready(_max(_flush_buffer()))
+
+
+@functools.cache
+def _flush_buffer():
+    return jax.block_until_ready(jnp.ones((L2_FLUSH_BYTES // 4,), jnp.float32))
+
+
+_max = jax.jit(jnp.max)
 
 
 def jitted_caller(op, num_args: int, rest, carry=None):
