@@ -43,12 +43,12 @@ from pallas_kernels.paged_attention import (
     write_kv,
     write_kv_before_decode,
 )
-from pallas_kernels.routing import COUNTER_SLOTS
+from pallas_kernels.routing import routing_state
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=("query_start", "seq_lens", "page_tables", "slot_mappings", "decode", "routing_counter"),
+    data_fields=("query_start", "seq_lens", "page_tables", "slot_mappings", "decode", "routing_state"),
     meta_fields=("decode_only",),
 )
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +65,9 @@ class PagedBatch:
     # Static: the caller promises every sequence has q_len <= 1, so a kernel mode runs only the decode
     # kernel (a decode-only step is its own compiled program).
     decode_only: bool = False
-    # The routing kernel's ticket counter (zeros, `pallas_kernels.routing.COUNTER_SLOTS`), passed from layer to
-    # layer: `with_batch` makes it once per step, so the layers' routing calls do not each copy in a zeroed one.
-    routing_counter: Int[Array, " slots"] | None = None
+    # The fused routing kernel's state (`pallas_kernels.routing.routing_state()`), passed from layer to
+    # layer: `with_batch` makes it once per step, so the layers' routing calls do not each fill a fresh one.
+    routing_state: Int[Array, " slots"] | None = None
 
 
 @functools.partial(
@@ -130,17 +130,17 @@ class PagedKVCache:
 
     def with_batch(self, batch: PagedBatch | None) -> PagedKVCache:
         """Sets the step's metadata; with a kernel path, also the step's decode metadata, and the routing
-        counter (once per step here, not once per layer)."""
+        state (once per step here, not once per layer)."""
         if batch is not None and self.use_kernel and batch.decode is None:
             num_tokens = batch.slot_mappings[0].shape[0]
             batch = dataclasses.replace(batch, decode=decode_metadata(batch.query_start, num_tokens))
-        if batch is not None and batch.routing_counter is None:
-            batch = dataclasses.replace(batch, routing_counter=jnp.zeros((COUNTER_SLOTS,), jnp.int32))
+        if batch is not None and batch.routing_state is None:
+            batch = dataclasses.replace(batch, routing_state=routing_state())
         return dataclasses.replace(self, batch=batch)
 
-    def with_routing_counter(self, counter: Int[Array, " slots"]) -> PagedKVCache:
-        """The step's batch with the counter the last routing call returned (for the next layer's)."""
-        return dataclasses.replace(self, batch=dataclasses.replace(self.batch, routing_counter=counter))
+    def with_routing_state(self, state: Int[Array, " slots"]) -> PagedKVCache:
+        """The step's batch with the state the last routing call returned (for the next layer's)."""
+        return dataclasses.replace(self, batch=dataclasses.replace(self.batch, routing_state=state))
 
     def attend(
         self,

@@ -12,8 +12,9 @@ Two kernels:
   elementwise on the CUDA cores (token blocks of <= 4); batches over 64 tokens use an fp32 dot.
 - select: one token per program (one warp). It adds the partials in split order, so the result
   never depends on scheduling, and selects on a [groups, group size] tile.
-`fused=True` (the default for one token) runs the select in the logits kernel instead: the program
-that finishes last for a token block (an atomic counter per block) selects for it, one launch.
+`fused=True` (the default for one token) runs the select in the logits kernel instead: the partials go into a
+state that marks each one unwritten until it is (`UNWRITTEN`), and the token block's last program in grid order
+reads them until all are written, then selects: one launch, no atomics or fences.
 The selections equal the reference's on 100k random tokens (H200, benchmarks/moe/RESULTS.md).
 
 Speed (benchmarks/moe/RESULTS.md): faster than XLA for decode batches on the H200, slower for
@@ -23,6 +24,7 @@ larger ones, so `routing()` picks the kernel only for the former.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -161,8 +163,25 @@ def _logits_kernel(num_tokens_ref, x_ref, w_ref, partial_ref, *, block_t, **tile
         partial_ref[split, pl.ds(t_block * block_t, block_t), pl.ds(e_block * block_e, block_e)] = acc
 
 
-def _select_token(partial_ref, bias_ref, weights_ref, ids_ref, token, *, experts, num_groups, select, volatile):
-    """One token: sum its partial logits (in split order), select, store."""
+# The fused kernel's state (`routing_kernel(state=)`): int32 slots holding the bits of its partial logits, each
+# `UNWRITTEN` until its program writes it. That is a signaling NaN, which no arithmetic produces (a GPU's NaNs are
+# quiet), so a logit, even of bad inputs, never looks unwritten.
+UNWRITTEN = 0x7FA5A5A5
+# Slots of the state the model passes from layer to layer: splits x padded tokens x padded experts of a fused call
+# (Beam at one token: 5 x 1 x 256); a call needing more makes its own.
+STATE_SLOTS = 8192
+
+
+def routing_state(slots: int = STATE_SLOTS) -> Int[Array, " slots"]:
+    """A fresh fused-kernel state: every slot `UNWRITTEN`."""
+    return jnp.full((slots,), UNWRITTEN, jnp.int32)
+
+
+def _select_token(read_partial, bias_ref, weights_ref, ids_ref, token, *, splits, experts, num_groups, select,
+                  reset=None):
+    """One token: sum its partial logits (`read_partial(split, token, expert, mask)`, in split order), select,
+    store. `reset`: the partials are int32 bits that other programs may still be writing, read again until none
+    is `UNWRITTEN`, then `reset(split, token, expert, mask)` for the next call."""
     from jax.experimental.pallas import triton as plgpu
 
     size = experts // num_groups
@@ -170,11 +189,23 @@ def _select_token(partial_ref, bias_ref, weights_ref, ids_ref, token, *, experts
     group, column = lax.broadcasted_iota(jnp.int32, shape, 0), lax.broadcasted_iota(jnp.int32, shape, 1)
     valid = (group < num_groups) & (column < size)
     expert = jnp.where(valid, group * size + column, 0)
+    bias = plgpu.load(bias_ref.at[expert], mask=valid, other=0.0)  # first: it waits on no other program
+
+    def read_all(_=None):
+        return tuple(read_partial(jnp.int32(s), token, expert, valid) for s in range(splits))
+
+    partials = read_all()
+    if reset is not None:
+        def unwritten(parts):
+            return jnp.max(sum(jnp.where(part == UNWRITTEN, 1, 0) for part in parts)) > 0
+
+        partials = lax.while_loop(unwritten, read_all, partials)
+        partials = [lax.bitcast_convert_type(part, jnp.float32) for part in partials]
+        for s in range(splits):
+            reset(jnp.int32(s), token, expert, valid)
     logits = jnp.zeros(shape, jnp.float32)
-    for s in range(partial_ref.shape[0]):  # fixed order: the sum does not depend on scheduling
-        logits = logits + plgpu.load(partial_ref.at[jnp.int32(s), token, expert], mask=valid, other=0.0,
-                                     volatile=volatile)
-    bias = plgpu.load(bias_ref.at[expert], mask=valid, other=0.0)
+    for partial in partials:  # fixed order: the sum does not depend on scheduling
+        logits = logits + partial
     weights, picks = select(logits, bias, valid)
     slots = lax.iota(jnp.int32, weights.shape[0])
     plgpu.store(weights_ref.at[token, slots], weights)
@@ -182,37 +213,51 @@ def _select_token(partial_ref, bias_ref, weights_ref, ids_ref, token, *, experts
 
 
 def _select_kernel(num_tokens_ref, partial_ref, bias_ref, weights_ref, ids_ref, **kwargs):
+    from jax.experimental.pallas import triton as plgpu
+
     token = pl.program_id(0)
 
     @pl.when(token < num_tokens_ref[0])  # padding: left unwritten (`routing_kernel` masks it)
     def _():
-        _select_token(partial_ref, bias_ref, weights_ref, ids_ref, token, volatile=False, **kwargs)
+        def read_partial(split, token, expert, mask):
+            return plgpu.load(partial_ref.at[split, token, expert], mask=mask, other=0.0)
+
+        _select_token(read_partial, bias_ref, weights_ref, ids_ref, token, splits=partial_ref.shape[0], **kwargs)
 
 
-def _fused_routing_kernel(x_ref, w_ref, bias_ref, counter_in_ref, partial_ref, weights_ref, ids_ref, counter_ref,
-                          *, block_t, interpret, select_args, reset_counter, **tile):
-    """Partial logits, then the program that finishes last in a token block (an atomic counter says
-    which) selects for the block's tokens: one launch. `reset_counter`: that program then sets the block's
-    counter back to zero (every other program of the block has counted), for the next call."""
-    del counter_in_ref  # aliased to counter_ref
+def _fused_routing_kernel(x_ref, w_ref, bias_ref, state_in_ref, state_ref, weights_ref, ids_ref, *, block_t,
+                          partials_dims, select_args, **tile):
+    """Partial logits into the state (every slot left `UNWRITTEN` by the call before: a partial is its own flag),
+    then the token block's last program in grid order reads them until all are written, selects, and leaves them
+    `UNWRITTEN` again. No atomic and no fence, which a ticket counter needs (H200, one token: 6.2 µs a call against
+    the ticket's 6.5, benchmarks/moe/RESULTS.md session 32). The waiting program is the last one the grid
+    launches, so every other program is running or done while it waits."""
+    del state_in_ref  # aliased to state_ref
     from jax.experimental.pallas import triton as plgpu
 
+    splits, padded_tokens, padded_experts = partials_dims
     t_block, e_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     acc = _partial_logits(x_ref, w_ref, t_block, e_block, split, block_t=block_t, **tile)
-    block_e = tile["block_e"]
-    partial_ref[split, pl.ds(t_block * block_t, block_t), pl.ds(e_block * block_e, block_e)] = acc
-    if not interpret:
-        plgpu.debug_barrier()  # every thread's partial store is ordered before the release below
-    # a scalar atomic, so it runs once per program (acq_rel: this program's stores are released)
-    finished_before = plgpu.atomic_add(counter_ref, (jnp.asarray(t_block, jnp.int32),), jnp.ones((), jnp.int32))
 
-    @pl.when(finished_before == pl.num_programs(1) * pl.num_programs(2) - 1)
+    def slot(split, token, expert):
+        return (split * padded_tokens + token) * padded_experts + expert
+
+    rows = t_block * block_t + lax.iota(jnp.int32, block_t)
+    cols = e_block * tile["block_e"] + lax.iota(jnp.int32, tile["block_e"])
+    plgpu.store(state_ref.at[slot(split, rows[:, None], cols[None, :])], lax.bitcast_convert_type(acc, jnp.int32))
+
+    def read_partial(split, token, expert, mask):  # volatile: other programs' stores, past the L1
+        return plgpu.load(state_ref.at[slot(split, token, expert)], mask=mask, other=0, volatile=True)
+
+    def reset(split, token, expert, mask):
+        plgpu.store(state_ref.at[slot(split, token, expert)], jnp.full(expert.shape, UNWRITTEN, jnp.int32),
+                    mask=mask)
+
+    @pl.when((e_block == pl.num_programs(1) - 1) & (split == pl.num_programs(2) - 1))
     def _select_last():
-        for row in range(block_t):  # other programs' partials: volatile loads, past the L1
-            _select_token(partial_ref, bias_ref, weights_ref, ids_ref, t_block * block_t + row, volatile=True,
-                          **select_args)
-        if reset_counter:  # a plain store: nothing in this launch reads the counter after the last count
-            plgpu.store(counter_ref.at[t_block + jnp.arange(1)], jnp.zeros((1,), jnp.int32))
+        for row in range(block_t):
+            _select_token(read_partial, bias_ref, weights_ref, ids_ref, t_block * block_t + row, splits=splits,
+                          reset=reset, **select_args)
 
 
 def routing_kernel(
@@ -235,7 +280,7 @@ def routing_kernel(
     fused: bool | None = None,
     logits_only: bool = False,
     num_tokens: Int[Array, ""] | None = None,
-    counter: Int[Array, " n"] | None = None,
+    state: Int[Array, " slots"] | None = None,
     interpret: bool = False,
 ):
     """The routing kernels (see the module docstring). By default batches of up to 64 tokens take
@@ -248,11 +293,11 @@ def routing_kernel(
     returns the kernel's fp32 logits [tokens, experts] (for tests). `num_tokens`: only the first
     `num_tokens` tokens are real (a serving step padded to its bucket); the two-kernel path reads and
     selects nothing for the rest, and their selection comes back as expert -1, weight 0 (`routing`).
-    `counter`: int32 zeros, at least one per token block, for the fused kernel's ticket counter; the kernel
-    leaves them zero and (weights, ids, counter) come back, the counter for the next call. Passed from call
-    to call (e.g. layer to layer, `PagedBatch.routing_counter`), it spares each call the copy of a zeroed
-    counter into the buffer the kernel counts in (1.1 µs of a 7.7 µs call at T = 1 on the H200, session 28);
-    the two-kernel path returns it untouched."""
+    `state`: the fused kernel's (`routing_state()`); the kernel leaves it as it found it and (weights, ids, state)
+    come back, the state for the next call. Passed from call to call (e.g. layer to layer,
+    `PagedBatch.routing_state`), it spares each call the fill of a fresh one (0.8 µs of a 6.9 µs lone call at T = 1
+    on the H200, session 32). A call whose partials need more slots than the state has makes its own; the two-kernel
+    path and that call return the state untouched."""
     from jax.experimental.pallas import triton as plgpu
 
     tokens, hidden = x.shape
@@ -306,19 +351,20 @@ def routing_kernel(
     selection_shapes = [jax.ShapeDtypeStruct((padded_tokens, padded_k), jnp.float32),
                         jax.ShapeDtypeStruct((padded_tokens, padded_k), jnp.int32)]
     bias = correction_bias.astype(jnp.float32)
-    if counter is not None and (counter.dtype != jnp.int32 or counter.ndim != 1 or counter.shape[0] < token_blocks):
-        raise ValueError(f"counter must be int32 [n >= {token_blocks}] (one per token block), got "
-                         f"{counter.dtype}{list(counter.shape)}")
+    if state is not None and (state.dtype != jnp.int32 or state.ndim != 1):
+        raise ValueError(f"state must be int32 [slots] (`routing_state()`), got {state.dtype}{list(state.shape)}")
     if fused:
-        ticket = jnp.zeros((token_blocks,), jnp.int32) if counter is None else counter
-        _, weights, ids, ticket = pl.pallas_call(
-            functools.partial(_fused_routing_kernel, block_t=block_t, interpret=interpret, select_args=select_args,
-                              reset_counter=counter is not None, **tile),
-            grid=grid, out_shape=[partial_shape, *selection_shapes, jax.ShapeDtypeStruct(ticket.shape, jnp.int32)],
-            input_output_aliases={3: 3}, compiler_params=logits_params, interpret=interpret, name="beam_routing",
-        )(x, router_weight, bias, ticket)
+        needed = math.prod(partial_shape.shape)
+        own = state is None or state.shape[0] < needed
+        scratch = routing_state(needed) if own else state
+        scratch, weights, ids = pl.pallas_call(
+            functools.partial(_fused_routing_kernel, block_t=block_t, partials_dims=partial_shape.shape,
+                              select_args=select_args, **tile),
+            grid=grid, out_shape=[jax.ShapeDtypeStruct(scratch.shape, jnp.int32), *selection_shapes],
+            input_output_aliases={3: 0}, compiler_params=logits_params, interpret=interpret, name="beam_routing",
+        )(x, router_weight, bias, scratch)
         selection = _mask_padding(weights[:tokens, :top_k], ids[:tokens, :top_k], num_tokens)
-        return selection if counter is None else (*selection, ticket)
+        return selection if state is None else (*selection, state if own else scratch)
     # One token per program and one warp: the selection's reductions stay inside a warp (shuffles,
     # no shared-memory round trips).
     partials = partial_logits()
@@ -331,7 +377,7 @@ def routing_kernel(
         name="beam_router_select",
     )(real, partials, bias)
     selection = _mask_padding(weights[:tokens, :top_k], ids[:tokens, :top_k], num_tokens)
-    return selection if counter is None else (*selection, counter)
+    return selection if state is None else (*selection, state)
 
 
 def _mask_padding(weights, ids, num_tokens):
@@ -345,9 +391,6 @@ def _mask_padding(weights, ids, num_tokens):
 
 # Largest batch for which `routing()` picks the kernel on a GPU (H200: faster than XLA there).
 KERNEL_MAX_TOKENS = 16
-# A ticket counter passed from call to call (`routing_kernel(counter=)`): one per token block of any batch the
-# kernel path takes (blocks hold at least one token).
-COUNTER_SLOTS = KERNEL_MAX_TOKENS
 
 
 def routing(
@@ -362,23 +405,23 @@ def routing(
     scaling: float = 1.0,
     use_kernel: bool | None = None,
     num_tokens: Int[Array, ""] | None = None,
-    counter: Int[Array, " n"] | None = None,
+    state: Int[Array, " slots"] | None = None,
     interpret: bool = False,
-) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]] | tuple[Array, Array, Int[Array, " n"]]:
+) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]] | tuple[Array, Array, Int[Array, " slots"]]:
     """Beam's routing. `use_kernel=None`: the kernel on a GPU for decode batches of at most
     `KERNEL_MAX_TOKENS` tokens, where it beats XLA's fusion of the reference; the reference
     otherwise. `num_tokens`: tokens from it on are padding and select expert -1 with weight 0 (the
-    kernel skips their work). `counter`: the kernel's ticket counter passed from call to call
-    (`routing_kernel`); then (weights, ids, counter) come back, the counter untouched off the kernel."""
+    kernel skips their work). `state`: the fused kernel's state passed from call to call (`routing_kernel`);
+    then (weights, ids, state) come back, the state untouched off the kernel."""
     kwargs = dict(
         num_groups=num_groups, groups_kept=groups_kept, top_k=top_k, normalize=normalize, scaling=scaling
     )
     if use_kernel is None:
         use_kernel = jax.default_backend() == "gpu" and x.shape[0] <= KERNEL_MAX_TOKENS
     if use_kernel:
-        return routing_kernel(x, router_weight, correction_bias, num_tokens=num_tokens, counter=counter,
+        return routing_kernel(x, router_weight, correction_bias, num_tokens=num_tokens, state=state,
                               interpret=interpret, **kwargs)
     selection = routing_reference(x, router_weight, correction_bias, **kwargs)
     if num_tokens is not None:
         selection = _mask_padding(*selection, num_tokens)
-    return selection if counter is None else (*selection, counter)
+    return selection if state is None else (*selection, state)

@@ -115,20 +115,20 @@ class Router(nnx.Module):
         self.normalize = config.norm_topk_prob
 
     def __call__(self, x: Float[Array, "tokens hidden"], num_tokens: Int[Array, ""] | None = None,
-                 counter: Int[Array, " slots"] | None = None):
+                 state: Int[Array, " slots"] | None = None):
         """(weights, expert ids) `[tokens, top_k]`; tokens from `num_tokens` on are padding: expert -1,
-        weight 0, and the routing kernel skips them. With `counter` (the routing kernel's, passed from
-        layer to layer: `pallas_kernels.routing.routing_kernel`), the counter for the next comes third."""
-        def route_here(x, weight, bias, num_tokens, counter):
+        weight 0, and the routing kernel skips them. With `state` (the routing kernel's, passed from
+        layer to layer: `pallas_kernels.routing.routing_kernel`), the state for the next comes third."""
+        def route_here(x, weight, bias, num_tokens, state):
             return route(x, weight, bias, num_groups=self.num_groups, groups_kept=self.groups_kept, top_k=self.top_k,
-                         normalize=self.normalize, num_tokens=num_tokens, counter=counter)
+                         normalize=self.normalize, num_tokens=num_tokens, state=state)
 
-        args = (x, self.weight[...], self.e_score_correction_bias[...], num_tokens, counter)
+        args = (x, self.weight[...], self.e_score_correction_bias[...], num_tokens, state)
         if mesh_shards_experts():
             # Inputs and router are replicated: every device routes every token itself (the GPU's
             # kernel is a pallas_call, which XLA does not partition). check_vma=False: pallas_call
             # outputs carry no varying-axes annotation.
-            out_specs = (P(),) * (2 if counter is None else 3)
+            out_specs = (P(),) * (2 if state is None else 3)
             return jax.shard_map(route_here, in_specs=(P(),) * 5, out_specs=out_specs, check_vma=False)(*args)
         return route_here(*args)
 
@@ -268,16 +268,16 @@ class MoE(nnx.Module):
 
     def __call__(
         self, x: Float[Array, "... hidden"], num_tokens: Int[Array, ""] | None = None,
-        routing_counter: Int[Array, " slots"] | None = None,
+        routing_state: Int[Array, " slots"] | None = None,
     ) -> tuple[Float[Array, "... hidden"], Int[Array, "tokens k"]] | tuple[Array, Array, Int[Array, " slots"]]:
         """Routed experts of every token, and each token's selected experts. `num_tokens`: only the
         first `num_tokens` flat tokens are real (a serving step padded to its token bucket); the
         padding selects expert -1 (the router), which no expert path computes (its output is zero), so
         padding reads no expert weights. (The padding tokens of a step are all alike and so would pick
         the same experts: at batch 1 in a bucket of 16, as many again as the real token's.)
-        `routing_counter`: the routing kernel's counter from the layer before (`PagedBatch.routing_counter`);
-        then the counter for the next layer comes third."""
+        `routing_state`: the routing kernel's state from the layer before (`PagedBatch.routing_state`);
+        then the state for the next layer comes third."""
         flat = x.reshape(-1, x.shape[-1])
-        weights, indices, *counter = self.gate(flat, num_tokens, routing_counter)
+        weights, indices, *state = self.gate(flat, num_tokens, routing_state)
         out = self.experts(flat, weights, indices).astype(jnp.float32) * self.routed_scaling_factor
-        return out.astype(x.dtype).reshape(x.shape), indices, *counter
+        return out.astype(x.dtype).reshape(x.shape), indices, *state

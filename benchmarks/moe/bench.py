@@ -25,8 +25,8 @@ Variants (MoE layer = both GEMMs, SwiGLU, routing-weight combine; routing exclud
               rows up to 8 tokens, opened by the pairs up to 64). Timed by `time_calls`
               (no wall time)
 Routing: pallas_kernels.routing.routing_kernel against the jitted plain-jnp reference; with `--timer spans` also
-`pallas_counter_passed`, the fused kernel with its ticket counter passed from call to call as the model's layers
-pass it (a lone call copies a zeroed counter in first).
+`pallas_state_passed`, the fused kernel with its state passed from call to call as the model's layers pass it (a
+lone call fills a fresh one first).
 
 Timing (`--timer cupti`, the default): each variant runs R times on R different inputs inside one jitted
 function; the figure is the sum of its kernels' device times per call measured with CUPTI
@@ -163,7 +163,10 @@ def mgpu_layer(x, weights, ids, gate, up, down, *, block_m=64, block_n=128, bloc
 
 
 def chain(op):
-    """jit(f(stacked inputs, *rest)) running op once per leading index, returning every output."""
+    """jit(f(stacked inputs, *rest)) running op once per leading index, returning every output. A Pallas kernel's
+    sliced input is first copied by XLA inside the jit (a `memcpy` kernel), which leaves it in L2 for the kernel:
+    the routing kernel's 5 MB router so (5.66 µs against 6.5 read from HBM, H200 session 32 run 2). `time_spans`
+    slices outside the jit."""
 
     def run(stacked, *rest):
         outs = []
@@ -325,7 +328,7 @@ def time_spans(op, stacked, *rest, carry=None):
     first call's output), as `time_calls` does. Not in a process that has used `time_calls`: the two CUPTI users
     clash (H200 session 26: "activity records were dropped").
     `carry`: state passed from call to call, as a model passes it from layer to layer (the routing kernel's
-    ticket counter): `op(*stacked[r], *rest, carry)` returns its outputs and the next carry last; the carry is
+    state): `op(*stacked[r], *rest, carry)` returns its outputs and the next carry last; the carry is
     donated, so no call copies it."""
     a, busy = jnp.ones((128,), jnp.float32), jax.jit(separator)
     repeats = jax.tree_util.tree_leaves(stacked)[0].shape[0]
@@ -450,10 +453,10 @@ def check_routing(rows, tokens=100_000):
                       flush=True)
 
 
-def _routing_counter_passed(x, router_weight, correction_bias, counter, **kw_args):
-    """The fused routing kernel with its ticket counter passed in and back (`routing_kernel(counter=)`), as the
-    model's layers pass it on (`PagedBatch.routing_counter`): no call copies a zeroed counter in."""
-    return rt.routing_kernel(x, router_weight, correction_bias, counter=counter, **kw_args)
+def _routing_state_passed(x, router_weight, correction_bias, state, **kw_args):
+    """The fused routing kernel with its state passed in and back (`routing_kernel(state=)`), as the model's layers
+    pass it on (`PagedBatch.routing_state`): no call fills a fresh one."""
+    return rt.routing_kernel(x, router_weight, correction_bias, state=state, **kw_args)
 
 
 def bench_routing(token_counts, rows, *, sweep: bool, repeats=16):
@@ -470,19 +473,20 @@ def bench_routing(token_counts, rows, *, sweep: bool, repeats=16):
                     "pallas_two_kernels": functools.partial(rt.routing_kernel, fused=False),
                     **{f"pallas_fused[w{w}]": functools.partial(rt.routing_kernel, fused=True, num_warps=w)
                        for w in (1, 2, 4)}}
-        if sweep and t == 1:  # the fused kernel's logits tiles: (experts, K block, K splits, stages, warps); one
-            # warp a program makes the last program's selection warp shuffles only (each pick of its chain of 8 cost
-            # ~0.2 us with 4 warps, session 31 run 9), smaller tiles keep the GEMV's loads in flight (not yet timed)
+        if sweep and t == 1:  # the fused kernel's logits tiles: (experts, K block, K splits, stages, warps); the
+            # tiles of one or two warps a program (the last program's selection in fewer warps) were slower (H200,
+            # session 32 run 1: 6.67-8.77 against 6.47 us, with the ticket counter the kernel had then)
             for block_e, block_k, splits, stages, warps in (
                     (4, 1024, 5, 1, 4), (4, 1024, 5, 2, 4), (4, 1024, 5, 1, 2), (4, 1024, 5, 1, 8), (2, 1024, 5, 1, 4),
                     (4, 512, 10, 1, 4), (8, 512, 10, 1, 4), (2, 2048, 3, 1, 4), (8, 256, None, 2, 4),
-                    (2, 512, 10, 1, 1), (1, 1024, 5, 1, 1), (1, 512, 10, 1, 1), (2, 256, 20, 1, 1)):
+                    (2, 1024, 5, 1, 1), (2, 1024, 5, 1, 2), (2, 512, 10, 1, 1), (1, 1024, 5, 1, 1), (1, 512, 10, 1, 1),
+                    (2, 256, 20, 1, 1)):
                 tile = dict(fused=True, block_e=block_e, block_k=block_k, splits=splits, num_stages=stages,
                             num_warps=warps)
                 name = f"[e{block_e},k{block_k},s{splits},st{stages},w{warps}]"
                 variants[f"pallas_fused{name}"] = functools.partial(rt.routing_kernel, **tile)
                 if SPANS[0]:
-                    variants[f"pallas_counter_passed{name}"] = functools.partial(_routing_counter_passed, **tile)
+                    variants[f"pallas_state_passed{name}"] = functools.partial(_routing_state_passed, **tile)
         if sweep:  # tiles of the logits kernel (token block, expert block, programs, K splits)
             tilings = ([(1, 1, 256, 1), (1, 2, 128, 1), (1, 4, 64, 1), (1, 4, 256, None), (1, 8, 256, None),
                         (1, 8, 512, None), (1, 16, 256, None)] if t == 1 else
@@ -491,18 +495,17 @@ def bench_routing(token_counts, rows, *, sweep: bool, repeats=16):
             for block_t, block_e, programs, splits in tilings:
                 variants[f"pallas[t{block_t},e{block_e},p{programs},s{splits}]"] = functools.partial(
                     rt.routing_kernel, block_t=block_t, block_e=block_e, target_programs=programs, splits=splits)
-        if SPANS[0] and t <= rt.KERNEL_MAX_TOKENS:  # as the model calls it: the counter passed on, never copied
-            variants["pallas_counter_passed"] = _routing_counter_passed
+        if SPANS[0] and t <= rt.KERNEL_MAX_TOKENS:  # as the model calls it: the state passed on, never filled
+            variants["pallas_state_passed"] = _routing_state_passed
         x = jax.random.normal(jax.random.fold_in(key, t), (repeats, t, H), jnp.float32).astype(jnp.bfloat16)
         res = {}
         breakdown = {}
         for name, op in [("warm-up", rt.routing_kernel), *variants.items()]:  # (the first timing runs slow)
-            passed = name.startswith("pallas_counter_passed")
-            carry = jnp.zeros((rt.COUNTER_SLOTS,), jnp.int32) if passed else None
+            carry = rt.routing_state() if name.startswith("pallas_state_passed") else None
             try:
                 *res[name], kernels = time_variant(functools.partial(op, **kw_args), (x, weights), bias,
                                                    repeats=repeats, wall=not sweep, carry=carry)
-                if kernels is not None and name in ("pallas", "pallas_counter_passed", "xla"):
+                if kernels is not None and name in ("pallas", "pallas_state_passed", "xla"):
                     breakdown[f"{name}_kernels_us"] = [(n[:40], round(us, 2)) for n, us in kernels]
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"routing {name} T={t}: {type(e).__name__}: {e}"[:400], flush=True)

@@ -1,6 +1,6 @@
-"""Routing at one token across layers: the fused kernel's ticket counter passed from layer to layer
-(`routing_kernel(counter=)`, as `PagedBatch.routing_counter` does in the model) against a zeroed counter
-copied in for every call (the kernel's default), timed as spans (`bench.time_spans`).
+"""Routing at one token across layers: the fused kernel's state passed from layer to layer
+(`routing_kernel(state=)`, as `PagedBatch.routing_state` does in the model) against a fresh state filled for
+every call (the kernel's default), timed as spans (`bench.time_spans`).
 
 Each timed call routes `--layers` tokens, one per layer, each with its own router (fp32 [256, 5120]),
 in one jitted function; the figure is µs per layer. Both variants check their selections against the
@@ -31,15 +31,15 @@ KW_ARGS = dict(num_groups=bench.GROUPS, groups_kept=bench.GROUPS_KEPT, top_k=ben
 
 
 def layers_copied(xs, ws, bias):
-    """Every layer's routing with its own zeroed counter (copied into the kernel's buffer per call)."""
+    """Every layer's routing with its own fresh state (filled per call)."""
     return [rt.routing_kernel(x, w, bias, **KW_ARGS) for x, w in zip(xs, ws)]
 
 
 def layers_chained(xs, ws, bias):
-    """The counter made once and passed from layer to layer."""
-    counter, out = jnp.zeros((rt.COUNTER_SLOTS,), jnp.int32), []
+    """The state made once and passed from layer to layer."""
+    state, out = rt.routing_state(), []
     for x, w in zip(xs, ws):
-        weights, ids, counter = rt.routing_kernel(x, w, bias, counter=counter, **KW_ARGS)
+        weights, ids, state = rt.routing_kernel(x, w, bias, state=state, **KW_ARGS)
         out.append((weights, ids))
     return out
 

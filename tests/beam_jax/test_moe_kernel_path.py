@@ -94,10 +94,10 @@ def test_gpu_forward_routes_as_the_reference(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_paged_forward_routes_with_the_passed_counter(monkeypatch):
-    """On a GPU a paged one-token step routes with the fused kernel in every sparse layer, the kernel's counter
-    passed from layer to layer (`PagedBatch.routing_counter`): three steps select as the reference routing, and
-    each step's counter comes back zero (attention on the plain-jnp path: only the routing is under test)."""
+def test_gpu_paged_forward_routes_with_the_passed_state(monkeypatch):
+    """On a GPU a paged one-token step routes with the fused kernel in every sparse layer, the kernel's state
+    passed from layer to layer (`PagedBatch.routing_state`): three steps select as the reference routing, and
+    each step's state comes back `UNWRITTEN` (attention on the plain-jnp path: only the routing is under test)."""
     from beam_jax.layers import moe as moe_module
     from beam_jax.model import forward
     from beam_jax.paged_cache import PagedBatch, PagedKVCache
@@ -130,7 +130,7 @@ def test_gpu_paged_forward_routes_with_the_passed_counter(monkeypatch):
     got = three_steps()
     monkeypatch.setattr(moe_module, "route", functools.partial(rt.routing, use_kernel=False))
     for g, w in zip(got, three_steps()):
-        np.testing.assert_array_equal(np.asarray(g.cache.batch.routing_counter), 0)
+        np.testing.assert_array_equal(np.asarray(g.cache.batch.routing_state), rt.UNWRITTEN)
         assert len(g.expert_indices) == config.mlp_layer_types.count(SPARSE)
         for layer_got, layer_want in zip(g.expert_indices, w.expert_indices):
             np.testing.assert_array_equal(np.asarray(layer_got), np.asarray(layer_want))

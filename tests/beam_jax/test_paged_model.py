@@ -389,18 +389,19 @@ class _Spy:
         return self.fn(*args, **kwargs)
 
 
-def test_routing_counter_goes_from_layer_to_layer(params, monkeypatch):
-    """A paged step makes the routing kernel's counter once (`with_batch`) and every sparse layer routes with the
-    counter the layer before returned (`PagedBatch.routing_counter`): a routing that returns its counter plus one
-    leaves the step's batch with one count per sparse layer (the real kernel returns it zeroed)."""
+def test_routing_state_goes_from_layer_to_layer(params, monkeypatch):
+    """A paged step makes the routing kernel's state once (`with_batch`) and every sparse layer routes with the
+    state the layer before returned (`PagedBatch.routing_state`): a routing that returns its state plus one
+    leaves the step's batch with one count per sparse layer over `UNWRITTEN` (the real kernel returns it as it
+    found it)."""
     from beam_jax.layers import moe as moe_module
     from pallas_kernels import routing as rt
 
     seen = []
 
-    def counting_route(*args, counter=None, **kwargs):
-        seen.append(counter)
-        return (*rt.routing(*args, use_kernel=False, **kwargs), counter + 1)
+    def counting_route(*args, state=None, **kwargs):
+        seen.append(state)
+        return (*rt.routing(*args, use_kernel=False, **kwargs), state + 1)
 
     monkeypatch.setattr(moe_module, "route", counting_route)
     pool = KVPool.from_config(CONFIG, NUM_PAGES, page_tokens=PAGE)
@@ -413,5 +414,6 @@ def test_routing_counter_goes_from_layer_to_layer(params, monkeypatch):
                                            for g in range(len(pool.groups))))
     out = jax.jit(forward, static_argnames="config")(params, jnp.array([[5, 6, 7]]), jnp.array([[0, 1, 2]]),
                                                       cache.with_batch(batch), config=CONFIG)
-    assert len(seen) == CONFIG.mlp_layer_types.count(SPARSE) and all(c.shape == (rt.COUNTER_SLOTS,) for c in seen)
-    np.testing.assert_array_equal(np.asarray(out.cache.batch.routing_counter), CONFIG.mlp_layer_types.count(SPARSE))
+    sparse_layers = CONFIG.mlp_layer_types.count(SPARSE)
+    assert len(seen) == sparse_layers and all(s.shape == (rt.STATE_SLOTS,) for s in seen)
+    np.testing.assert_array_equal(np.asarray(out.cache.batch.routing_state), rt.UNWRITTEN + sparse_layers)

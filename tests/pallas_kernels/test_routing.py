@@ -69,30 +69,48 @@ def test_padding_tokens_select_nothing(fused, tokens, real):
 
 
 @pytest.mark.parametrize("fused, tokens", [(True, 1), (True, 3), (False, 5)], ids=["fused1", "fused3", "two_kernels"])
-def test_counter_passed_from_call_to_call(fused, tokens):
-    """`counter=`: three calls in one jit (as three layers), each taking the counter the one before returned, on
-    different inputs: each selects as the reference, and the counter comes back zero (the fused kernel resets
-    it; the two-kernel path passes it on). A counter too short for the token blocks is refused."""
+def test_state_passed_from_call_to_call(fused, tokens):
+    """`state=`: three calls in one jit (as three layers), each taking the state the one before returned, on
+    different inputs: each selects as the reference, and the state comes back every slot `UNWRITTEN` (the fused
+    kernel leaves it so; the two-kernel path passes it on). A state too short for a call's partials is passed on
+    untouched (the call makes its own); one of another type is refused."""
     kwargs = dict(num_groups=4, groups_kept=2, top_k=4, scaling=2.5)
     inputs = [_inputs(100 * tokens + layer, tokens, 160, 32) for layer in range(3)]
 
-    def layers(counter):
+    def layers(state):
         selections = []
         for x, w, b in inputs:
-            got_w, got_i, counter = rt.routing_kernel(x, w, b, fused=fused, counter=counter, interpret=not ON_GPU,
-                                                      **kwargs)
+            got_w, got_i, state = rt.routing_kernel(x, w, b, fused=fused, state=state, interpret=not ON_GPU, **kwargs)
             selections.append((got_w, got_i))
-        return selections, counter
+        return selections, state
 
-    selections, counter = jax.jit(layers)(jnp.zeros(rt.COUNTER_SLOTS, jnp.int32))
-    np.testing.assert_array_equal(np.asarray(counter), 0)
-    for (x, w, b), (got_w, got_i) in zip(inputs, selections):
-        want_w, want_i = _run(rt.routing_reference, x, w, b, **kwargs)
+    for slots in (rt.STATE_SLOTS, 2):
+        selections, state = jax.jit(layers)(rt.routing_state(slots))
+        np.testing.assert_array_equal(np.asarray(state), np.asarray(rt.routing_state(slots)))
+        for (x, w, b), (got_w, got_i) in zip(inputs, selections):
+            want_w, want_i = _run(rt.routing_reference, x, w, b, **kwargs)
+            np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+            np.testing.assert_allclose(np.asarray(got_w), np.asarray(want_w), rtol=1e-6, atol=1e-7)
+    x, w, b = _inputs(7, 3, 160, 32)
+    with pytest.raises(ValueError, match=r"state must be int32 \[slots\]"):
+        rt.routing_kernel(x, w, b, fused=fused, state=jnp.zeros((4, 2), jnp.int32), interpret=True, **kwargs)
+
+
+def test_fused_kernel_leaves_its_state_unwritten():
+    """Whatever a passed state holds, every program writes its partials there before the last one reads them (on
+    the CPU programs run in grid order; on a GPU the last one reads until none is `UNWRITTEN`), which then sets
+    the slots of its partials back to `UNWRITTEN` and leaves the rest as they were."""
+    kwargs = dict(num_groups=4, groups_kept=2, top_k=4)
+    x, w, b = _inputs(13, 1, 160, 32)
+    want_w, want_i = _run(rt.routing_reference, x, w, b, **kwargs)
+    used = 3 * 32  # 3 K splits of 64 x 1 token x 32 experts
+    for state in (rt.routing_state(128), jnp.arange(128, dtype=jnp.int32)):
+        got_w, got_i, after = rt.routing_kernel(x, w, b, fused=True, block_k=64, state=state, interpret=True,
+                                                **kwargs)
         np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
         np.testing.assert_allclose(np.asarray(got_w), np.asarray(want_w), rtol=1e-6, atol=1e-7)
-    x, w, b = _inputs(7, 3, 160, 32)
-    with pytest.raises(ValueError, match=r"counter must be int32 \[n >= 3\]"):
-        rt.routing_kernel(x, w, b, fused=fused, block_t=1, counter=jnp.zeros(2, jnp.int32), interpret=True, **kwargs)
+        np.testing.assert_array_equal(np.asarray(after)[:used], rt.UNWRITTEN)
+        np.testing.assert_array_equal(np.asarray(after)[used:], np.asarray(state)[used:])
 
 
 @pytest.mark.parametrize("tiles", [dict(block_t=1, block_k=32, splits=3), dict(block_t=1, block_e=1, splits=1),
@@ -143,14 +161,14 @@ def test_kernels_lower_for_cuda(triton_for_sm90, tokens, fused, padded):
     assert text.count("__gpu$xla.gpu.triton") == (1 if fused else 2)
 
 
-def test_fused_kernel_with_a_passed_counter_lowers_for_cuda(triton_for_sm90):
-    """The fused kernel that resets a passed counter (`counter=`): one Triton kernel that counts in the passed
-    array itself (without it, in zeros made for the call, which XLA copies into the kernel's buffer)."""
+def test_fused_kernel_with_a_passed_state_lowers_for_cuda(triton_for_sm90):
+    """The fused kernel with a passed state (`state=`): one Triton kernel that keeps its partials in the passed
+    array itself (without it, in a state made for the call, which XLA fills first)."""
     spec = jax.ShapeDtypeStruct
     args = [spec((1, 5120), jnp.bfloat16), spec((256, 5120), jnp.float32), spec((256,), jnp.float32),
-            spec((rt.COUNTER_SLOTS,), jnp.int32)]
+            spec((rt.STATE_SLOTS,), jnp.int32)]
     op = functools.partial(rt.routing_kernel, num_groups=8, groups_kept=4, top_k=8, scaling=2.5, fused=True)
-    text = jax.jit(lambda x, w, b, c: op(x, w, b, counter=c)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(lambda x, w, b, s: op(x, w, b, state=s)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1 and "triton(%arg0, %arg1, %arg2, %arg3)" in text
     unchained = jax.jit(op).trace(*args[:3]).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton(%arg0, %arg1, %arg2, %0)" in unchained
@@ -181,6 +199,30 @@ def test_100k_tokens_select_bit_for_bit(inputs, fused):
         w = jax.random.normal(kw, (experts, hidden), jnp.float32) * 0.02
         b = jax.random.normal(kb, (experts,), jnp.float32) * 0.1
     _check(x, w, b, tiles=dict(fused=fused), num_groups=8, groups_kept=4, top_k=8, scaling=2.5)
+
+
+@pytest.mark.gpu
+def test_one_token_calls_in_a_row_select_bit_for_bit():
+    """The fused one-token kernel called 5000 times in a row in one scan, its state passed from call to call as the
+    model's layers pass it, on the exact grid of `test_100k_tokens_select_bit_for_bit` (logits exact in any
+    summation order): each call's last program reads partials other programs may still be writing, so a call
+    that selected on a partial not yet written would show."""
+    kx, kw, kb = jax.random.split(jax.random.key(9), 3)
+    tokens, hidden, experts = 5000, 5120, 256
+    xs = (jax.random.randint(kx, (tokens, 1, hidden), -8, 9) / 16).astype(jnp.bfloat16)
+    w = jax.random.randint(kw, (experts, hidden), -128, 129).astype(jnp.float32) / 2.0**16
+    b = jax.random.randint(kb, (experts,), -64, 65).astype(jnp.float32) / 2.0**10
+    kwargs = dict(num_groups=8, groups_kept=4, top_k=8, scaling=2.5)
+
+    def call(state, x):
+        weights, ids, state = rt.routing_kernel(x, w, b, fused=True, state=state, **kwargs)
+        return state, (weights, ids)
+
+    state, (got_w, got_i) = jax.jit(lambda xs: jax.lax.scan(call, rt.routing_state(), xs))(xs)
+    want_w, want_i = _run(rt.routing_reference, xs[:, 0], w, b, **kwargs)
+    np.testing.assert_array_equal(np.asarray(got_i)[:, 0], np.asarray(want_i))
+    np.testing.assert_allclose(np.asarray(got_w)[:, 0], np.asarray(want_w), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(state), rt.UNWRITTEN)
 
 
 @pytest.mark.parametrize(("backend", "tokens", "kernel"), [("gpu", 1, True), ("gpu", rt.KERNEL_MAX_TOKENS, True),
