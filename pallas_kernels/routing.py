@@ -12,9 +12,10 @@ Two kernels:
   elementwise on the CUDA cores (token blocks of <= 4); batches over 64 tokens use an fp32 dot.
 - select: one token per program (one warp). It adds the partials in split order, so the result
   never depends on scheduling, and selects on a [groups, group size] tile.
-`fused=True` (the default for one token) runs the select in the logits kernel instead: the partials go into a
-state that marks each one unwritten until it is (`UNWRITTEN`), and the token block's last program in grid order
-reads them until all are written, then selects: one launch, no atomics or fences.
+`fused=True` (the default up to `FUSED_MAX_TOKENS`, a token block per token) runs the select in the logits kernel
+instead: the partials go into a state that marks each one unwritten until it is (`UNWRITTEN`), and the token
+block's last program in grid order reads them until all are written, then selects: one launch, no atomics or
+fences.
 The selections equal the reference's on 100k random tokens (H200, benchmarks/moe/RESULTS.md).
 
 Speed (benchmarks/moe/RESULTS.md): faster than XLA for decode batches on the H200, slower for
@@ -168,7 +169,7 @@ def _logits_kernel(num_tokens_ref, x_ref, w_ref, partial_ref, *, block_t, **tile
 # quiet), so a logit, even of bad inputs, never looks unwritten.
 UNWRITTEN = 0x7FA5A5A5
 # Slots of the state the model passes from layer to layer: splits x padded tokens x padded experts of a fused call
-# (Beam at one token: 5 x 1 x 256); a call needing more makes its own.
+# (Beam: 5 x tokens x 256, 5120 at `FUSED_MAX_TOKENS`); a call needing more makes its own.
 STATE_SLOTS = 8192
 
 
@@ -288,8 +289,8 @@ def routing_kernel(
     `splits` divides the hidden axis so that the logits grid has about `target_programs`
     programs (enough to stream the 5 MB router); one fused token instead loads one [2, 1024] router
     slice per program. `fused` selects in the logits kernel's last program of each token block
-    instead of a second launch; by default only for one token (H200, run M: 5.73 against 6.91 µs;
-    slower from 2 tokens on, where that program selects one token after the other). `logits_only`
+    instead of a second launch; by default up to `FUSED_MAX_TOKENS` tokens, each its own token block, so that
+    their last programs select side by side (a block of several tokens selects one after the other). `logits_only`
     returns the kernel's fp32 logits [tokens, experts] (for tests). `num_tokens`: only the first
     `num_tokens` tokens are real (a serving step padded to its bucket); the two-kernel path reads and
     selects nothing for the rest, and their selection comes back as expert -1, weight 0 (`routing`).
@@ -307,14 +308,15 @@ def routing_kernel(
     if not 1 <= top_k <= groups_kept * (experts // num_groups):
         raise ValueError(f"top_k={top_k} needs 1..{groups_kept * (experts // num_groups)} experts in the kept groups")
     if fused is None:
-        fused = tokens == 1
+        fused = tokens <= FUSED_MAX_TOKENS
     if block_t is None:  # H200 (benchmarks/moe/RESULTS.md): GEMV blocks of <= 4 tokens beat the dot to T = 64
-        block_t = min(_next_pow2(tokens), 4) if tokens <= 64 else 16
-    # One token, fused: one load of a [2 experts, 1024] slice per program, 640 programs (H200, run M:
-    # 5.73 us; 5.89 with 4 experts, 6.84 with run H's 8 x 256 slices in 3 pipelined steps)
+        block_t = 1 if fused and tokens <= FUSED_MAX_TOKENS else min(_next_pow2(tokens), 4) if tokens <= 64 else 16
+    # Fused, a token a block: one load of a [2 experts, 1024] slice per program, 640 programs a token (H200, run M:
+    # 5.73 us at one token; 5.89 with 4 experts, 6.84 with run H's 8 x 256 slices in 3 pipelined steps), [4, 1024]
+    # from 4 tokens on (session 32: 8.6 against 9.3 us at 4 tokens)
     one_load = fused and block_t == 1
     if block_e is None:
-        block_e = 2 if one_load else 8 if block_t == 1 else 16
+        block_e = (2 if tokens < 4 else 4) if one_load else 8 if block_t == 1 else 16
     if block_k is None:
         block_k = min(1024, _next_pow2(hidden)) if one_load else 256 // block_t if block_t < 16 else 64
     block_e = min(block_e, _next_pow2(experts))
@@ -391,6 +393,10 @@ def _mask_padding(weights, ids, num_tokens):
 
 # Largest batch for which `routing()` picks the kernel on a GPU (H200: faster than XLA there).
 KERNEL_MAX_TOKENS = 16
+# Largest batch that `routing_kernel` fuses by default (H200, session 32, spans with the state passed: 6.9 / 7.7 /
+# 8.6 µs at 2 / 3 / 4 tokens against the two kernels' 10.2 / 14.4 / 10.3; at 8 tokens 12.1 against 12.7, at 16
+# 19.1 against 18.6).
+FUSED_MAX_TOKENS = 4
 
 
 def routing(
