@@ -555,7 +555,7 @@ def test_call_spans_time_each_call_from_its_first_start_to_its_last_end(monkeypa
 
 
 def test_jitted_caller_passes_the_carry_from_call_to_call(monkeypatch):
-    """`time_spans(carry=)`'s calls: each gets the carry the call before returned (as the routing counter passes
+    """`time_spans(carry=)`'s calls: each gets the carry the call before returned (as the routing state passes
     from layer to layer), which is left off the outputs; without a carry the outputs are op's own."""
     bench = _moe_benchmark("bench", monkeypatch)
     xs = np.random.default_rng(1).standard_normal((3, 4)).astype(np.float32)
