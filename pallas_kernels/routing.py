@@ -73,18 +73,16 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _select(logits, bias, valid, *, groups_kept: int, top_k: int, normalize: bool, scaling):
-    """Selection for one token. `logits`/`bias` are laid out [padded groups, padded group size]
-    (expert = group * group size + column), `valid` marks real experts. Returns fp32 weights and
-    flat positions in that layout, each [next_pow2(top_k)].
+def _kept_choices(logits, bias, valid, *, groups_kept: int):
+    """Scores and choices (score + bias) of one token's [padded groups, padded group size] tile, the choices of
+    every group but the `groups_kept` best at -inf, and which groups are kept [padded groups].
 
-    Group-wise steps are row reductions of that tile, all groups at once, and the kept groups are
-    ranked by counting who beats whom."""
-    padded_groups, padded_size = logits.shape
+    A group's score is the sum of its two best choices (a tied best counts twice); group-wise steps are row
+    reductions of the tile, all groups at once, and the groups are ranked by counting who beats whom (ties: lower
+    index)."""
+    padded_groups = logits.shape[0]
     scores = 1.0 / (1.0 + jnp.exp(-logits))
     choice = jnp.where(valid, scores + bias, -jnp.inf)
-
-    # a group's score is the sum of its two best choices (a tied best counts twice)
     best = jnp.max(choice, axis=1)
     is_best = choice == best[:, None]
     second = jnp.where(jnp.sum(is_best.astype(jnp.int32), axis=1) >= 2, best,
@@ -93,28 +91,99 @@ def _select(logits, bias, valid, *, groups_kept: int, top_k: int, normalize: boo
     group = lax.iota(jnp.int32, padded_groups)
     beaten_by = (group_score[None, :] > group_score[:, None]) | (
         (group_score[None, :] == group_score[:, None]) & (group[None, :] < group[:, None]))
-    kept = jnp.sum(beaten_by.astype(jnp.int32), axis=1) < groups_kept  # ties: lower index
-    choice = jnp.where(kept[:, None], choice, -jnp.inf)
+    kept = jnp.sum(beaten_by.astype(jnp.int32), axis=1) < groups_kept
+    return scores, jnp.where(kept[:, None], choice, -jnp.inf), kept
 
-    # top-k on the flattened tile (position = group * padded size + column): one (value, index)
-    # reduction per pick, the only chain of dependent reductions
-    choice, scores = choice.reshape(-1), scores.reshape(-1)
-    position = lax.iota(jnp.int32, choice.shape[0])
-    padded_k = _next_pow2(top_k)
-    slot = lax.iota(jnp.int32, padded_k)
-    picks = jnp.zeros((padded_k,), jnp.int32)
-    weights = jnp.zeros((padded_k,), jnp.float32)
+
+def _order_key(x):
+    """int32 keys that order as the fp32 `x` does (no NaN; -0 below +0, which no choice is: a score is > 0). A max
+    or min over int32 is one warp instruction (redux.sync) where an fp32 argmax is a tree of shuffles of value and
+    index."""
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+_LOWEST_KEY = jnp.iinfo(jnp.int32).min  # below every choice's key, -inf's included
+
+
+def _pick_top_k(key, values, *, top_k: int):
+    """The `top_k` best choices along the last axis of their keys (`_order_key`), best first (ties: lower
+    position): a pick is the best key, then the lowest position holding it, two dependent int32 reductions, the
+    only chain. Returns their positions and, for each int32 array of `values` (laid out as `key`), its entries
+    there; each [..., next_pow2(top_k)]."""
+    position = lax.broadcasted_iota(jnp.int32, key.shape, key.ndim - 1)
+    out_shape = key.shape[:-1] + (_next_pow2(top_k),)
+    slot = lax.broadcasted_iota(jnp.int32, out_shape, key.ndim - 1)
+    picks = jnp.zeros(out_shape, jnp.int32)
+    picked_values = [jnp.zeros(out_shape, jnp.int32) for _ in values]
     for k in range(top_k):
-        pick = jnp.argmax(choice).astype(jnp.int32)  # ties: lower index
+        best = jnp.max(key, axis=-1, keepdims=True)
+        pick = jnp.min(jnp.where(key == best, position, key.shape[-1]), axis=-1, keepdims=True)
         picked = position == pick
         picks = jnp.where(slot == k, pick, picks)
-        weights = jnp.where(slot == k, jnp.sum(jnp.where(picked, scores, 0.0)), weights)
-        choice = jnp.where(picked, -jnp.inf, choice)
+        picked_values = [jnp.where(slot == k, jnp.max(jnp.where(picked, v, _LOWEST_KEY), axis=-1, keepdims=True), got)
+                         for v, got in zip(values, picked_values)]
+        key = jnp.where(picked, _LOWEST_KEY, key)
+    return picks, picked_values
+
+
+def _finish_weights(weights, *, normalize: bool, scaling):
     if normalize:
-        weights = weights / (jnp.sum(weights) + 1e-20)
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     if scaling != 1.0:
         weights = weights * scaling
-    return weights, picks
+    return weights
+
+
+def _select(logits, bias, valid, *, size: int, groups_kept: int, top_k: int, normalize: bool, scaling):
+    """Selection for one token on its [padded groups, padded group size] tile (`valid` marks real experts; `size`
+    experts a group): fp32 weights and expert ids, each [next_pow2(top_k)]. The picks run on the flattened tile:
+    in a one-warp program (the select kernel) every reduction stays inside the warp."""
+    padded_size = logits.shape[1]
+    scores, choice, _ = _kept_choices(logits, bias, valid, groups_kept=groups_kept)
+    scores = lax.bitcast_convert_type(scores, jnp.int32)
+    picks, (weights,) = _pick_top_k(_order_key(choice).reshape(-1), (scores.reshape(-1),), top_k=top_k)
+    weights = lax.bitcast_convert_type(weights, jnp.float32)
+    return _finish_weights(weights, normalize=normalize, scaling=scaling), (picks // padded_size) * size + (
+        picks % padded_size)
+
+
+def _select_gathered(logits, bias, valid, *, scratch_ref, token, warps: int, barrier: bool, size: int,
+                     groups_kept: int, top_k: int, normalize: bool, scaling):
+    """`_select` for a program of several warps (the fused kernel's last): the groups' choice keys, scores and
+    expert ids go through `scratch_ref` (int32 [tokens x 3 x groups x size]), the kept groups first and in index
+    order (so positions keep the experts' order: ties go to the lower index), and the kept ones come back as
+    [warps, groups_kept x size] tiles, a copy in every warp: each pick's two reductions are then one instruction
+    each inside a warp. On the [groups, size] tile Triton spreads the groups over the warps, and a pick reduced
+    across them costs as much as the argmax chain did (H200, one token: 5.3 µs a call against 6.1, session 33).
+    Weights and ids come back [warps, next_pow2(top_k)], each row a copy. `barrier`: False in interpret mode,
+    where a program runs sequentially."""
+    from jax.experimental.pallas import triton as plgpu
+
+    padded_groups, padded_size = logits.shape
+    scores, choice, kept = _kept_choices(logits, bias, valid, groups_kept=groups_kept)
+    group = lax.iota(jnp.int32, padded_groups)
+    kept_before = jnp.sum((kept[None, :] & (group[None, :] < group[:, None])).astype(jnp.int32), axis=1)
+    row = jnp.where(kept, kept_before, groups_kept + group - kept_before)  # the kept groups first, in index order
+    column = lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+    stride = padded_groups * padded_size  # each array's slots in a token's part of the scratch
+    base = token * (3 * stride)
+    position = base + row[:, None] * padded_size + column
+    plgpu.store(scratch_ref.at[position], _order_key(choice))
+    plgpu.store(scratch_ref.at[position + stride], lax.bitcast_convert_type(scores, jnp.int32))
+    plgpu.store(scratch_ref.at[position + 2 * stride], group[:, None] * size + column)
+    if barrier:
+        plgpu.debug_barrier()  # the stores of every thread before any load
+    gathered = groups_kept * padded_size
+    width = _next_pow2(gathered)
+    tile = jnp.broadcast_to(lax.iota(jnp.int32, width)[None, :], (warps, width))
+    real = tile < gathered
+
+    def load(offset, other):
+        return plgpu.load(scratch_ref.at[base + offset + tile], mask=real, other=other)
+
+    _, (weights, ids) = _pick_top_k(load(0, _LOWEST_KEY), (load(stride, 0), load(2 * stride, 0)), top_k=top_k)
+    return _finish_weights(lax.bitcast_convert_type(weights, jnp.float32), normalize=normalize, scaling=scaling), ids
 
 
 def _partial_logits(x_ref, w_ref, t_block, e_block, split, *, block_t, block_e, block_k, k_chunks_per_split):
@@ -169,8 +238,8 @@ def _logits_kernel(num_tokens_ref, x_ref, w_ref, partial_ref, *, block_t, **tile
 # quiet), so a logit, even of bad inputs, never looks unwritten.
 UNWRITTEN = 0x7FA5A5A5
 # Slots of the state the model passes from layer to layer: splits x padded tokens x padded experts of a fused call
-# (Beam: 5 x tokens x 256, 5120 at `FUSED_MAX_TOKENS`); a call needing more makes its own.
-STATE_SLOTS = 8192
+# (Beam: 5 x tokens x 256, 10240 at `FUSED_MAX_TOKENS`); a call needing more makes its own.
+STATE_SLOTS = 10240
 
 
 def routing_state(slots: int = STATE_SLOTS) -> Int[Array, " slots"]:
@@ -180,9 +249,10 @@ def routing_state(slots: int = STATE_SLOTS) -> Int[Array, " slots"]:
 
 def _select_token(read_partial, bias_ref, weights_ref, ids_ref, token, *, splits, experts, num_groups, select,
                   reset=None):
-    """One token: sum its partial logits (`read_partial(split, token, expert, mask)`, in split order), select,
-    store. `reset`: the partials are int32 bits that other programs may still be writing, read again until none
-    is `UNWRITTEN`, then `reset(split, token, expert, mask)` for the next call."""
+    """One token: sum its partial logits (`read_partial(split, token, expert, mask)`, in split order), select
+    (`select(logits, bias, valid)`: `_select` or `_select_gathered`), store. `reset`: the partials are int32
+    bits that other programs may still be writing, read again until none is `UNWRITTEN`, then
+    `reset(split, token, expert, mask)` for the next call."""
     from jax.experimental.pallas import triton as plgpu
 
     size = experts // num_groups
@@ -207,10 +277,11 @@ def _select_token(read_partial, bias_ref, weights_ref, ids_ref, token, *, splits
     logits = jnp.zeros(shape, jnp.float32)
     for partial in partials:  # fixed order: the sum does not depend on scheduling
         logits = logits + partial
-    weights, picks = select(logits, bias, valid)
-    slots = lax.iota(jnp.int32, weights.shape[0])
-    plgpu.store(weights_ref.at[token, slots], weights)
-    plgpu.store(ids_ref.at[token, slots], (picks // shape[1]) * size + picks % shape[1])
+    weights, ids = select(logits, bias, valid)
+    slots = lax.broadcasted_iota(jnp.int32, weights.shape, weights.ndim - 1)
+    first = None if weights.ndim == 1 else lax.broadcasted_iota(jnp.int32, weights.shape, 0) == 0  # rows: copies
+    plgpu.store(weights_ref.at[token, slots], weights, mask=first)
+    plgpu.store(ids_ref.at[token, slots], ids, mask=first)
 
 
 def _select_kernel(num_tokens_ref, partial_ref, bias_ref, weights_ref, ids_ref, **kwargs):
@@ -226,8 +297,8 @@ def _select_kernel(num_tokens_ref, partial_ref, bias_ref, weights_ref, ids_ref, 
         _select_token(read_partial, bias_ref, weights_ref, ids_ref, token, splits=partial_ref.shape[0], **kwargs)
 
 
-def _fused_routing_kernel(x_ref, w_ref, bias_ref, state_in_ref, state_ref, weights_ref, ids_ref, *, block_t,
-                          partials_dims, select_args, **tile):
+def _fused_routing_kernel(x_ref, w_ref, bias_ref, state_in_ref, state_ref, weights_ref, ids_ref, scratch_ref, *,
+                          block_t, partials_dims, select_args, gathered_args, **tile):
     """Partial logits into the state (every slot left `UNWRITTEN` by the call before: a partial is its own flag),
     then the token block's last program in grid order reads them until all are written, selects, and leaves them
     `UNWRITTEN` again. No atomic and no fence, which a ticket counter needs (H200, one token: 6.2 µs a call against
@@ -257,8 +328,10 @@ def _fused_routing_kernel(x_ref, w_ref, bias_ref, state_in_ref, state_ref, weigh
     @pl.when((e_block == pl.num_programs(1) - 1) & (split == pl.num_programs(2) - 1))
     def _select_last():
         for row in range(block_t):
-            _select_token(read_partial, bias_ref, weights_ref, ids_ref, t_block * block_t + row, splits=splits,
-                          reset=reset, **select_args)
+            token = t_block * block_t + row
+            select = functools.partial(_select_gathered, scratch_ref=scratch_ref, token=token, **gathered_args)
+            _select_token(read_partial, bias_ref, weights_ref, ids_ref, token, splits=splits, reset=reset,
+                          select=select, **select_args)
 
 
 def routing_kernel(
@@ -347,8 +420,9 @@ def routing_kernel(
 
     if logits_only:
         return partial_logits().sum(0)[:tokens, :experts]
-    select = functools.partial(_select, groups_kept=groups_kept, top_k=top_k, normalize=normalize, scaling=scaling)
-    select_args = dict(experts=experts, num_groups=num_groups, select=select)
+    picking = dict(size=experts // num_groups, groups_kept=groups_kept, top_k=top_k, normalize=normalize,
+                   scaling=scaling)
+    select_args = dict(experts=experts, num_groups=num_groups)
     padded_k = _next_pow2(top_k)
     selection_shapes = [jax.ShapeDtypeStruct((padded_tokens, padded_k), jnp.float32),
                         jax.ShapeDtypeStruct((padded_tokens, padded_k), jnp.int32)]
@@ -358,20 +432,24 @@ def routing_kernel(
     if fused:
         needed = math.prod(partial_shape.shape)
         own = state is None or state.shape[0] < needed
-        scratch = routing_state(needed) if own else state
-        scratch, weights, ids = pl.pallas_call(
+        used_state = routing_state(needed) if own else state
+        # interpret mode: one row (copies stored to one address under a mask are a race there), no barrier
+        gathered_args = dict(warps=1 if interpret else num_warps, barrier=not interpret, **picking)
+        stride = _next_pow2(num_groups) * _next_pow2(experts // num_groups)
+        used_state, weights, ids, _ = pl.pallas_call(
             functools.partial(_fused_routing_kernel, block_t=block_t, partials_dims=partial_shape.shape,
-                              select_args=select_args, **tile),
-            grid=grid, out_shape=[jax.ShapeDtypeStruct(scratch.shape, jnp.int32), *selection_shapes],
+                              select_args=select_args, gathered_args=gathered_args, **tile),
+            grid=grid, out_shape=[jax.ShapeDtypeStruct(used_state.shape, jnp.int32), *selection_shapes,
+                                  jax.ShapeDtypeStruct((padded_tokens * 3 * stride,), jnp.int32)],
             input_output_aliases={3: 0}, compiler_params=logits_params, interpret=interpret, name="beam_routing",
-        )(x, router_weight, bias, scratch)
+        )(x, router_weight, bias, used_state)
         selection = _mask_padding(weights[:tokens, :top_k], ids[:tokens, :top_k], num_tokens)
-        return selection if state is None else (*selection, state if own else scratch)
+        return selection if state is None else (*selection, state if own else used_state)
     # One token per program and one warp: the selection's reductions stay inside a warp (shuffles,
     # no shared-memory round trips).
     partials = partial_logits()
     weights, ids = pl.pallas_call(
-        functools.partial(_select_kernel, **select_args),
+        functools.partial(_select_kernel, select=functools.partial(_select, **picking), **select_args),
         grid=(padded_tokens,),
         out_shape=selection_shapes,
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
@@ -393,10 +471,10 @@ def _mask_padding(weights, ids, num_tokens):
 
 # Largest batch for which `routing()` picks the kernel on a GPU (H200: faster than XLA there).
 KERNEL_MAX_TOKENS = 16
-# Largest batch that `routing_kernel` fuses by default (H200, session 32, spans with the state passed: 6.9 / 7.7 /
-# 8.6 µs at 2 / 3 / 4 tokens against the two kernels' 10.2 / 14.4 / 10.3; at 8 tokens 12.1 against 12.7, at 16
-# 19.1 against 18.6).
-FUSED_MAX_TOKENS = 4
+# Largest batch that `routing_kernel` fuses by default (H200, session 33, spans with the state passed, both with
+# the picks by keys: 8.0 / 9.0 / 9.9 / 11.5 µs at 4 / 5 / 6 / 8 tokens against the two kernels' 9.5 / 15.7 / 15.7 /
+# 11.9; session 32, the argmax picks: at 16 tokens 19.1 against 18.6).
+FUSED_MAX_TOKENS = 8
 
 
 def routing(

@@ -138,6 +138,31 @@ def test_ties_go_to_the_lower_index(twins):
     _check(x, jnp.asarray(w, jnp.float32), jnp.zeros(16, jnp.float32), num_groups=4, groups_kept=1, top_k=3)
 
 
+def test_ties_across_kept_groups_go_to_the_lower_index():
+    """Experts 5, 10 and 15 copy experts 0, 1 and 2 (groups of 4, two kept): twins tie exactly, in groups whose
+    scores differ, so that the later group often ranks first; the lower expert must still be picked first (the
+    fused kernel's picks run on the kept groups in index order, not in rank order)."""
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((64, 64)), jnp.bfloat16)
+    w = rng.standard_normal((16, 64)) * 0.1
+    w[[5, 10, 15]] = w[[0, 1, 2]]
+    w = jnp.asarray(w, jnp.float32)
+    kwargs = dict(num_groups=4, groups_kept=2, top_k=4)
+    _, ids = _run(rt.routing_reference, x, w, jnp.zeros(16, jnp.float32), **kwargs)
+    ids = np.asarray(ids)
+    later_group_first = 0  # tokens that pick both of a pair of twins, the later twin's group ranked first
+    scores = np.asarray(jax.nn.sigmoid(x.astype(jnp.float32) @ w.T)).reshape(64, 4, 4)
+    group_scores = np.sort(scores, axis=2)[:, :, -2:].sum(2)
+    for token in range(64):
+        for low, high in ((0, 5), (1, 10), (2, 15)):
+            picked = set(ids[token])
+            if low in picked and high in picked and group_scores[token, high // 4] > group_scores[token, 0]:
+                later_group_first += 1
+    assert later_group_first >= 3
+    for fused in (False, True):
+        _check(x, w, jnp.zeros(16, jnp.float32), tiles=dict(fused=fused), **kwargs)
+
+
 def test_logits_are_the_fp32_gemv():
     x, w, b = _inputs(9, 5, 100, 256)
     got = _run(rt.routing_kernel, x, w, b, num_groups=8, groups_kept=4, top_k=8, logits_only=True,
