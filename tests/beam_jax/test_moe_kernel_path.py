@@ -72,16 +72,19 @@ def test_kernel_path_under_expert_parallelism(expert_format):
 
 
 @pytest.mark.gpu
-def test_gpu_forward_routes_as_the_reference(monkeypatch):
-    """On a GPU a one-token forward routes with the fused kernel (the default there): two calls of
-    the compiled forward select as the reference routing in every sparse layer."""
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_gpu_forward_routes_as_the_reference(monkeypatch, tokens):
+    """On a GPU a forward of up to `routing.FUSED_MAX_TOKENS` tokens routes with the fused kernel (the default
+    there): two calls of the compiled forward select as the reference routing in every sparse layer."""
     from beam_jax.layers import moe as moe_module
     from beam_jax.model import forward
     from pallas_kernels import routing as rt
 
     config = preset("beam-tiny")
     params = init_params(config, seed=6, dtype=jnp.float32)
-    steps = [(jnp.array([[t]]), jnp.array([[p]])) for p, t in enumerate((17, 230))]
+    prompt = np.array([17, 230, 5, 99, 3, 42, 7, 64, 120, 11, 8, 150])
+    steps = [(jnp.asarray(prompt[None, s * tokens:(s + 1) * tokens]),
+              jnp.arange(s * tokens, (s + 1) * tokens)[None]) for s in range(2)]
     kernel_forward = jax.jit(forward, static_argnames=("config", "return_routing"))
     got = [kernel_forward(params, t, p, config=config, return_routing=True).expert_indices for t, p in steps]
     monkeypatch.setattr(moe_module, "route", functools.partial(rt.routing, use_kernel=False))
