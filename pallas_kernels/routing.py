@@ -303,7 +303,7 @@ def _fused_routing_kernel(x_ref, w_ref, bias_ref, state_in_ref, state_ref, weigh
     then the token block's last program in grid order reads them until all are written, selects, and leaves them
     `UNWRITTEN` again. No atomic and no fence, which a ticket counter needs (H200, one token: 6.2 µs a call against
     the ticket's 6.5, benchmarks/moe/RESULTS.md session 32). The waiting program is the last one the grid
-    launches, so every other program is running or done while it waits."""
+    launches, so every other program is running or done while it waits. `scratch_ref`: `_select_gathered`'s."""
     del state_in_ref  # aliased to state_ref
     from jax.experimental.pallas import triton as plgpu
 
@@ -445,8 +445,8 @@ def routing_kernel(
         )(x, router_weight, bias, used_state)
         selection = _mask_padding(weights[:tokens, :top_k], ids[:tokens, :top_k], num_tokens)
         return selection if state is None else (*selection, state if own else used_state)
-    # One token per program and one warp: the selection's reductions stay inside a warp (shuffles,
-    # no shared-memory round trips).
+    # One token per program and one warp: the selection's reductions stay inside the warp (no shared-memory round
+    # trips; the picks' int32 reductions one instruction each).
     partials = partial_logits()
     weights, ids = pl.pallas_call(
         functools.partial(_select_kernel, select=functools.partial(_select, **picking), **select_args),
