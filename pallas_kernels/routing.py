@@ -73,6 +73,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _group_tile(experts: int, num_groups: int) -> tuple[int, int]:
+    """The selection's tile: [padded groups, padded group size] (expert = group x size + column)."""
+    return _next_pow2(num_groups), _next_pow2(experts // num_groups)
+
+
 def _kept_choices(logits, bias, valid, *, groups_kept: int):
     """Scores and choices (score + bias) of one token's [padded groups, padded group size] tile, the choices of
     every group but the `groups_kept` best at -inf, and which groups are kept [padded groups].
@@ -106,25 +111,26 @@ def _order_key(x):
 _LOWEST_KEY = jnp.iinfo(jnp.int32).min  # below every choice's key, -inf's included
 
 
-def _pick_top_k(key, values, *, top_k: int):
+def _pick_top_k(key, *, top_k: int, value=None):
     """The `top_k` best choices along the last axis of their keys (`_order_key`), best first (ties: lower
     position): a pick is the best key, then the lowest position holding it, two dependent int32 reductions, the
-    only chain. Returns their positions and, for each int32 array of `values` (laid out as `key`), its entries
-    there; each [..., next_pow2(top_k)]."""
+    only chain. Returns their positions and, given an int32 `value` laid out as `key`, its entries there (else
+    None); each [..., next_pow2(top_k)], 0 past `top_k`."""
     position = lax.broadcasted_iota(jnp.int32, key.shape, key.ndim - 1)
     out_shape = key.shape[:-1] + (_next_pow2(top_k),)
     slot = lax.broadcasted_iota(jnp.int32, out_shape, key.ndim - 1)
     picks = jnp.zeros(out_shape, jnp.int32)
-    picked_values = [jnp.zeros(out_shape, jnp.int32) for _ in values]
+    picked_value = None if value is None else jnp.zeros(out_shape, jnp.int32)
     for k in range(top_k):
         best = jnp.max(key, axis=-1, keepdims=True)
         pick = jnp.min(jnp.where(key == best, position, key.shape[-1]), axis=-1, keepdims=True)
         picked = position == pick
         picks = jnp.where(slot == k, pick, picks)
-        picked_values = [jnp.where(slot == k, jnp.max(jnp.where(picked, v, _LOWEST_KEY), axis=-1, keepdims=True), got)
-                         for v, got in zip(values, picked_values)]
+        if value is not None:
+            here = jnp.max(jnp.where(picked, value, _LOWEST_KEY), axis=-1, keepdims=True)
+            picked_value = jnp.where(slot == k, here, picked_value)
         key = jnp.where(picked, _LOWEST_KEY, key)
-    return picks, picked_values
+    return picks, picked_value
 
 
 def _finish_weights(weights, *, normalize: bool, scaling):
@@ -142,21 +148,22 @@ def _select(logits, bias, valid, *, size: int, groups_kept: int, top_k: int, nor
     padded_size = logits.shape[1]
     scores, choice, _ = _kept_choices(logits, bias, valid, groups_kept=groups_kept)
     scores = lax.bitcast_convert_type(scores, jnp.int32)
-    picks, (weights,) = _pick_top_k(_order_key(choice).reshape(-1), (scores.reshape(-1),), top_k=top_k)
+    picks, weights = _pick_top_k(_order_key(choice).reshape(-1), top_k=top_k, value=scores.reshape(-1))
     weights = lax.bitcast_convert_type(weights, jnp.float32)
     return _finish_weights(weights, normalize=normalize, scaling=scaling), (picks // padded_size) * size + (
         picks % padded_size)
 
 
-def _select_gathered(logits, bias, valid, *, scratch_ref, token, warps: int, barrier: bool, size: int,
+def _select_gathered(logits, bias, valid, *, scratch_ref, token, warps: int, interpret: bool, size: int,
                      groups_kept: int, top_k: int, normalize: bool, scaling):
-    """`_select` for a program of several warps (the fused kernel's last): the groups' choice keys, scores and
+    """`_select` for a program of `warps` warps (the fused kernel's last): the groups' choice keys, scores and
     expert ids go through `scratch_ref` (int32 [tokens x 3 x groups x size]), the kept groups first and in index
-    order (so positions keep the experts' order: ties go to the lower index), and the kept ones come back as
-    [warps, groups_kept x size] tiles, a copy in every warp: each pick's two reductions then stay inside a warp. On the [groups, size] tile Triton spreads the groups over the warps, and a pick reduced
-    across them costs as much as the argmax chain did (H200, one token: 5.3 µs a call against 6.1, session 33).
-    Weights and ids come back [warps, next_pow2(top_k)], each row a copy. `barrier`: False in interpret mode,
-    where a program runs sequentially."""
+    order (so positions keep the experts' order: ties go to the lower index), and the kept groups' keys come back
+    as [warps, groups_kept x size] tiles, a copy in every warp, so that each pick's two reductions stay inside a
+    warp. (On the [groups, size] tile Triton spreads the groups over the warps; picks reduced across them gained
+    nothing from the keys. H200, one token: 5.3 µs a call against 6.1, session 33.) Weights and ids come back
+    [warps, next_pow2(top_k)], each row a copy. In interpret mode, where a program runs sequentially: no barrier,
+    and one row (copies stored to one address under a mask race in the interpreter's scatter)."""
     from jax.experimental.pallas import triton as plgpu
 
     padded_groups, padded_size = logits.shape
@@ -171,13 +178,13 @@ def _select_gathered(logits, bias, valid, *, scratch_ref, token, warps: int, bar
     plgpu.store(scratch_ref.at[position], _order_key(choice))
     plgpu.store(scratch_ref.at[position + stride], lax.bitcast_convert_type(scores, jnp.int32))
     plgpu.store(scratch_ref.at[position + 2 * stride], group[:, None] * size + column)
-    if barrier:
+    if not interpret:
         plgpu.debug_barrier()  # the stores of every thread before any load
     gathered = groups_kept * padded_size
     width = _next_pow2(gathered)
-    tile = jnp.broadcast_to(lax.iota(jnp.int32, width)[None, :], (warps, width))
+    tile = jnp.broadcast_to(lax.iota(jnp.int32, width)[None, :], (1 if interpret else warps, width))
     key = plgpu.load(scratch_ref.at[base + tile], mask=tile < gathered, other=_LOWEST_KEY)
-    picks, _ = _pick_top_k(key, (), top_k=top_k)
+    picks, _ = _pick_top_k(key, top_k=top_k)
     # the picks' scores and ids loaded after the chain, not reduced at each pick (H200: 5.30-5.36 against 5.39-5.43
     # µs at one token, session 33 run 8)
     picked = lax.broadcasted_iota(jnp.int32, picks.shape, 1) < top_k  # slots past top_k: weight 0
@@ -257,7 +264,7 @@ def _select_token(read_partial, bias_ref, weights_ref, ids_ref, token, *, splits
     from jax.experimental.pallas import triton as plgpu
 
     size = experts // num_groups
-    shape = (_next_pow2(num_groups), _next_pow2(size))
+    shape = _group_tile(experts, num_groups)
     group, column = lax.broadcasted_iota(jnp.int32, shape, 0), lax.broadcasted_iota(jnp.int32, shape, 1)
     valid = (group < num_groups) & (column < size)
     expert = jnp.where(valid, group * size + column, 0)
@@ -434,14 +441,13 @@ def routing_kernel(
         needed = math.prod(partial_shape.shape)
         own = state is None or state.shape[0] < needed
         used_state = routing_state(needed) if own else state
-        # interpret mode: one row (copies stored to one address under a mask are a race there), no barrier
-        gathered_args = dict(warps=1 if interpret else num_warps, barrier=not interpret, **picking)
-        stride = _next_pow2(num_groups) * _next_pow2(experts // num_groups)
+        gathered_args = dict(warps=num_warps, interpret=interpret, **picking)
+        scratch_slots = padded_tokens * 3 * math.prod(_group_tile(experts, num_groups))
         used_state, weights, ids, _ = pl.pallas_call(
             functools.partial(_fused_routing_kernel, block_t=block_t, partials_dims=partial_shape.shape,
                               select_args=select_args, gathered_args=gathered_args, **tile),
             grid=grid, out_shape=[jax.ShapeDtypeStruct(used_state.shape, jnp.int32), *selection_shapes,
-                                  jax.ShapeDtypeStruct((padded_tokens * 3 * stride,), jnp.int32)],
+                                  jax.ShapeDtypeStruct((scratch_slots,), jnp.int32)],
             input_output_aliases={3: 0}, compiler_params=logits_params, interpret=interpret, name="beam_routing",
         )(x, router_weight, bias, used_state)
         selection = _mask_padding(weights[:tokens, :top_k], ids[:tokens, :top_k], num_tokens)
