@@ -7,14 +7,17 @@ sum, the global scales, SwiGLU) 1.6 and the combine two kernels of 1.7 (H200, be
 session 27 run A). Here a block is a (token, expert) pair of the routing as it comes (no kernel before this one),
 and one grid holds two kinds of programs:
 - gate/up programs, first in the grid: `grouped_matmul`'s programs for shared-row blocks (K splits, fp32
-  partial sums), each counting itself done on its block's global semaphore once its sums are written;
-- down programs: fetch their weight steps, wait on their block's semaphore, add the partial sums of their pair's
+  partial sums), each counting itself done on its block's counter once its sums are written;
+- down programs: fetch their weight steps, wait on their block's counter, add the partial sums of their pair's
   token row and apply the global scales and SwiGLU into their activation tiles themselves, run the down GEMM, and
   add their tile, times the expert's global scale and each token's routing weight, into the fp32 output by a TMA
   reduction.
 A down program waits only on programs earlier in the grid, which the GPU starts first, so its wait cannot
 keep them from running (the assumption CUTLASS's stream-K fix-up makes too). The first programs zero the
-output before anything is added to it, and count that on a semaphore the down programs wait on as well.
+output before anything is added to it, and count that on a counter the down programs wait on as well. The
+counters (global int32, `_count_done` / `_wait_count`, the release / acquire of Mosaic GPU's semaphores) are
+zero before a call and the last down program sets them back to zero, so a caller can pass them on to the next
+call instead of zeroing fresh ones (`counters=`).
 Rounding follows `moe_gemm_reference` but for the sum: a pair's output is rounded to bf16, weighted and rounded
 again, then the pairs are added in fp32 (in the order their programs finish) and the caller rounds once.
 
@@ -32,6 +35,7 @@ made the gate/up programs ~0.8 us slower and the down programs no faster.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -46,8 +50,8 @@ _ZERO_COLUMNS = 256  # TMA's largest box side
 
 
 def _async_proxy_fence():
-    """Orders this thread's global accesses of the generic proxy (loads, the semaphores' atomics) with those
-    of the async proxy (TMA copies and reductions) across the release / acquire of a semaphore."""
+    """Orders this thread's global accesses of the generic proxy (loads, the counters' atomics) with those
+    of the async proxy (TMA copies and reductions) across the release / acquire of a counter."""
     @plgpu.inline_mgpu()
     def fence(ctx):
         del ctx
@@ -55,6 +59,79 @@ def _async_proxy_fence():
         utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
 
     fence()
+
+
+# The kernel's counters: int32 slots of one array, zero before a call and left zero after it, so that a caller
+# can pass them from call to call (`fused_decode_moe(counters=)`, e.g. layer to layer) instead of zeroing fresh
+# ones before each (an XLA kernel and a launch: 1.8 us of the one-token layer's span, H200 session 30 run 7).
+_ZEROED = 0  # zeroing programs done (the output is zero)
+_FINISHED = 1  # down programs past their waits (the last one sets the counters back to zero)
+_READY = 4  # from here, block b's gate/up programs done (16-byte aligned: the reset stores four at once)
+
+
+def counter_slots(blocks: int) -> int:
+    """Slots of the counters for `blocks` pairs."""
+    return _READY + -(-blocks // 4) * 4
+
+
+COUNTER_SLOTS = counter_slots(8 * 8)  # enough for the kernel's largest call: 8 tokens, top-8
+
+
+def fresh_counters(slots: int = COUNTER_SLOTS) -> jax.Array:
+    """Counters for `fused_decode_moe(counters=)`: every slot zero."""
+    return jnp.zeros((slots,), jnp.int32)
+
+
+def _slot(counters, slot):
+    """Pointer to a counter (`slot` an int or an i32 value), in an inline_mgpu body."""
+    from jax._src.lib.mlir import ir
+    from jax.experimental.mosaic.gpu import utils
+    return utils.getelementptr(utils.memref_ptr(counters), [slot], ir.IntegerType.get_signless(32))
+
+
+def _count_done(counters, slot) -> None:
+    """Adds one to a counter, releasing this warpgroup's writes (after `_async_proxy_fence` for its TMA writes)."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(())))
+    def signal(ctx, counters, slot):
+        del ctx
+        from jax.experimental.mosaic.gpu import utils
+        utils.warpgroup_barrier()  # every thread's writes (and fences) before the release
+        utils.SemaphoreRef(_slot(counters, slot.registers.item())).signal(1, memory_scope="gpu")
+
+    signal(counters, jnp.asarray(slot, jnp.int32))
+
+
+def _wait_count(counters, slot, count: int) -> None:
+    """Waits until a counter reaches `count` (acquiring what its signals released)."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(())))
+    def wait(ctx, counters, slot):
+        del ctx
+        from jax.experimental.mosaic.gpu import utils
+        utils.SemaphoreRef(_slot(counters, slot.registers.item())).wait(count, decrement=False, memory_scope="gpu")
+
+    wait(counters, jnp.asarray(slot, jnp.int32))
+
+
+def _finish(counters, *, down_programs: int, zero_programs: int, ready_slots: int) -> None:
+    """A down program past its waits takes a ticket; the last of the call's `down_programs` sets the counters
+    back to zero: the ready counts and the ticket by stores (nothing else counts on them any more), the zeroing
+    count by subtracting (with every pair skipped, a zeroing program may still be about to count)."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def ticket(ctx, counters):
+        del ctx
+        from jax.experimental.mosaic.gpu import utils
+        zero_ready = " ".join(f"@last st.global.v4.u32 [$2+{16 * i}], {{z, z, z, z}};" for i in range(ready_slots // 4))
+        with utils.single_thread(scope=utils.ThreadSubset.WARPGROUP):
+            utils.inline_ptx(
+                "{ .reg .u32 old, z; .reg .pred last; mov.u32 z, 0; "
+                "atom.acq_rel.gpu.global.add.u32 old, [$0], 1; "
+                f"setp.eq.u32 last, old, {down_programs - 1}; "
+                "@last st.global.u32 [$0], z; "
+                f"@last red.relaxed.gpu.global.add.s32 [$1], {-zero_programs}; {zero_ready} }}",
+                _slot(counters, _FINISHED), _slot(counters, _ZEROED), _slot(counters, _READY),
+                has_side_effects=True)
+
+    ticket(counters)
 
 
 def _swiglu_activations(splits: int, block_t: int, intermediate: int):
@@ -155,7 +232,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                      splits: int | None = None, gate_up_stages: int = 2, gate_up_tile_n: int = 64,
                      gate_up_decode_chunks: int | None = None, down_stages: int = 5,
                      down_tile_n: int | None = None,
-                     down_decode_row_chunks: int = 1, compiler_params=None) -> jax.Array:
+                     down_decode_row_chunks: int = 1, counters=None, compiler_params=None):
     """`x [T, H]` bf16 (T <= 8), `pair_expert [T * top_k]` int32 (token t's picks from t * top_k on; an expert
     outside [0, E): skip the pair) and `pair_weight [T * top_k]` fp32, its routing weights. Each pair is a block of
     all T rows (shared rows), of which only its token's row is weighted: two pairs of one expert read its weights
@@ -163,8 +240,10 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     (gate rows then up rows, `nm.pack_weights` with `gate_up_tile_k`; global scales `[E, 2 I]`) and the down weights
     (`down_tile_k` 64) -> `[8, H]` fp32, the routed experts' output of each token (rows past T zero). Settings as
     `grouped_matmul`'s: the gate/up GEMM's `splits` K splits, pipeline `stages`, `tile_n` rows a program and
-    `decode_chunks`; the down GEMM's. `compiler_params`: `plgpu.CompilerParams` for the kernel (e.g. Mosaic GPU's
-    profiler, which records the named scopes of each program: benchmarks/moe/fused_timeline.py)."""
+    `decode_chunks`; the down GEMM's. `counters`: int32 `[>= counter_slots(pairs)]`, all zero (`fresh_counters()`),
+    which the kernel uses and leaves zero; then (output, counters) come back, for the next call (unset: the call
+    zeroes its own, an XLA kernel before this one). `compiler_params`: `plgpu.CompilerParams` for the kernel (e.g.
+    Mosaic GPU's profiler, which records the named scopes of each program: benchmarks/moe/fused_timeline.py)."""
     tokens, hidden = x.shape
     experts, gu_steps, gu_rows, _ = gate_up_packed.shape
     if gate_up_decode_chunks is None:  # 4 K chunks at 4-7 tokens (75 registers instead of 102: the gate/up grid in
@@ -200,6 +279,11 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     gu_programs_per_block = gu_rows // gate_up_tile_n * splits
     down_tiles = hidden // down_tile_n
     gu_programs, down_programs = blocks * gu_programs_per_block, blocks * down_tiles
+    slots = counter_slots(blocks)
+    len_ready = slots - _READY
+    if counters is not None and (counters.dtype != jnp.int32 or counters.ndim != 1 or counters.shape[0] < slots):
+        raise ValueError(f"counters must be int32 [>= {slots}] (`fresh_counters()`, zero), got "
+                         f"{counters.dtype}{list(counters.shape)}")
     zero_columns = math.gcd(hidden, _ZERO_COLUMNS)
     zero_programs = hidden // zero_columns
     if gu_steps % splits or zero_programs > gu_programs:
@@ -245,9 +329,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
         return body
 
     def kernel(pair_expert_gmem, pair_weight_gmem, x_gmem, gu_packed_gmem, gu_scales_gmem, gu_global_gmem,
-               down_packed_gmem, down_scales_gmem, down_global_gmem, out_gmem, sums_gmem):
-        ready = pl.get_global(plgpu.SemaphoreType.REGULAR((blocks,)))
-        zeroed = pl.get_global(plgpu.SemaphoreType.REGULAR((1,)))
+               down_packed_gmem, down_scales_gmem, down_global_gmem, counters_gmem, out_gmem, sums_gmem):
         p = jax.lax.axis_index("p")
 
         @pl.when(p < gu_programs)
@@ -261,7 +343,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                     plgpu.wait_smem_to_gmem(0)
                 pl.run_scoped(zero, plgpu.SMEM((block_t, zero_columns), jnp.float32))
                 _async_proxy_fence()
-                plgpu.semaphore_signal(zeroed.at[0], 1, memory_scope="gpu")
+                _count_done(counters_gmem, _ZEROED)
 
             b, rest = p // gu_programs_per_block, p % gu_programs_per_block
             ni, si = rest // splits, rest % splits
@@ -282,15 +364,22 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                 pl.run_scoped(scoped, plgpu.SMEM((block_t, gate_up_tile_n), jnp.float32),
                               plgpu.SMEM((gate_up_tile_n * gate_up_tile_k // 16,), jnp.uint32))
                 _async_proxy_fence()
-                plgpu.semaphore_signal(ready.at[b], 1, memory_scope="gpu")
+                _count_done(counters_gmem, _READY + b)
 
         @pl.when(p >= gu_programs)
         def _():
             q = p - gu_programs
             b, ni = q // down_tiles, q % down_tiles
             expert = pair_expert_gmem[b]
+            computed = (expert >= 0) & (expert < experts)
+            finish = functools.partial(_finish, counters_gmem, down_programs=down_programs,
+                                       zero_programs=zero_programs, ready_slots=len_ready)
 
-            @pl.when((expert >= 0) & (expert < experts))
+            @pl.when(~computed)
+            def _():
+                finish()
+
+            @pl.when(computed)
             def _():
                 weight = pair_weight_gmem[b]  # its token's row gets it, the other rows none
                 token_weights = [jnp.where(b // top_k == t, weight, 0.0) for t in range(tokens)]
@@ -302,8 +391,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
 
                     def fill_activations(x_buf):
                         with jax.named_scope("down_wait"):
-                            plgpu.semaphore_wait(ready.at[b], gu_programs_per_block, decrement=False,
-                                                 memory_scope="gpu")
+                            _wait_count(counters_gmem, _READY + b, gu_programs_per_block)
                             _async_proxy_fence()
                         with jax.named_scope("down_swiglu"):
                             fill(sums_gmem, x_buf, b * block_t, b // top_k, gate_scale, up_scale)
@@ -319,10 +407,11 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                         plgpu.barrier_wait(scale_barrier)
                         weighted_store(acc, out_smem, scale_smem, *token_weights)
                         plgpu.commit_smem()
-                        plgpu.semaphore_wait(zeroed.at[0], zero_programs, decrement=False, memory_scope="gpu")
+                        _wait_count(counters_gmem, _ZEROED, zero_programs)
                         _async_proxy_fence()
                         plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[:, pl.ds(ni * down_tile_n, down_tile_n)],
                                                 reduction_op="add")
+                        finish()  # its atomic's round trip under the reduction's
                         plgpu.wait_smem_to_gmem(0)
 
                 pl.run_scoped(scoped, plgpu.SMEM((block_t, down_tile_n), jnp.float32),
@@ -337,17 +426,18 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
         grid_names=("p",),
         compiler_params=compiler_params,
     )
+    counters_ref = jax.new_ref(fresh_counters(slots) if counters is None else counters)
     out, _ = call(pair_expert.astype(jnp.int32), pair_weight.astype(jnp.float32), x, gate_up_packed, gu_scales,
-                  gate_up_global_scale, down_packed, down_scales, down_global_scale)
-    return out
+                  gate_up_global_scale, down_packed, down_scales, down_global_scale, counters_ref)
+    return out if counters is None else (out, jax.freeze(counters_ref))
 
 
 def fused_decode_moe_emulated(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales, gate_up_global_scale,
                               down_packed, down_scales, down_global_scale, *, gate_up_tile_k: int, down_tile_k: int,
-                              **settings) -> jax.Array:
+                              counters=None, **settings):
     """`fused_decode_moe`'s contract in plain jnp, from the kernel layouts (for CPU tests of the code that calls
     it): both GEMMs by `nm.grouped_matmul_emulated`, then the weighted sum with the kernel's rounding in `x`'s
-    dtype."""
+    dtype; `counters` come back as they came (the kernel leaves them zero)."""
     del settings
     tokens = x.shape[0]
     block_t, blocks, experts = 8, pair_expert.shape[0], gate_up_packed.shape[0]
@@ -363,4 +453,5 @@ def fused_decode_moe_emulated(x, pair_expert, pair_weight, gate_up_packed, gate_
     pair_out = down.reshape(blocks, block_t, -1)[:, :tokens].astype(jnp.float32) * token_weight[:, :, None]
     # Rounded to the activations' dtype (the kernel's bf16; the model's fp32 on a CPU), as the two GEMMs' glue.
     pair_out = jnp.where(computed[:, None, None], pair_out.astype(x.dtype).astype(jnp.float32), 0.0)
-    return jnp.pad(pair_out.sum(0), ((0, block_t - tokens), (0, 0)))
+    out = jnp.pad(pair_out.sum(0), ((0, block_t - tokens), (0, 0)))
+    return out if counters is None else (out, counters)

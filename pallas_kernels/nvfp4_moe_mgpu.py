@@ -222,7 +222,8 @@ def default_config(tokens: int) -> dict:
                 pdl=not shared and tokens <= 64, fused=tokens <= 7)
 
 
-def _fused_layer(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, expert_offset, matmul, **settings):
+def _fused_layer(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, expert_offset, matmul, counters,
+                 **settings):
     """`moe_nvfp4(fused=True)`: `nfm.fused_decode_moe` on the pairs as they are (the kernel skips ids outside its
     experts: other devices' and masked pairs); no XLA kernel before it but the expert offset's subtraction
     (shared-row blocks of distinct experts, built by four XLA kernels, took ~4 us more at 2-4 tokens, session 30
@@ -232,8 +233,11 @@ def _fused_layer(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, exper
     fused_layer = nfm.fused_decode_moe if matmul is nm.grouped_matmul else nfm.fused_decode_moe_emulated
     out = fused_layer(x, block_expert, weights.reshape(-1), gate_up.packed, gate_up.scales, gate_up.global_scale,
                       down.packed, down.scales, down.global_scale, gate_up_tile_k=gate_up.tile_k,
-                      down_tile_k=down.tile_k, **settings)
-    return out[:ids.shape[0]].astype(x.dtype)
+                      down_tile_k=down.tile_k, counters=counters, **settings)
+    if counters is None:
+        return out[:ids.shape[0]].astype(x.dtype)
+    out, counters = out
+    return out[:ids.shape[0]].astype(x.dtype), counters
 
 
 def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block_t: int | None = None,
@@ -244,7 +248,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
               down_decode_row_chunks: int | None = None, gate_up_swiglu: bool | None = None,
               staging_buffers: int | None = None, opened_program: dict | None = None, pdl: bool | None = None,
               expert_offset: int | jax.Array | None = None, fused: bool | None = None,
-              matmul=nm.grouped_matmul):
+              counters: jax.Array | None = None, matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
     (`_shared_blocks`; its blocks have T rows rounded up to 8, whatever `block_t` says), "sort"
@@ -265,6 +269,9 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     `gate_up_splits`) and the down GEMM's tile, stages and row chunks; unset, the kernel's own defaults (the
     epilogue, SwiGLU, staging and `pdl` settings are the two GEMMs' and do not apply). Unset, on at 1-7 tokens
     with shared-row blocks where the kernel takes the shapes (`nfm.fits`).
+    `counters`: the fused kernel's (`nvfp4_fused_moe.fresh_counters()`), passed from call to call (e.g. layer to
+    layer), which spares each fused call zeroing its own; then (output, counters) come back, the counters
+    untouched where the layer is not the fused kernel.
     `matmul` is the GEMM (the kernel; tests on the CPU pass an emulation)."""
     tokens, top_k = ids.shape
     config = default_config(tokens)
@@ -279,7 +286,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         settings = dict(splits=gate_up_splits, gate_up_stages=gate_up_stages, gate_up_tile_n=gate_up_tile_n,
                         gate_up_decode_chunks=gate_up_decode_chunks, down_stages=down_stages, down_tile_n=down_tile_n,
                         down_decode_row_chunks=down_decode_row_chunks)
-        return _fused_layer(x, weights, ids, gate_up, down, expert_offset, matmul,
+        return _fused_layer(x, weights, ids, gate_up, down, expert_offset, matmul, counters,
                             **{key: value for key, value in settings.items() if value is not None})
     block_t = config["block_t"] if block_t is None else block_t
     if gate_up_splits is None:  # the default, where it divides gate/up's K steps (else fewer)
@@ -354,4 +361,5 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     else:
         expert_out = down_gemm(global_scale=down.global_scale)[0][pair_row]
     pair_out = (expert_out.astype(x.dtype).astype(jnp.float32) * weights.reshape(-1, 1)).astype(x.dtype)
-    return mg._add_token_pairs(pair_out, local, tokens)
+    out = mg._add_token_pairs(pair_out, local, tokens)
+    return out if counters is None else (out, counters)

@@ -101,7 +101,10 @@ def time_layers(t, variants, weights, repeats=4, spans=False, real=None):
     """The whole NVFP4 MoE layer, Triton kernels against the Mosaic GEMMs, same weights and tokens:
     CUPTI total per call (`bench.time_calls`; with `spans` the span of a call's kernels instead,
     `bench.time_spans`) and one call's kernels; plus each layer's error against the reference. `real`: only the
-    first `real` tokens are routed, the others padding (id -1, as the model masks an engine bucket's padding)."""
+    first `real` tokens are routed, the others padding (id -1, as the model masks an engine bucket's padding).
+    A variant with `"counters_passed": true` passes the fused kernel's counters from call to call, as the model
+    passes them from layer to layer (spans only: `bench.time_spans(carry=)`)."""
+    from pallas_kernels import nvfp4_fused_moe as nfm
     from pallas_kernels import nvfp4_moe_mgpu as nmm
 
     (gate, up, down), _ = weights
@@ -109,25 +112,31 @@ def time_layers(t, variants, weights, repeats=4, spans=False, real=None):
     real = t if real is None else real
     ids = ids.at[:, real:].set(-1)
     # Weights are arguments, not closed over: jit would make them constants of the program.
-    layers = {"triton": lambda x, w, ids, weights: mg.moe_gemm_kernel(x, w, ids, *weights[0])}
+    layers = {"triton": (lambda x, w, ids, weights: mg.moe_gemm_kernel(x, w, ids, *weights[0]), None)}
     for settings in variants:  # moe_nvfp4 keyword arguments; the rest from default_config
         name = variant_name(settings)
-        layers[name] = functools.partial(
-            lambda x, w, ids, weights, **kw: nmm.moe_nvfp4(x, w, ids, *weights[1], **kw), **settings)
+        settings = dict(settings)
+        if settings.pop("counters_passed", False):
+            layer = functools.partial(lambda x, w, ids, weights, counters, **kw: nmm.moe_nvfp4(
+                x, w, ids, *weights[1], counters=counters, **kw), **settings)
+            layers[name] = (layer, nfm.fresh_counters())
+        else:
+            layers[name] = (functools.partial(
+                lambda x, w, ids, weights, **kw: nmm.moe_nvfp4(x, w, ids, *weights[1], **kw), **settings), None)
     # Tokens are independent: the reference (which gathers every pair's weights) checks the first 64.
     checked = min(real, 64)
     want = np.asarray(jax.jit(mg.moe_gemm_reference)(x[0, :checked], w[0, :checked], ids[0, :checked], gate, up,
                                                      down), np.float32)
     row = dict(kind="layers", t=t, real=real)
     timer, timer_name = _timer(spans)
-    for name, layer in layers.items():
+    for name, (layer, carry) in layers.items():
         t0 = time.time()
         try:
-            total, kernels, got = timer(layer, (x, w, ids), weights)
+            total, kernels, got = timer(layer, (x, w, ids), weights, **({} if carry is None else dict(carry=carry)))
         except Exception as e:  # noqa: BLE001 - report and go on with the other variants
             row[name] = dict(error=repr(e)[:1000])
             continue
-        got = np.asarray(got, np.float32)[:checked]
+        got = np.asarray(got if carry is None else got[0], np.float32)[:checked]
         row[name] = dict(us=total, kernels=kernels, timer=timer_name,
                          max_err=float(np.abs(got - want).max()), max_ref=float(np.abs(want).max()),
                          seconds=round(time.time() - t0, 1))

@@ -53,6 +53,25 @@ def test_fused_needs_shared_blocks_and_few_tokens():
                              gate_up_tile_k=128, down_tile_k=64)
 
 
+def test_counters_come_back_from_either_path():
+    """`counters=`: (output, counters) from the fused layer (emulated) and from the two GEMMs, which leave them as
+    they are; counters too short or not int32 are refused."""
+    problem, (gate_up, down) = _layer_problem(4, 3, 256, 64, 16, 4, tile_k=128)
+    counters = nfm.fresh_counters()
+    for fused in (True, False):
+        out, back = nmm.moe_nvfp4(*problem[:3], gate_up, down, fused=fused, counters=counters,
+                                  matmul=nm.grouped_matmul_emulated)
+        _assert_layer_close(problem, out)
+        assert back is counters
+    x = problem[0]
+    pairs = jnp.zeros(12, jnp.int32)
+    for bad in (jnp.zeros(nfm.counter_slots(12) - 1, jnp.int32), jnp.zeros(nfm.COUNTER_SLOTS, jnp.float32)):
+        with pytest.raises(ValueError, match="counters must be int32"):
+            nfm.fused_decode_moe(x, pairs, jnp.zeros(12), gate_up.packed, gate_up.scales, gate_up.global_scale,
+                                 down.packed, down.scales, down.global_scale, gate_up_tile_k=128, down_tile_k=64,
+                                 counters=bad)
+
+
 def _specs(experts, hidden, intermediate, tokens, pairs, gate_up_tile_k=256, down_tile_k=64):
     spec = jax.ShapeDtypeStruct
     return (spec((tokens, hidden), jnp.bfloat16), spec((pairs,), jnp.int32), spec((pairs,), jnp.float32),
@@ -72,6 +91,18 @@ def test_lowers_for_cuda(tokens, splits, down_tile_n, row_chunks):
                            down_tile_n=down_tile_n, down_decode_row_chunks=row_chunks)
     text = jax.jit(op).trace(*_specs(256, 5120, 320, tokens, 8 * tokens)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_passed_counters_are_the_kernels_in_place():
+    """Counters passed in are the kernel's own buffer (an input aliased to an output: no copy, no zeroing kernel);
+    without them the call makes zeroed ones."""
+    op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64)
+    specs = _specs(256, 5120, 320, 2, 16)
+    passed = jax.jit(lambda *args: op(*args[:-1], counters=args[-1]), donate_argnums=9).trace(
+        *specs, jax.ShapeDtypeStruct((nfm.COUNTER_SLOTS,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    own = jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    assert "tensor<68xi32> {tf.aliasing_output = 1 : i32}" in passed and "broadcast_in_dim" not in passed
+    assert "broadcast_in_dim" in own
 
 
 def test_hidden_sizes_of_64_row_tiles_lower_for_cuda():
@@ -145,6 +176,33 @@ def test_fused_layer_matches_reference_on_gpu(tokens, settings):
     once, doubled = twice(*problem[:3], gate_up, down)
     _assert_layer_close(problem, once)
     _assert_layer_close((problem[0] * 2, *problem[1:]), doubled)
+
+
+@pytest.mark.gpu
+def test_counters_passed_from_call_to_call_on_gpu():
+    """The counters passed on through five calls in one program, as a model's layers pass them: 1, 5, 3 and 2 tokens
+    and 7 with every pair skipped (ids -1: nothing waits on the zeroing count that the last down program takes
+    back). Each call matches the reference (the skipped one is zero) and the counters come back zero."""
+    problem, (gate_up, down) = _layer_problem(700, 7, 5120, 320, 256, 8, tile_k=256)
+    x, weights, ids = problem[:3]
+    plan = ((1, False), (5, False), (7, True), (3, False), (2, False))
+
+    def chain(x, weights, ids, gate_up, down, counters):
+        outs = []
+        for tokens, skipped in plan:
+            picked = jnp.full_like(ids[:tokens], -1) if skipped else ids[:tokens]
+            out, counters = nmm.moe_nvfp4(x[:tokens], weights[:tokens], picked, gate_up, down, fused=True,
+                                          counters=counters)
+            outs.append(out)
+        return outs, counters
+
+    outs, counters = jax.jit(chain, donate_argnums=5)(x, weights, ids, gate_up, down, nfm.fresh_counters())
+    np.testing.assert_array_equal(np.asarray(counters), 0)
+    for (tokens, skipped), out in zip(plan, outs):
+        if skipped:
+            np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+        else:
+            _assert_layer_close((x[:tokens], weights[:tokens], ids[:tokens], *problem[3:]), out)
 
 
 @pytest.mark.gpu
