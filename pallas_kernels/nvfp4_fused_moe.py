@@ -15,9 +15,8 @@ and one grid holds two kinds of programs:
 A down program waits only on programs earlier in the grid, which the GPU starts first, so its wait cannot
 keep them from running (the assumption CUTLASS's stream-K fix-up makes too). The first programs zero the
 output before anything is added to it, and count that on a counter the down programs wait on as well. The
-counters (global int32, `_count_done` / `_wait_count`, the release / acquire of Mosaic GPU's semaphores) are
-zero before a call and the last down program sets them back to zero, so a caller can pass them on to the next
-call instead of zeroing fresh ones (`counters=`).
+counters (global int32; the release / acquire of Mosaic GPU's semaphores) count in epochs (EPOCH, below), so a
+caller can pass them on to the next call instead of zeroing fresh ones (`counters=`).
 Rounding follows `moe_gemm_reference` but for the sum: a pair's output is rounded to bf16, weighted and rounded
 again, then the pairs are added in fp32 (in the order their programs finish) and the caller rounds once.
 
@@ -61,77 +60,93 @@ def _async_proxy_fence():
     fence()
 
 
-# The kernel's counters: int32 slots of one array, zero before a call and left zero after it, so that a caller
-# can pass them from call to call (`fused_decode_moe(counters=)`, e.g. layer to layer) instead of zeroing fresh
-# ones before each (an XLA kernel and a launch: 1.8 us of the one-token layer's span, H200 session 30 run 7).
-_ZEROED = 0  # zeroing programs done (the output is zero)
-_FINISHED = 1  # down programs past their waits (the last one sets the counters back to zero)
-_READY = 4  # from here, block b's gate/up programs done (16-byte aligned: the reset stores four at once)
+# The kernel's counters: int32 slots that a caller can pass from call to call (`fused_decode_moe(counters=)`, e.g.
+# layer to layer) instead of zeroing fresh ones before each call (an XLA kernel and a launch: 1.8 us of the
+# one-token layer's span, H200 session 30 run 7). Nothing sets them back to zero: each wait has two counters,
+# one its signals add to and one its waiters add to once past it, and each grows by exactly EPOCH a call (the
+# first signaller and the first waiter add the rest). A waiter reads the waiters' counter before adding to it,
+# so that counter's multiple of EPOCH below it is the call's start (`base`), and it waits until the signals'
+# counter is EPOCH past that. (Taking a ticket back to zero instead made the kernel 0.5-1.2 us slower: H200,
+# session 34 run 1.)
+EPOCH = 1 << 16  # a power of two, so that the counters' wrap-around keeps whole epochs
+_ZEROED = 0  # zeroing programs' signals (the output is zero), then down programs' passes
+_READY = 2  # block b's gate/up programs' signals at _READY + 2 b, its down programs' passes after it
 
 
 def counter_slots(blocks: int) -> int:
     """Slots of the counters for `blocks` pairs."""
-    return _READY + -(-blocks // 4) * 4
+    return _READY + 2 * blocks
 
 
 COUNTER_SLOTS = counter_slots(8 * 8)  # enough for the kernel's largest call: 8 tokens, top-8
 
 
 def fresh_counters(slots: int = COUNTER_SLOTS) -> jax.Array:
-    """Counters for `fused_decode_moe(counters=)`: every slot zero."""
+    """Counters for a first `fused_decode_moe(counters=)`: every slot zero."""
     return jnp.zeros((slots,), jnp.int32)
 
 
+def _share(index, count: int):
+    """What program `index` of `count` adds to a counter so that the `count` of them add EPOCH in all."""
+    if count >= EPOCH:
+        raise ValueError(f"{count} programs count on one counter, more than EPOCH={EPOCH}")
+    return jnp.where(index == 0, 1 + EPOCH - count, 1).astype(jnp.int32)
+
+
 def _slot(counters, slot):
-    """Pointer to a counter (`slot` an int or an i32 value), in an inline_mgpu body."""
+    """Pointer to a counter (`slot` a WG_SPLAT int32), in an inline_mgpu body."""
     from jax._src.lib.mlir import ir
     from jax.experimental.mosaic.gpu import utils
-    return utils.getelementptr(utils.memref_ptr(counters), [slot], ir.IntegerType.get_signless(32))
+    return utils.getelementptr(utils.memref_ptr(counters), [slot.registers.item()], ir.IntegerType.get_signless(32))
 
 
-def _count_done(counters, slot) -> None:
-    """Adds one to a counter, releasing this warpgroup's writes (after `_async_proxy_fence` for its TMA writes)."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(())))
-    def signal(ctx, counters, slot):
+_SPLAT = plgpu.Layout.WG_SPLAT(())
+
+
+def _add(counters, slot, amount, *, release: bool) -> None:
+    """Adds `amount` to a counter from one thread; `release`: after every thread of the warpgroup, releasing their
+    writes (after `_async_proxy_fence` for TMA writes)."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT, _SPLAT))
+    def add(ctx, counters, slot, amount):
         del ctx
         from jax.experimental.mosaic.gpu import utils
-        utils.warpgroup_barrier()  # every thread's writes (and fences) before the release
-        utils.SemaphoreRef(_slot(counters, slot.registers.item())).signal(1, memory_scope="gpu")
+        if release:
+            utils.warpgroup_barrier()
+        utils.SemaphoreRef(_slot(counters, slot)).signal(amount.registers.item(), relaxed=not release,
+                                                         memory_scope="gpu")
 
-    signal(counters, jnp.asarray(slot, jnp.int32))
+    add(counters, jnp.asarray(slot, jnp.int32), amount)
 
 
-def _wait_count(counters, slot, count: int) -> None:
-    """Waits until a counter reaches `count` (acquiring what its signals released)."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(())))
-    def wait(ctx, counters, slot):
+def _wait_epoch(counters, slot, base) -> None:
+    """Waits until a signals' counter is EPOCH past `base` (all of this call's signals), acquiring what they
+    released; unsigned differences, so a counter that wrapped around still counts."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT, _SPLAT))
+    def wait(ctx, counters, slot, base):
         del ctx
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith, scf
         from jax.experimental.mosaic.gpu import utils
-        utils.SemaphoreRef(_slot(counters, slot.registers.item())).wait(count, decrement=False, memory_scope="gpu")
-
-    wait(counters, jnp.asarray(slot, jnp.int32))
-
-
-def _finish(counters, *, down_programs: int, zero_programs: int, ready_slots: int) -> None:
-    """A down program past its waits takes a ticket; the last of the call's `down_programs` sets the counters
-    back to zero: the ready counts and the ticket by stores (nothing else counts on them any more), the zeroing
-    count by subtracting (with every pair skipped, a zeroing program may still be about to count)."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def ticket(ctx, counters):
-        del ctx
-        from jax.experimental.mosaic.gpu import utils
-        zero_ready = " ".join(f"@last st.global.v4.u32 [$2+{16 * i}], {{z, z, z, z}};" for i in range(ready_slots // 4))
+        i32 = ir.IntegerType.get_signless(32)
+        ptr, base = _slot(counters, slot), base.registers.item()
         with utils.single_thread(scope=utils.ThreadSubset.WARPGROUP):
-            utils.inline_ptx(
-                "{ .reg .u32 old, z; .reg .pred last; mov.u32 z, 0; "
-                "atom.acq_rel.gpu.global.add.u32 old, [$0], 1; "
-                f"setp.eq.u32 last, old, {down_programs - 1}; "
-                "@last st.global.u32 [$0], z; "
-                f"@last red.relaxed.gpu.global.add.s32 [$1], {-zero_programs}; {zero_ready} }}",
-                _slot(counters, _FINISHED), _slot(counters, _ZEROED), _slot(counters, _READY),
-                has_side_effects=True)
+            loop = scf.WhileOp([], [])
+            with ir.InsertionPoint(loop.before.blocks.append()):
+                value = utils.inline_ptx("ld.relaxed.gpu.global.b32 $0, [$1];", ptr, result_types=i32,
+                                         has_side_effects=True)
+                scf.condition(arith.cmpi(arith.CmpIPredicate.ult, arith.subi(value, base), utils.c(EPOCH, i32)), [])
+            with ir.InsertionPoint(loop.after.blocks.append()):
+                scf.yield_([])
+            utils.inline_ptx("fence.acquire.gpu;", has_side_effects=True)
+        utils.warpgroup_barrier()
 
-    ticket(counters)
+    wait(counters, jnp.asarray(slot, jnp.int32), base)
+
+
+def _epoch_base(counters_gmem, slot):
+    """This call's start on a wait's counters: the waiters' counter (slot + 1), read before this program adds to
+    it, rounded down to a multiple of EPOCH."""
+    return counters_gmem[slot + 1] & jnp.int32(-EPOCH)
 
 
 def _swiglu_activations(splits: int, block_t: int, intermediate: int):
@@ -240,9 +255,9 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     (gate rows then up rows, `nm.pack_weights` with `gate_up_tile_k`; global scales `[E, 2 I]`) and the down weights
     (`down_tile_k` 64) -> `[8, H]` fp32, the routed experts' output of each token (rows past T zero). Settings as
     `grouped_matmul`'s: the gate/up GEMM's `splits` K splits, pipeline `stages`, `tile_n` rows a program and
-    `decode_chunks`; the down GEMM's. `counters`: int32 `[>= counter_slots(pairs)]`, all zero (`fresh_counters()`),
-    which the kernel uses and leaves zero; then (output, counters) come back, for the next call (unset: the call
-    zeroes its own, an XLA kernel before this one). `compiler_params`: `plgpu.CompilerParams` for the kernel (e.g.
+    `decode_chunks`; the down GEMM's. `counters`: int32 `[>= counter_slots(pairs)]`, from `fresh_counters()` or the
+    call before; then (output, counters) come back, for the next call (unset: the call zeroes its own, an XLA
+    kernel before this one). `compiler_params`: `plgpu.CompilerParams` for the kernel (e.g.
     Mosaic GPU's profiler, which records the named scopes of each program: benchmarks/moe/fused_timeline.py)."""
     tokens, hidden = x.shape
     experts, gu_steps, gu_rows, _ = gate_up_packed.shape
@@ -280,9 +295,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     down_tiles = hidden // down_tile_n
     gu_programs, down_programs = blocks * gu_programs_per_block, blocks * down_tiles
     slots = counter_slots(blocks)
-    len_ready = slots - _READY
     if counters is not None and (counters.dtype != jnp.int32 or counters.ndim != 1 or counters.shape[0] < slots):
-        raise ValueError(f"counters must be int32 [>= {slots}] (`fresh_counters()`, zero), got "
+        raise ValueError(f"counters must be int32 [>= {slots}] (`fresh_counters()` or a call's), got "
                          f"{counters.dtype}{list(counters.shape)}")
     zero_columns = math.gcd(hidden, _ZERO_COLUMNS)
     zero_programs = hidden // zero_columns
@@ -343,7 +357,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                     plgpu.wait_smem_to_gmem(0)
                 pl.run_scoped(zero, plgpu.SMEM((block_t, zero_columns), jnp.float32))
                 _async_proxy_fence()
-                _count_done(counters_gmem, _ZEROED)
+                _add(counters_gmem, _ZEROED, _share(p, zero_programs), release=True)
 
             b, rest = p // gu_programs_per_block, p % gu_programs_per_block
             ni, si = rest // splits, rest % splits
@@ -364,7 +378,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                 pl.run_scoped(scoped, plgpu.SMEM((block_t, gate_up_tile_n), jnp.float32),
                               plgpu.SMEM((gate_up_tile_n * gate_up_tile_k // 16,), jnp.uint32))
                 _async_proxy_fence()
-                _count_done(counters_gmem, _READY + b)
+                _add(counters_gmem, _READY + 2 * b, _share(rest, gu_programs_per_block), release=True)
 
         @pl.when(p >= gu_programs)
         def _():
@@ -372,18 +386,19 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
             b, ni = q // down_tiles, q % down_tiles
             expert = pair_expert_gmem[b]
             computed = (expert >= 0) & (expert < experts)
-            finish = functools.partial(_finish, counters_gmem, down_programs=down_programs,
-                                       zero_programs=zero_programs, ready_slots=len_ready)
+            zeroed_base = _epoch_base(counters_gmem, _ZEROED)
+            pass_zeroed = functools.partial(_add, counters_gmem, _ZEROED + 1, _share(q, down_programs), release=False)
 
             @pl.when(~computed)
             def _():
-                finish()
+                pass_zeroed()  # every down program passes, so the waiters' counter grows by EPOCH a call
 
             @pl.when(computed)
             def _():
                 weight = pair_weight_gmem[b]  # its token's row gets it, the other rows none
                 token_weights = [jnp.where(b // top_k == t, weight, 0.0) for t in range(tokens)]
                 gate_scale, up_scale = gu_global_gmem[expert, 0], gu_global_gmem[expert, intermediate]
+                ready_base = _epoch_base(counters_gmem, _READY + 2 * b)
 
                 def scoped(out_smem, staged_smem, scale_smem, scale_barrier):
                     plgpu.copy_gmem_to_smem(down_global_gmem.at[expert, pl.ds(ni * down_tile_n, down_tile_n)],
@@ -391,7 +406,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
 
                     def fill_activations(x_buf):
                         with jax.named_scope("down_wait"):
-                            _wait_count(counters_gmem, _READY + b, gu_programs_per_block)
+                            _wait_epoch(counters_gmem, _READY + 2 * b, ready_base)
+                            _add(counters_gmem, _READY + 2 * b + 1, _share(ni, down_tiles), release=False)
                             _async_proxy_fence()
                         with jax.named_scope("down_swiglu"):
                             fill(sums_gmem, x_buf, b * block_t, b // top_k, gate_scale, up_scale)
@@ -407,11 +423,11 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                         plgpu.barrier_wait(scale_barrier)
                         weighted_store(acc, out_smem, scale_smem, *token_weights)
                         plgpu.commit_smem()
-                        _wait_count(counters_gmem, _ZEROED, zero_programs)
+                        _wait_epoch(counters_gmem, _ZEROED, zeroed_base)
+                        pass_zeroed()
                         _async_proxy_fence()
                         plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[:, pl.ds(ni * down_tile_n, down_tile_n)],
                                                 reduction_op="add")
-                        finish()  # its atomic's round trip under the reduction's
                         plgpu.wait_smem_to_gmem(0)
 
                 pl.run_scoped(scoped, plgpu.SMEM((block_t, down_tile_n), jnp.float32),

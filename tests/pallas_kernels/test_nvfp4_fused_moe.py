@@ -101,7 +101,8 @@ def test_passed_counters_are_the_kernels_in_place():
     passed = jax.jit(lambda *args: op(*args[:-1], counters=args[-1]), donate_argnums=9).trace(
         *specs, jax.ShapeDtypeStruct((nfm.COUNTER_SLOTS,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     own = jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
-    assert "tensor<68xi32> {tf.aliasing_output = 1 : i32}" in passed and "broadcast_in_dim" not in passed
+    assert f"tensor<{nfm.COUNTER_SLOTS}xi32> {{tf.aliasing_output = 1 : i32}}" in passed
+    assert "broadcast_in_dim" not in passed
     assert "broadcast_in_dim" in own
 
 
@@ -181,8 +182,9 @@ def test_fused_layer_matches_reference_on_gpu(tokens, settings):
 @pytest.mark.gpu
 def test_counters_passed_from_call_to_call_on_gpu():
     """The counters passed on through five calls in one program, as a model's layers pass them: 1, 5, 3 and 2 tokens
-    and 7 with every pair skipped (ids -1: nothing waits on the zeroing count that the last down program takes
-    back). Each call matches the reference (the skipped one is zero) and the counters come back zero."""
+    and 7 with every pair skipped (ids -1: no block waits, and the zeroing still counts), from counters one epoch
+    below wrapping around. Each call matches the reference (the skipped one is zero), and each counter comes back
+    grown by EPOCH a call that used it: its signals' and its waiters' alike."""
     problem, (gate_up, down) = _layer_problem(700, 7, 5120, 320, 256, 8, tile_k=256)
     x, weights, ids = problem[:3]
     plan = ((1, False), (5, False), (7, True), (3, False), (2, False))
@@ -196,8 +198,12 @@ def test_counters_passed_from_call_to_call_on_gpu():
             outs.append(out)
         return outs, counters
 
-    outs, counters = jax.jit(chain, donate_argnums=5)(x, weights, ids, gate_up, down, nfm.fresh_counters())
-    np.testing.assert_array_equal(np.asarray(counters), 0)
+    start = jnp.full((nfm.COUNTER_SLOTS,), -nfm.EPOCH, jnp.int32)  # 2^32 - EPOCH: the first call wraps around
+    outs, counters = jax.jit(chain, donate_argnums=5)(x, weights, ids, gate_up, down, start)
+    blocks = np.arange((nfm.COUNTER_SLOTS - 2) // 2)
+    uses = [len(plan)] + [sum(not skipped and 8 * tokens > b for tokens, skipped in plan) for b in blocks]
+    want = (np.repeat(np.asarray(uses, np.int64) - 1, 2) * nfm.EPOCH) % 2**32  # the start counts one epoch less
+    np.testing.assert_array_equal(np.asarray(counters).view(np.uint32), want.astype(np.uint32))
     for (tokens, skipped), out in zip(plan, outs):
         if skipped:
             np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
