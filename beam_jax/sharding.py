@@ -321,9 +321,13 @@ def experts_on_mesh(
     indices: jax.Array,
     *,
     expert_format: str,
-) -> jax.Array:
+    counters: jax.Array | None = None,
+):
     """Run `compute(local_arrays, x, weights, indices, expert_offset=...)` on every device of the
-    current mesh over the expert slices it holds, and psum the partial outputs.
+    current mesh over the expert slices it holds, and psum the partial outputs. With `counters` (the one-launch
+    NVFP4 kernel's: `compute(..., counters=)` returns (output, counters)), (output, counters) come back: each
+    device passes its own on (under EP they count different calls, since their kernels skip different pairs;
+    replicated in name only, and nothing reads them across devices).
 
     Each device gets every token (activations and routing are replicated after the attention
     all-reduce) and its own experts' slices of the weights: under EP the experts
@@ -343,14 +347,18 @@ def experts_on_mesh(
     specs = {name: expert_spec(name, expert_format) for name in arrays}
     num_local = next(iter(arrays.values())).shape[0] // ep
 
-    def local(arrays, x, weights, indices):
+    def local(arrays, x, weights, indices, *counters):
         offset = None if ep == 1 else jax.lax.axis_index(EP) * num_local
-        partial = compute(arrays, x, weights, indices, expert_offset=offset)
-        return jax.lax.psum(partial.astype(jnp.float32), AXES).astype(x.dtype)
+        if counters:
+            partial, *counters = compute(arrays, x, weights, indices, expert_offset=offset, counters=counters[0])
+        else:
+            partial = compute(arrays, x, weights, indices, expert_offset=offset)
+        return jax.lax.psum(partial.astype(jnp.float32), AXES).astype(x.dtype), *counters
 
     # check_vma=False: the Pallas kernel's outputs carry no varying-axes annotation (pallas_call
     # refuses to run under check_vma=True on the GPU); the psum makes the result replicated anyway.
-    return jax.shard_map(local, mesh=mesh, in_specs=(specs, P(), P(), P()), out_specs=P(), check_vma=False)(
-        arrays, x, weights, indices
-    )
+    passed = () if counters is None else (counters,)
+    out = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(), P(), P(), *[P()] * len(passed)),
+                        out_specs=(P(), *[P()] * len(passed)), check_vma=False)(arrays, x, weights, indices, *passed)
+    return out if passed else out[0]
 

@@ -54,12 +54,13 @@ class DecoderLayer(nnx.Module):
         h = self.pre_feedforward_layernorm(x)
         if self.is_sparse:
             # A paged step's tokens past query_start[-1] are its bucket's padding: no expert for them. Its
-            # routing kernel's state goes on to the next layer.
+            # routing kernel's state and MoE kernel's counters go on to the next layer.
             batch = cache.batch if isinstance(cache, PagedKVCache) else None
-            real, state = (None, None) if batch is None else (batch.query_start[-1], batch.routing_state)
-            mlp_out, expert_indices, *next_state = self.mlp(h, real, state)
-            if next_state:
-                cache = cache.with_routing_state(*next_state)
+            real, states = (None, ()) if batch is None else (batch.query_start[-1],
+                                                             (batch.routing_state, batch.moe_counters))
+            mlp_out, expert_indices, *next_states = self.mlp(h, real, *states)
+            if next_states:
+                cache = cache.with_kernel_states(*next_states)
         else:
             mlp_out, expert_indices = self.mlp(h), None
         x = depth_scaled_residual(self.post_feedforward_layernorm(mlp_out), x, self.mlp_add_index)

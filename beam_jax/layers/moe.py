@@ -168,11 +168,14 @@ class Experts(nnx.Module):
                              "`moe_nvfp4` takes them; load with expert_kernel='triton' for the checkpoint layout")
         return expert_weights(self.arrays(), self.expert_format)
 
-    def __call__(self, x, weights, indices):
+    def __call__(self, x, weights, indices, counters: Int[Array, " slots"] | None = None):
+        """The experts' output; with `counters` (the one-launch NVFP4 kernel's, passed from layer to layer:
+        `PagedBatch.moe_counters`), (output, counters for the next layer)."""
         compute = functools.partial(compute_experts, expert_format=self.expert_format, mosaic_layout=self.mosaic_layout)
         if mesh_shards_experts():  # on a tensor/expert-parallel mesh: each device its own slices
-            return experts_on_mesh(compute, self.arrays(), x, weights, indices, expert_format=self.expert_format)
-        return compute(self.arrays(), x, weights, indices)
+            return experts_on_mesh(compute, self.arrays(), x, weights, indices, expert_format=self.expert_format,
+                                   counters=counters)
+        return compute(self.arrays(), x, weights, indices, counters=counters)
 
 
 def _fused_gate_up(gate_up: Array) -> Float[Array, "experts two_i hidden"]:
@@ -206,19 +209,28 @@ def compute_experts(
     expert_format: str,
     expert_offset: int | Int[Array, ""] | None = None,
     mosaic_layout: bool = False,
-) -> Float[Array, "tokens hidden"]:
+    counters: Int[Array, " slots"] | None = None,
+):
     """The experts' output from their parameter arrays (`Experts.arrays()`, or one device's slices
     of them, holding experts from `expert_offset` on). The GPU runs the Pallas kernels (pairs routed
     to other devices' experts form no block there), or XLA's gather + einsum where that is faster
     (`pallas_kernels.moe_gemm.kernel_is_faster`); the CPU the plain-jnp reference, dequantizing
     packed weights. Experts in the Mosaic kernel's layout (`mosaic_layout`) run `mosaic_experts`; bf16
-    experts at prefill sizes on Hopper the Mosaic prefill layer (`_bf16_prefill_kernel`)."""
+    experts at prefill sizes on Hopper the Mosaic prefill layer (`_bf16_prefill_kernel`). With `counters` (the
+    one-launch NVFP4 kernel's), (output, counters) come back, untouched by the paths that do not use them."""
+    if mosaic_layout:
+        return mosaic_experts(arrays, x, weights, indices, expert_offset=expert_offset, counters=counters)
+    out = _experts_without_counters(arrays, x, weights, indices, expert_format=expert_format,
+                                    expert_offset=expert_offset)
+    return out if counters is None else (out, counters)
+
+
+def _experts_without_counters(arrays, x, weights, indices, *, expert_format: str, expert_offset):
+    """`compute_experts` for experts not in the Mosaic kernel's layout."""
     if _DENSE_EXPERTS.get():
         if expert_format != "bf16" or expert_offset is not None:
             raise ValueError("training (dense experts) needs unquantized experts on one device")
         return experts_dense(x, weights, indices, _fused_gate_up(arrays["gate_up_proj"]), arrays["down_proj"])
-    if mosaic_layout:
-        return mosaic_experts(arrays, x, weights, indices, expert_offset=expert_offset)
     if jax.default_backend() == "gpu":  # the kernels, or XLA where it is faster (`moe_gemm`)
         if expert_format == "bf16" and _bf16_prefill_kernel(arrays, x.shape[0]):
             gate_up, down = _fused_gate_up(arrays["gate_up_proj"]), arrays["down_proj"]
@@ -248,16 +260,21 @@ def mosaic_experts(
     indices: Int[Array, "tokens k"],
     *,
     expert_offset: int | Int[Array, ""] | None = None,
-) -> Float[Array, "tokens hidden"]:
+    counters: Int[Array, " slots"] | None = None,
+):
     """NVFP4 experts in the Mosaic kernel's layout (`gate_up.packed`, ...; or one device's slices):
     `pallas_kernels.nvfp4_moe_mgpu.moe_nvfp4` with the Hopper kernel on the GPU (bf16 activations,
-    which are what it takes) and its plain-jnp emulation of the same layouts on the CPU."""
+    which are what it takes) and its plain-jnp emulation of the same layouts on the CPU; with `counters`,
+    (output, counters) as `moe_nvfp4` returns them."""
     gate_up, down = kernel_weights(arrays)
     on_gpu = jax.default_backend() == "gpu"
     matmul = nvfp4_mgpu.grouped_matmul if on_gpu else nvfp4_mgpu.grouped_matmul_emulated
     out = nvfp4_moe_mgpu.moe_nvfp4(x.astype(jnp.bfloat16) if on_gpu else x, weights, indices, gate_up, down,
-                                   expert_offset=expert_offset, matmul=matmul)
-    return out.astype(x.dtype)
+                                   expert_offset=expert_offset, counters=counters, matmul=matmul)
+    if counters is None:
+        return out.astype(x.dtype)
+    out, counters = out
+    return out.astype(x.dtype), counters
 
 
 class MoE(nnx.Module):
@@ -269,15 +286,19 @@ class MoE(nnx.Module):
     def __call__(
         self, x: Float[Array, "... hidden"], num_tokens: Int[Array, ""] | None = None,
         routing_state: Int[Array, " slots"] | None = None,
-    ) -> tuple[Float[Array, "... hidden"], Int[Array, "tokens k"]] | tuple[Array, Array, Int[Array, " slots"]]:
+        moe_counters: Int[Array, " slots"] | None = None,
+    ) -> tuple[Array, ...]:
         """Routed experts of every token, and each token's selected experts. `num_tokens`: only the
         first `num_tokens` flat tokens are real (a serving step padded to its token bucket); the
         padding selects expert -1 (the router), which no expert path computes (its output is zero), so
         padding reads no expert weights. (The padding tokens of a step are all alike and so would pick
         the same experts: at batch 1 in a bucket of 16, as many again as the real token's.)
         `routing_state`: the routing kernel's state from the layer before (`PagedBatch.routing_state`);
-        then the state for the next layer comes third."""
+        then the state for the next layer comes third. `moe_counters`: the one-launch NVFP4 kernel's counters from
+        the layer before (`PagedBatch.moe_counters`); then the counters for the next layer come last."""
         flat = x.reshape(-1, x.shape[-1])
         weights, indices, *state = self.gate(flat, num_tokens, routing_state)
-        out = self.experts(flat, weights, indices).astype(jnp.float32) * self.routed_scaling_factor
-        return out.astype(x.dtype).reshape(x.shape), indices, *state
+        out = self.experts(flat, weights, indices, moe_counters)
+        out, *counters = (out,) if moe_counters is None else out
+        out = out.astype(jnp.float32) * self.routed_scaling_factor
+        return out.astype(x.dtype).reshape(x.shape), indices, *state, *counters

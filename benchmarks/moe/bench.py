@@ -23,7 +23,9 @@ Variants (MoE layer = both GEMMs, SwiGLU, routing-weight combine; routing exclud
               bf16 at T >= 512: pallas_kernels.bf16_moe_mgpu.moe_bf16 (TMA + wgmma prefill GEMM);
               mosaic_sort (1 < T <= 64): the same with sorted blocks instead of its default ones (shared
               rows up to 8 tokens, opened by the pairs up to 64). Timed by `time_calls`
-              (no wall time)
+              (no wall time); with `--timer spans`, where the layer is the one-launch kernel (1-7 tokens),
+              also mosaic_counters_passed: its counters passed from call to call, as the model's layers
+              pass them (`PagedBatch.moe_counters`; a lone call zeroes fresh ones first)
 Routing: pallas_kernels.routing.routing_kernel against the jitted plain-jnp reference; with `--timer spans` also
 `pallas_state_passed`, the fused kernel with its state passed from call to call as the model's layers pass it (a
 lone call fills a fresh one first).
@@ -578,6 +580,7 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
     per_expert = expert_bytes(gate, up, down)
     mosaic_weights = None
     if fmt == "nvfp4":  # the Mosaic GPU layer takes its weights repacked once (load time)
+        from pallas_kernels import nvfp4_fused_moe as nfm
         from pallas_kernels import nvfp4_moe_mgpu as nmm
 
         mosaic_weights = mosaic_layout(gate, up, down)
@@ -609,6 +612,9 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
             variants["mosaic"] = lambda xx, ww, ii, mw: bm.moe_bf16(xx, ww, ii, *mw)
         if fmt == "nvfp4":  # these take the kernel-layout weights (timed by `time_calls`)
             variants["mosaic"] = lambda xx, ww, ii, mw: nmm.moe_nvfp4(xx, ww, ii, *mw)
+            if SPANS[0] and nmm.default_config(t)["fused"]:
+                variants["mosaic_counters_passed"] = (
+                    lambda xx, ww, ii, mw, counters: nmm.moe_nvfp4(xx, ww, ii, *mw, counters=counters))
             if 1 < t <= 64:
                 variants["mosaic_sort"] = lambda xx, ww, ii, mw: nmm.moe_nvfp4(xx, ww, ii, *mw, block_builder="sort")
         if baselines:
@@ -624,7 +630,9 @@ def bench_moe(fmt, weights, token_counts, rows, *, sweep: bool, baselines: bool)
                     res[name] = (time_calls(op, (x, w, ids), mosaic_weights)[0], float("nan"))
                 else:
                     rest = (mosaic_weights,) if name.startswith("mosaic") else (gate, up, down)
-                    *res[name], kernels = time_variant(op, (x, w, ids), *rest, repeats=repeats, wall=not sweep)
+                    carry = nfm.fresh_counters() if name == "mosaic_counters_passed" else None
+                    *res[name], kernels = time_variant(op, (x, w, ids), *rest, repeats=repeats, wall=not sweep,
+                                                       carry=carry)
                     if kernels is not None:
                         breakdowns[name] = kernels
             except Exception as e:  # noqa: BLE001 - report and go on

@@ -337,6 +337,27 @@ def test_gpu_mosaic_experts_match_the_triton_path(tmp_path):
         assert_bf16_close(got.logits, want.logits, f"logits at {count} tokens (seed {seed})")
 
 
+
+@pytest.mark.gpu
+def test_gpu_paged_steps_pass_the_moe_counters_on(tmp_path):
+    """On an H200: paged one-token steps of a model whose sparse layers run the one-launch NVFP4 kernel, its
+    counters passed from sparse layer to sparse layer (`PagedBatch.moe_counters`): the logits as the same
+    checkpoint's on the Triton path, and each step's counters come back one epoch a sparse layer further."""
+    import beam_jax
+    from beam_jax.checkpoint import save_checkpoint
+    from pallas_kernels import nvfp4_fused_moe as nfm
+    from tests.beam_jax.test_moe_kernel_path import paged_one_token_steps
+
+    seed = secrets.randbelow(2**31)
+    save_checkpoint(tmp_path, *nvfp4_model(seed))  # two sparse layers
+    mosaic, triton = (beam_jax.load(tmp_path, expert_kernel=kernel) for kernel in ("mosaic", "triton"))
+    want = paged_one_token_steps(triton.params, triton.config)
+    for step, (got, ref) in enumerate(zip(paged_one_token_steps(mosaic.params, mosaic.config), want)):
+        assert_bf16_close(got.logits, ref.logits, f"logits of step {step} (seed {seed})")
+        counters = np.asarray(got.cache.batch.moe_counters).view(np.uint32)
+        assert counters[0] == counters[1] == 2 * nfm.EPOCH, counters[:2]  # the zeroing wait: every call
+        assert np.all(counters % nfm.EPOCH == 0) and counters.max() == 2 * nfm.EPOCH, counters
+
 if __name__ == "__main__":
     check, *args = sys.argv[1:]
     print(json.dumps({"mesh": check_mesh_layout}[check](*args)))

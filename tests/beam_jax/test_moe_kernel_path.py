@@ -96,43 +96,46 @@ def test_gpu_forward_routes_as_the_reference(monkeypatch, tokens):
             np.testing.assert_array_equal(np.asarray(layer_got), np.asarray(layer_want))
 
 
+def paged_one_token_steps(params, config, tokens=(17, 230, 5)):
+    """One sequence's paged one-token steps (a fresh batch each, as the engine makes them; attention on the plain-jnp
+    path), each `forward`'s output with its routing."""
+    from beam_jax.model import forward
+    from beam_jax.paged_cache import PagedBatch, PagedKVCache
+    from serving.kv_cache import KVPool
+    from serving.runner import layer_groups
+
+    paged_forward = jax.jit(forward, static_argnames=("config", "return_routing"))
+    pool = KVPool.from_config(config, 16, page_tokens=16)
+    groups = range(len(pool.groups))
+    cache = PagedKVCache.create(config, 16, 16, layer_groups(pool, config.num_hidden_layers), jnp.float32,
+                                use_kernel=False)
+    outs = []
+    for position, token in enumerate(tokens):
+        pool.allocate(0, position + 1)
+        slots = tuple(jnp.array([pool.page_table(0, g)[position // 16] * 16 + position % 16], jnp.int32)
+                      for g in groups)
+        batch = PagedBatch(query_start=jnp.array([0, 1], jnp.int32), seq_lens=jnp.array([position + 1], jnp.int32),
+                           page_tables=tuple(jnp.asarray(pool.page_tables([0], g, max_pages=4)) for g in groups),
+                           slot_mappings=slots)
+        outs.append(paged_forward(params, jnp.array([[token]]), jnp.array([[position]]), cache.with_batch(batch),
+                                  config=config, return_routing=True))
+        cache = outs[-1].cache.with_batch(None)
+    return outs
+
+
 @pytest.mark.gpu
 def test_gpu_paged_forward_routes_with_the_passed_state(monkeypatch):
     """On a GPU a paged one-token step routes with the fused kernel in every sparse layer, the kernel's state
     passed from layer to layer (`PagedBatch.routing_state`): three steps select as the reference routing, and
     each step's state comes back `UNWRITTEN` (attention on the plain-jnp path: only the routing is under test)."""
     from beam_jax.layers import moe as moe_module
-    from beam_jax.model import forward
-    from beam_jax.paged_cache import PagedBatch, PagedKVCache
     from pallas_kernels import routing as rt
-    from serving.kv_cache import KVPool
-    from serving.runner import layer_groups
 
     config = preset("beam-tiny")
     params = init_params(config, seed=6, dtype=jnp.float32)
-    paged_forward = jax.jit(forward, static_argnames=("config", "return_routing"))
-
-    def three_steps():
-        pool = KVPool.from_config(config, 16, page_tokens=16)
-        groups = range(len(pool.groups))
-        cache = PagedKVCache.create(config, 16, 16, layer_groups(pool, config.num_hidden_layers), jnp.float32,
-                                    use_kernel=False)
-        outs = []
-        for position, token in enumerate((17, 230, 5)):
-            pool.allocate(0, position + 1)
-            slots = tuple(jnp.array([pool.page_table(0, g)[position // 16] * 16 + position % 16], jnp.int32)
-                          for g in groups)
-            batch = PagedBatch(query_start=jnp.array([0, 1], jnp.int32), seq_lens=jnp.array([position + 1], jnp.int32),
-                               page_tables=tuple(jnp.asarray(pool.page_tables([0], g, max_pages=4)) for g in groups),
-                               slot_mappings=slots)
-            outs.append(paged_forward(params, jnp.array([[token]]), jnp.array([[position]]), cache.with_batch(batch),
-                                      config=config, return_routing=True))
-            cache = outs[-1].cache.with_batch(None)
-        return outs
-
-    got = three_steps()
+    got = paged_one_token_steps(params, config)
     monkeypatch.setattr(moe_module, "route", functools.partial(rt.routing, use_kernel=False))
-    for g, w in zip(got, three_steps()):
+    for g, w in zip(got, paged_one_token_steps(params, config)):
         np.testing.assert_array_equal(np.asarray(g.cache.batch.routing_state), rt.UNWRITTEN)
         assert len(g.expert_indices) == config.mlp_layer_types.count(SPARSE)
         for layer_got, layer_want in zip(g.expert_indices, w.expert_indices):
