@@ -236,27 +236,6 @@ def _store_weighted_transposed(tile_n: int, block_t: int, tokens: int):
     return body
 
 
-def _down_placement(blocks: int, gu_per_block: int, down_tiles: int, zero_programs: int, merged: bool):
-    """(down_start, stride, programs): down tile d (of block d // down_tiles) runs in program
-    `down_start + d * stride // down_tiles`: its own program after the gate/up ones, or (`merged`) a gate/up
-    program from `down_start` on, which fetches the tile's weights before its gate/up work. Either way after the
-    zeroing programs and every gate/up program of its block, so that a wait is only ever on programs earlier in
-    the grid, which the GPU starts first."""
-    gu_programs = blocks * gu_per_block
-    down_start = max(gu_per_block, zero_programs) if merged else gu_programs
-    stride = max(gu_per_block, down_tiles) if merged else down_tiles
-    last = down_start + (blocks * down_tiles - 1) * stride // down_tiles
-    return down_start, stride, max(gu_programs, last + 1)
-
-
-def _down_tile_at(p, down_start: int, stride: int, down_tiles: int, down_programs: int):
-    """(d, whether program p runs down tile d), inverting `_down_placement` (d clamped to a tile where none)."""
-    rel = p - down_start
-    d = jnp.maximum(rel * down_tiles + stride - 1, 0) // stride  # the first tile at or after p
-    has_down = (rel >= 0) & (d < down_programs) & (d * stride // down_tiles == rel)
-    return jnp.minimum(d, down_programs - 1), has_down
-
-
 def fits(hidden: int, down_tile_k: int, tokens: int) -> bool:
     """Whether `fused_decode_moe` takes these shapes: down weights in K steps of 64 (its activation tiles are one
     128-byte row), a hidden size in whole 64-row down tiles, at most 8 tokens."""
@@ -268,7 +247,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                      splits: int | None = None, gate_up_stages: int = 2, gate_up_tile_n: int = 64,
                      gate_up_decode_chunks: int | None = None, down_stages: int = 5,
                      down_tile_n: int | None = None,
-                     down_decode_row_chunks: int = 1, merged: bool = False, counters=None, compiler_params=None):
+                     down_decode_row_chunks: int = 1, counters=None, compiler_params=None):
     """`x [T, H]` bf16 (T <= 8), `pair_expert [T * top_k]` int32 (token t's picks from t * top_k on; an expert
     outside [0, E): skip the pair) and `pair_weight [T * top_k]` fp32, its routing weights. Each pair is a block of
     all T rows (shared rows), of which only its token's row is weighted: two pairs of one expert read its weights
@@ -363,29 +342,28 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                              row_chunks=row_chunks)
         return body
 
-    down_start, stride, programs = _down_placement(blocks, gu_programs_per_block, down_tiles, zero_programs, merged)
-
     def kernel(pair_expert_gmem, pair_weight_gmem, x_gmem, gu_packed_gmem, gu_scales_gmem, gu_global_gmem,
                down_packed_gmem, down_scales_gmem, down_global_gmem, counters_gmem, out_gmem, sums_gmem):
         p = jax.lax.axis_index("p")
 
-        @pl.when(p < zero_programs)
+        @pl.when(p < gu_programs)
         def _():
-            def zero(zero_smem):
-                zero_smem[...] = jnp.zeros(zero_smem.shape, jnp.float32)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(zero_smem, out_gmem.at[:, pl.ds(p * zero_columns, zero_columns)])
-                plgpu.wait_smem_to_gmem(0)
-            pl.run_scoped(zero, plgpu.SMEM((block_t, zero_columns), jnp.float32))
-            _async_proxy_fence()
-            _add(counters_gmem, _ZEROED, _share(p, zero_programs), release=True)
+            @pl.when(p < zero_programs)
+            def _():
+                def zero(zero_smem):
+                    zero_smem[...] = jnp.zeros(zero_smem.shape, jnp.float32)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(zero_smem, out_gmem.at[:, pl.ds(p * zero_columns, zero_columns)])
+                    plgpu.wait_smem_to_gmem(0)
+                pl.run_scoped(zero, plgpu.SMEM((block_t, zero_columns), jnp.float32))
+                _async_proxy_fence()
+                _add(counters_gmem, _ZEROED, _share(p, zero_programs), release=True)
 
-        def gate_up_tile():
             b, rest = p // gu_programs_per_block, p % gu_programs_per_block
             ni, si = rest // splits, rest % splits
-            expert = pair_expert_gmem[jnp.minimum(b, blocks - 1)]
+            expert = pair_expert_gmem[b]
 
-            @pl.when((p < gu_programs) & (expert >= 0) & (expert < experts))
+            @pl.when((expert >= 0) & (expert < experts))
             def _():
                 def scoped(out_smem, staged_smem):
                     body = decode_step(gu_stage, gu_decodes, gate_up_tile_n, gate_up_tile_k, False, 1, staged_smem)
@@ -402,69 +380,65 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                 _async_proxy_fence()
                 _add(counters_gmem, _READY + 2 * b, _share(rest, gu_programs_per_block), release=True)
 
-        d, has_down = _down_tile_at(p, down_start, stride, down_tiles, down_programs)
-        b, ni = d // down_tiles, d % down_tiles
-        expert = pair_expert_gmem[b]
-        computed = has_down & (expert >= 0) & (expert < experts)
-        zeroed_base = _epoch_base(counters_gmem, _ZEROED)
-        pass_zeroed = functools.partial(_add, counters_gmem, _ZEROED + 1, _share(d, down_programs), release=False)
-
-        @pl.when(~computed)
+        @pl.when(p >= gu_programs)
         def _():
-            gate_up_tile()
+            q = p - gu_programs
+            b, ni = q // down_tiles, q % down_tiles
+            expert = pair_expert_gmem[b]
+            computed = (expert >= 0) & (expert < experts)
+            zeroed_base = _epoch_base(counters_gmem, _ZEROED)
+            pass_zeroed = functools.partial(_add, counters_gmem, _ZEROED + 1, _share(q, down_programs), release=False)
 
-            @pl.when(has_down)
+            @pl.when(~computed)
             def _():
-                pass_zeroed()  # every down tile passes, so the waiters' counter grows by EPOCH a call
+                pass_zeroed()  # every down program passes, so the waiters' counter grows by EPOCH a call
 
-        @pl.when(computed)
-        def _():
-            weight = pair_weight_gmem[b]  # its token's row gets it, the other rows none
-            token_weights = [jnp.where(b // top_k == t, weight, 0.0) for t in range(tokens)]
-            gate_scale, up_scale = gu_global_gmem[expert, 0], gu_global_gmem[expert, intermediate]
-            ready_base = _epoch_base(counters_gmem, _READY + 2 * b)
+            @pl.when(computed)
+            def _():
+                weight = pair_weight_gmem[b]  # its token's row gets it, the other rows none
+                token_weights = [jnp.where(b // top_k == t, weight, 0.0) for t in range(tokens)]
+                gate_scale, up_scale = gu_global_gmem[expert, 0], gu_global_gmem[expert, intermediate]
+                ready_base = _epoch_base(counters_gmem, _READY + 2 * b)
 
-            def scoped(out_smem, staged_smem, scale_smem, scale_barrier):
-                plgpu.copy_gmem_to_smem(down_global_gmem.at[expert, pl.ds(ni * down_tile_n, down_tile_n)],
-                                        scale_smem, scale_barrier)
+                def scoped(out_smem, staged_smem, scale_smem, scale_barrier):
+                    plgpu.copy_gmem_to_smem(down_global_gmem.at[expert, pl.ds(ni * down_tile_n, down_tile_n)],
+                                            scale_smem, scale_barrier)
 
-                def fill_activations(x_buf):
-                    if merged:
-                        gate_up_tile()  # the program's own, while its down weights arrive
-                    with jax.named_scope("down_wait"):
-                        _wait_epoch(counters_gmem, _READY + 2 * b, ready_base)
-                        _add(counters_gmem, _READY + 2 * b + 1, _share(ni, down_tiles), release=False)
-                        _async_proxy_fence()
-                    with jax.named_scope("down_swiglu"):
-                        fill(sums_gmem, x_buf, b * block_t, b // top_k, gate_scale, up_scale)
+                    def fill_activations(x_buf):
+                        with jax.named_scope("down_wait"):
+                            _wait_epoch(counters_gmem, _READY + 2 * b, ready_base)
+                            _add(counters_gmem, _READY + 2 * b + 1, _share(ni, down_tiles), release=False)
+                            _async_proxy_fence()
+                        with jax.named_scope("down_swiglu"):
+                            fill(sums_gmem, x_buf, b * block_t, b // top_k, gate_scale, up_scale)
+                            plgpu.commit_smem()
+
+                    body = decode_step(down_stage, down_decodes, down_tile_n, down_tile_k, down_line_box,
+                                       down_decode_row_chunks, staged_smem)
+                    specs = down_in_specs(expert, 0, ni, 0)
+                    with jax.named_scope("down_k_loop"):
+                        acc = run_k_loop(body, down_tile_n, specs, (down_packed_gmem, down_scales_gmem, x_gmem),
+                                         down_k_steps, down_stages, fill_activations=fill_activations)
+                    with jax.named_scope("down_write"):
+                        plgpu.barrier_wait(scale_barrier)
+                        weighted_store(acc, out_smem, scale_smem, *token_weights)
                         plgpu.commit_smem()
+                        _wait_epoch(counters_gmem, _ZEROED, zeroed_base)
+                        pass_zeroed()
+                        _async_proxy_fence()
+                        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[:, pl.ds(ni * down_tile_n, down_tile_n)],
+                                                reduction_op="add")
+                        plgpu.wait_smem_to_gmem(0)
 
-                body = decode_step(down_stage, down_decodes, down_tile_n, down_tile_k, down_line_box,
-                                   down_decode_row_chunks, staged_smem)
-                specs = down_in_specs(expert, 0, ni, 0)
-                with jax.named_scope("down_k_loop"):
-                    acc = run_k_loop(body, down_tile_n, specs, (down_packed_gmem, down_scales_gmem, x_gmem),
-                                     down_k_steps, down_stages, fill_activations=fill_activations)
-                with jax.named_scope("down_write"):
-                    plgpu.barrier_wait(scale_barrier)
-                    weighted_store(acc, out_smem, scale_smem, *token_weights)
-                    plgpu.commit_smem()
-                    _wait_epoch(counters_gmem, _ZEROED, zeroed_base)
-                    pass_zeroed()
-                    _async_proxy_fence()
-                    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[:, pl.ds(ni * down_tile_n, down_tile_n)],
-                                            reduction_op="add")
-                    plgpu.wait_smem_to_gmem(0)
-
-            pl.run_scoped(scoped, plgpu.SMEM((block_t, down_tile_n), jnp.float32),
-                          plgpu.SMEM((down_tile_n * down_tile_k // 16,), jnp.uint32),
-                          plgpu.SMEM((down_tile_n,), jnp.float32), plgpu.Barrier())
+                pl.run_scoped(scoped, plgpu.SMEM((block_t, down_tile_n), jnp.float32),
+                              plgpu.SMEM((down_tile_n * down_tile_k // 16,), jnp.uint32),
+                              plgpu.SMEM((down_tile_n,), jnp.float32), plgpu.Barrier())
 
     call = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((block_t, hidden), jnp.float32),
                   jax.ShapeDtypeStruct((splits, blocks * block_t, gu_rows), jnp.float32)),
-        grid=(programs,),
+        grid=(gu_programs + down_programs,),
         grid_names=("p",),
         compiler_params=compiler_params,
     )
@@ -479,7 +453,7 @@ def fused_decode_moe_emulated(x, pair_expert, pair_weight, gate_up_packed, gate_
                               counters=None, **settings):
     """`fused_decode_moe`'s contract in plain jnp, from the kernel layouts (for CPU tests of the code that calls
     it): both GEMMs by `nm.grouped_matmul_emulated`, then the weighted sum with the kernel's rounding in `x`'s
-    dtype; `counters` come back as they came."""
+    dtype; `counters` come back as they came (the kernel leaves them zero)."""
     del settings
     tokens = x.shape[0]
     block_t, blocks, experts = 8, pair_expert.shape[0], gate_up_packed.shape[0]

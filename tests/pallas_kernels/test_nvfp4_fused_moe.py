@@ -72,25 +72,6 @@ def test_counters_come_back_from_either_path():
                                  counters=bad)
 
 
-@pytest.mark.parametrize("merged", [False, True])
-@pytest.mark.parametrize("blocks,gu_per_block,down_tiles,zero_programs", [
-    (8, 50, 40, 20), (32, 20, 40, 20), (56, 20, 40, 20), (3, 10, 80, 20), (5, 7, 3, 4), (1, 4, 9, 2)])
-def test_down_tiles_run_after_their_blocks_gate_up_programs(blocks, gu_per_block, down_tiles, zero_programs, merged):
-    """`_down_placement`: every down tile in a program of its own, after the zeroing programs and its block's
-    gate/up programs (its waits are only on earlier programs), and `_down_tile_at` finds it there."""
-    start, stride, programs = nfm._down_placement(blocks, gu_per_block, down_tiles, zero_programs, merged)
-    tiles = np.arange(blocks * down_tiles)
-    placed = start + tiles * stride // down_tiles
-    assert len(set(placed)) == len(tiles) and placed.max() < programs >= blocks * gu_per_block
-    assert np.all(placed >= np.maximum((tiles // down_tiles + 1) * gu_per_block, zero_programs))
-    if not merged:
-        assert np.array_equal(placed, blocks * gu_per_block + tiles)
-    d, has_down = nfm._down_tile_at(jnp.arange(programs), start, stride, down_tiles, len(tiles))
-    want = np.full(programs, -1)
-    want[placed] = tiles
-    np.testing.assert_array_equal(np.where(has_down, d, -1), want)
-
-
 def _specs(experts, hidden, intermediate, tokens, pairs, gate_up_tile_k=256, down_tile_k=64):
     spec = jax.ShapeDtypeStruct
     return (spec((tokens, hidden), jnp.bfloat16), spec((pairs,), jnp.int32), spec((pairs,), jnp.float32),
@@ -102,13 +83,12 @@ def _specs(experts, hidden, intermediate, tokens, pairs, gate_up_tile_k=256, dow
             spec((experts, hidden), jnp.float32))
 
 
-@pytest.mark.parametrize("tokens,splits,down_tile_n,row_chunks,merged", [
-    (1, 4, 64, 1, False), (3, None, 128, 1, False), (2, 2, 256, 4, False), (5, None, 128, 1, False),
-    (1, None, 128, 1, True), (4, None, 128, 1, True)])
-def test_lowers_for_cuda(tokens, splits, down_tile_n, row_chunks, merged):
+@pytest.mark.parametrize("tokens,splits,down_tile_n,row_chunks", [(1, 4, 64, 1), (3, None, 128, 1), (2, 2, 256, 4),
+                                                                (5, None, 128, 1)])
+def test_lowers_for_cuda(tokens, splits, down_tile_n, row_chunks):
     """Beam's TP8 expert shape (256 experts, hidden 5120, intermediate 320) lowers to Mosaic GPU on the CPU."""
     op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64, splits=splits,
-                           down_tile_n=down_tile_n, down_decode_row_chunks=row_chunks, merged=merged)
+                           down_tile_n=down_tile_n, down_decode_row_chunks=row_chunks)
     text = jax.jit(op).trace(*_specs(256, 5120, 320, tokens, 8 * tokens)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -187,7 +167,6 @@ def test_timeline_summarizes_each_scope_across_programs(tmp_path, monkeypatch):
 @pytest.mark.parametrize("tokens,settings", [
     (1, {}), (1, dict(gate_up_splits=2, gate_up_tile_n=64, down_tile_n=256, down_decode_row_chunks=4)), (2, {}),
     (3, dict(gate_up_splits=1, down_tile_n=64, down_stages=2)), (5, {}), (7, {}), (8, {}),
-    (1, dict(merged=True)), (4, dict(merged=True)), (7, dict(merged=True, gate_up_splits=1)),
     (8, dict(gate_up_splits=2, down_tile_n=256, down_decode_row_chunks=4))])
 def test_fused_layer_matches_reference_on_gpu(tokens, settings):
     """Beam's TP8 expert shape; the same call twice in one program with other inputs (the semaphores and the
