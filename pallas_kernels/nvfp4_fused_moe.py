@@ -29,7 +29,11 @@ gate/up programs end 6-9 us in (400 of them, 4 K steps each, the HBM shared with
 fetches); the kernel's 102 registers fit 4 programs an SM, so of its 720 programs ~190 down programs start only as
 gate/up programs leave, 9-13 us in, and fetch their weights then; a down program's wait, SwiGLU, 5 K steps and write
 take ~4 us after its block is ready. Prefetching the down weights into L2 from the gate/up programs (TMA prefetch)
-made the gate/up programs ~0.8 us slower and the down programs no faster.
+made the gate/up programs ~0.8 us slower and the down programs no faster. Session 34: with the counters passed on
+from call to call (as the model's layers pass them), 15.6 us at one token and 22.4-23.5 at two, against 16.7 /
+24.1 for the session-30 kernel with its zeroing kernel in the same calls (runs 2-3). The down tiles run by the
+gate/up programs instead (their weights fetched before the gate/up work, every program resident) lost at every
+token count (run 4: 17.8-18.2 us at one token).
 """
 
 from __future__ import annotations
