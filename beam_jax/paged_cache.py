@@ -146,8 +146,8 @@ class PagedKVCache:
             batch = dataclasses.replace(batch, moe_counters=fresh_counters())
         return dataclasses.replace(self, batch=batch)
 
-    def with_kernel_states(self, routing_state: Int[Array, " slots"], moe_counters: Int[Array, " slots"] | None = None
-                           ) -> PagedKVCache:
+    def with_kernel_states(self, routing_state: Int[Array, " slots"],
+                           moe_counters: Int[Array, " slots"] | None = None) -> PagedKVCache:
         """The step's batch with the routing state and MoE counters the last sparse layer returned (for the
         next one's)."""
         return dataclasses.replace(self, batch=dataclasses.replace(self.batch, routing_state=routing_state,
