@@ -125,8 +125,9 @@ def _add(counters, slot, amount, *, release: bool) -> None:
 def _wait_epoch(counters, slot) -> None:
     """Waits until a signals' counter (`slot`) is EPOCH past this call's start, acquiring what its signals released.
     The start is the waiters' counter (slot + 1) rounded down to a multiple of EPOCH, read before this program adds
-    to it (read just before the wait rather than at the program's start: 15.3-15.4 against 15.6-15.8 us at one
-    token, H200 session 34 run 8); unsigned differences, so a counter that wrapped around still counts."""
+    to it, here just before the wait (read by every thread just before it: 15.3-15.4 us at one token against
+    15.6-15.8 read at the program's start, H200 session 34 run 8; this form, in the waiting thread, 15.8 in run 9
+    on another machine, not compared in one run); unsigned differences, so a counter that wrapped still counts."""
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT))
     def wait(ctx, counters, slot):
         del ctx
