@@ -257,9 +257,10 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     (gate rows then up rows, `nm.pack_weights` with `gate_up_tile_k`; global scales `[E, 2 I]`) and the down weights
     (`down_tile_k` 64) -> `[8, H]` fp32, the routed experts' output of each token (rows past T zero). Settings as
     `grouped_matmul`'s: the gate/up GEMM's `splits` K splits, pipeline `stages`, `tile_n` rows a program and
-    `decode_chunks`; the down GEMM's. `counters`: int32 `[>= counter_slots(pairs)]`, from `fresh_counters()` or the
-    call before; then (output, counters) come back, for the next call (unset: the call zeroes its own, an XLA
-    kernel before this one). `compiler_params`: `plgpu.CompilerParams` for the kernel (e.g.
+    `decode_chunks`; the down GEMM's. `counters`: int32 `[slots]` from `fresh_counters()` or as the call before
+    returned them (other values break the waits: wrong sums or a hang); then (output, counters) come back, for the
+    next call. Unset, or with fewer than `counter_slots(pairs)` slots (returned untouched), the call zeroes its own
+    (an XLA kernel before this one). `compiler_params`: `plgpu.CompilerParams` for the kernel (e.g.
     Mosaic GPU's profiler, which records the named scopes of each program: benchmarks/moe/fused_timeline.py)."""
     tokens, hidden = x.shape
     experts, gu_steps, gu_rows, _ = gate_up_packed.shape
@@ -297,9 +298,10 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     down_tiles = hidden // down_tile_n
     gu_programs, down_programs = blocks * gu_programs_per_block, blocks * down_tiles
     slots = counter_slots(blocks)
-    if counters is not None and (counters.dtype != jnp.int32 or counters.ndim != 1 or counters.shape[0] < slots):
-        raise ValueError(f"counters must be int32 [>= {slots}] (`fresh_counters()` or a call's), got "
+    if counters is not None and (counters.dtype != jnp.int32 or counters.ndim != 1):
+        raise ValueError(f"counters must be int32 [slots] (`fresh_counters()` or a call's), got "
                          f"{counters.dtype}{list(counters.shape)}")
+    own = counters is None or counters.shape[0] < slots
     zero_columns = math.gcd(hidden, _ZERO_COLUMNS)
     zero_programs = hidden // zero_columns
     if gu_steps % splits or zero_programs > gu_programs:
@@ -442,10 +444,12 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
         grid_names=("p",),
         compiler_params=compiler_params,
     )
-    counters_ref = jax.new_ref(fresh_counters(slots) if counters is None else counters)
+    counters_ref = jax.new_ref(fresh_counters(slots) if own else counters)
     out, _ = call(pair_expert.astype(jnp.int32), pair_weight.astype(jnp.float32), x, gate_up_packed, gu_scales,
                   gate_up_global_scale, down_packed, down_scales, down_global_scale, counters_ref)
-    return out if counters is None else (out, jax.freeze(counters_ref))
+    if counters is None:
+        return out
+    return out, counters if own else jax.freeze(counters_ref)
 
 
 def fused_decode_moe_emulated(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales, gate_up_global_scale,
@@ -453,7 +457,7 @@ def fused_decode_moe_emulated(x, pair_expert, pair_weight, gate_up_packed, gate_
                               counters=None, **settings):
     """`fused_decode_moe`'s contract in plain jnp, from the kernel layouts (for CPU tests of the code that calls
     it): both GEMMs by `nm.grouped_matmul_emulated`, then the weighted sum with the kernel's rounding in `x`'s
-    dtype; `counters` come back as they came (the kernel leaves them zero)."""
+    dtype; `counters` come back as they came."""
     del settings
     tokens = x.shape[0]
     block_t, blocks, experts = 8, pair_expert.shape[0], gate_up_packed.shape[0]

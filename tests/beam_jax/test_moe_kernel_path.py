@@ -85,10 +85,14 @@ def test_gpu_forward_routes_as_the_reference(monkeypatch, tokens):
     prompt = np.array([17, 230, 5, 99, 3, 42, 7, 64, 120, 11, 8, 150])
     steps = [(jnp.asarray(prompt[None, s * tokens:(s + 1) * tokens]),
               jnp.arange(s * tokens, (s + 1) * tokens)[None]) for s in range(2)]
-    kernel_forward = jax.jit(forward, static_argnames=("config", "return_routing"))
+    # Each a function of its own: jit's trace cache keys on the function (a second `jax.jit(forward)` would reuse the
+    # kernel's trace, the patch ignored).
+    kernel_forward = jax.jit(lambda *args, **kwargs: forward(*args, **kwargs),
+                             static_argnames=("config", "return_routing"))
     got = [kernel_forward(params, t, p, config=config, return_routing=True).expert_indices for t, p in steps]
     monkeypatch.setattr(moe_module, "route", functools.partial(rt.routing, use_kernel=False))
-    reference_forward = jax.jit(forward, static_argnames=("config", "return_routing"))
+    reference_forward = jax.jit(lambda *args, **kwargs: forward(*args, **kwargs),
+                                static_argnames=("config", "return_routing"))
     for (t, p), g in zip(steps, got):
         want = reference_forward(params, t, p, config=config, return_routing=True).expert_indices
         assert len(g) == len(want) == config.mlp_layer_types.count(SPARSE)
@@ -104,7 +108,10 @@ def paged_one_token_steps(params, config, tokens=(17, 230, 5)):
     from serving.kv_cache import KVPool
     from serving.runner import layer_groups
 
-    paged_forward = jax.jit(forward, static_argnames=("config", "return_routing"))
+    # A function of its own each time: jit's trace cache keys on the function, and a caller that patches the model
+    # (the reference routing) between two calls must get a new trace.
+    paged_forward = jax.jit(lambda *args, **kwargs: forward(*args, **kwargs),
+                            static_argnames=("config", "return_routing"))
     pool = KVPool.from_config(config, 16, page_tokens=16)
     groups = range(len(pool.groups))
     cache = PagedKVCache.create(config, 16, 16, layer_groups(pool, config.num_hidden_layers), jnp.float32,

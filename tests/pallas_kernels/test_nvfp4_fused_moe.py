@@ -55,7 +55,7 @@ def test_fused_needs_shared_blocks_and_few_tokens():
 
 def test_counters_come_back_from_either_path():
     """`counters=`: (output, counters) from the fused layer (emulated) and from the two GEMMs, which leave them as
-    they are; counters too short or not int32 are refused."""
+    they are; counters that are not int32 `[slots]` are refused."""
     problem, (gate_up, down) = _layer_problem(4, 3, 256, 64, 16, 4, tile_k=128)
     counters = nfm.fresh_counters()
     for fused in (True, False):
@@ -65,7 +65,7 @@ def test_counters_come_back_from_either_path():
         assert back is counters
     x = problem[0]
     pairs = jnp.zeros(12, jnp.int32)
-    for bad in (jnp.zeros(nfm.counter_slots(12) - 1, jnp.int32), jnp.zeros(nfm.COUNTER_SLOTS, jnp.float32)):
+    for bad in (jnp.zeros((2, nfm.COUNTER_SLOTS), jnp.int32), jnp.zeros(nfm.COUNTER_SLOTS, jnp.float32)):
         with pytest.raises(ValueError, match="counters must be int32"):
             nfm.fused_decode_moe(x, pairs, jnp.zeros(12), gate_up.packed, gate_up.scales, gate_up.global_scale,
                                  down.packed, down.scales, down.global_scale, gate_up_tile_k=128, down_tile_k=64,
@@ -95,15 +95,25 @@ def test_lowers_for_cuda(tokens, splits, down_tile_n, row_chunks):
 
 def test_passed_counters_are_the_kernels_in_place():
     """Counters passed in are the kernel's own buffer (an input aliased to an output: no copy, no zeroing kernel);
-    without them the call makes zeroed ones."""
+    without them, or with too few, the call makes zeroed ones."""
     op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64)
     specs = _specs(256, 5120, 320, 2, 16)
-    passed = jax.jit(lambda *args: op(*args[:-1], counters=args[-1]), donate_argnums=9).trace(
-        *specs, jax.ShapeDtypeStruct((nfm.COUNTER_SLOTS,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-    own = jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+
+    def lowered(slots):
+        return jax.jit(lambda *args: op(*args[:-1], counters=args[-1]), donate_argnums=9).trace(
+            *specs, jax.ShapeDtypeStruct((slots,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+
+    def kernel_takes_the_passed_counters(text):
+        [call] = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+        return call.split("(", 1)[1].split(")", 1)[0].endswith("%arg9")
+
+    passed = lowered(nfm.COUNTER_SLOTS)
+    assert kernel_takes_the_passed_counters(passed) and "broadcast_in_dim" not in passed
     assert f"tensor<{nfm.COUNTER_SLOTS}xi32> {{tf.aliasing_output = 1 : i32}}" in passed
-    assert "broadcast_in_dim" not in passed
-    assert "broadcast_in_dim" in own
+    assert "broadcast_in_dim" in jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    # Too few slots for the call's 16 pairs: it zeroes its own, and the ones passed come back untouched.
+    short = lowered(nfm.counter_slots(16) - 1)
+    assert not kernel_takes_the_passed_counters(short) and "broadcast_in_dim" in short
 
 
 def test_hidden_sizes_of_64_row_tiles_lower_for_cuda():
