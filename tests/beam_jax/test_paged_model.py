@@ -389,20 +389,27 @@ class _Spy:
         return self.fn(*args, **kwargs)
 
 
-def test_moe_counters_go_from_layer_to_layer(params, monkeypatch):
-    """A paged step makes the one-launch MoE kernel's counters once (`with_batch`) and every sparse layer's experts
-    get the counters the layer before returned (`PagedBatch.moe_counters`): experts that return them plus one
-    leave the step's batch with one count per sparse layer."""
+def test_kernel_states_go_from_layer_to_layer(params, monkeypatch):
+    """A paged step makes the routing kernel's state and the one-launch MoE kernel's counters once (`with_batch`),
+    and every sparse layer gets the ones the layer before returned (`PagedBatch.routing_state`, `.moe_counters`): a
+    routing and experts that return theirs plus one leave the step's batch with one count per sparse layer (the
+    real kernels return the state as they found it and the counters an epoch further)."""
     from beam_jax.layers import moe as moe_module
     from pallas_kernels import nvfp4_fused_moe as nfm
+    from pallas_kernels import routing as rt
 
-    seen = []
+    seen_states, seen_counters = [], []
     compute = moe_module.compute_experts
 
+    def counting_route(*args, state=None, **kwargs):
+        seen_states.append(state)
+        return (*rt.routing(*args, use_kernel=False, **kwargs), state + 1)
+
     def counting_experts(*args, counters=None, **kwargs):
-        seen.append(counters)
+        seen_counters.append(counters)
         return compute(*args, **kwargs), counters + 1
 
+    monkeypatch.setattr(moe_module, "route", counting_route)
     monkeypatch.setattr(moe_module, "compute_experts", counting_experts)
     pool = KVPool.from_config(CONFIG, NUM_PAGES, page_tokens=PAGE)
     pool.allocate(0, 3)
@@ -412,39 +419,13 @@ def test_moe_counters_go_from_layer_to_layer(params, monkeypatch):
                                          for g in range(len(pool.groups))),
                        slot_mappings=tuple(jnp.asarray(pool.page_table(0, g)[0] * PAGE + np.arange(3), jnp.int32)
                                            for g in range(len(pool.groups))))
-    # A function of its own: jit's cache keys on it, and a trace with the patched experts must not serve other tests.
+    # A function of its own: jit's trace cache keys on the function, and a trace with these patches must not
+    # serve other tests (nor theirs this one).
     out = jax.jit(lambda *args, **kwargs: forward(*args, **kwargs), static_argnames="config")(
         params, jnp.array([[5, 6, 7]]), jnp.array([[0, 1, 2]]), cache.with_batch(batch), config=CONFIG)
     sparse_layers = CONFIG.mlp_layer_types.count(SPARSE)
-    assert len(seen) == sparse_layers and all(c.shape == (nfm.COUNTER_SLOTS,) for c in seen)
-    np.testing.assert_array_equal(np.asarray(out.cache.batch.moe_counters), sparse_layers)
-
-
-def test_routing_state_goes_from_layer_to_layer(params, monkeypatch):
-    """A paged step makes the routing kernel's state once (`with_batch`) and every sparse layer routes with the
-    state the layer before returned (`PagedBatch.routing_state`): a routing that returns its state plus one
-    leaves the step's batch with one count per sparse layer over `UNWRITTEN` (the real kernel returns it as it
-    found it)."""
-    from beam_jax.layers import moe as moe_module
-    from pallas_kernels import routing as rt
-
-    seen = []
-
-    def counting_route(*args, state=None, **kwargs):
-        seen.append(state)
-        return (*rt.routing(*args, use_kernel=False, **kwargs), state + 1)
-
-    monkeypatch.setattr(moe_module, "route", counting_route)
-    pool = KVPool.from_config(CONFIG, NUM_PAGES, page_tokens=PAGE)
-    pool.allocate(0, 3)
-    cache = PagedKVCache.create(CONFIG, NUM_PAGES, PAGE, layer_groups(pool, CONFIG.num_hidden_layers), jnp.float32)
-    batch = PagedBatch(query_start=jnp.array([0, 3], jnp.int32), seq_lens=jnp.array([3], jnp.int32),
-                       page_tables=tuple(jnp.asarray(pool.page_tables([0], g, max_pages=MAX_PAGES))
-                                         for g in range(len(pool.groups))),
-                       slot_mappings=tuple(jnp.asarray(pool.page_table(0, g)[0] * PAGE + np.arange(3), jnp.int32)
-                                           for g in range(len(pool.groups))))
-    out = jax.jit(forward, static_argnames="config")(params, jnp.array([[5, 6, 7]]), jnp.array([[0, 1, 2]]),
-                                                      cache.with_batch(batch), config=CONFIG)
-    sparse_layers = CONFIG.mlp_layer_types.count(SPARSE)
-    assert len(seen) == sparse_layers and all(s.shape == (rt.STATE_SLOTS,) for s in seen)
+    assert len(seen_states) == len(seen_counters) == sparse_layers
+    assert all(s.shape == (rt.STATE_SLOTS,) for s in seen_states)
+    assert all(c.shape == (nfm.COUNTER_SLOTS,) for c in seen_counters)
     np.testing.assert_array_equal(np.asarray(out.cache.batch.routing_state), rt.UNWRITTEN + sparse_layers)
+    np.testing.assert_array_equal(np.asarray(out.cache.batch.moe_counters), sparse_layers)
