@@ -298,7 +298,9 @@ class MoE(nnx.Module):
         the layer before (`PagedBatch.moe_counters`); then the counters for the next layer come last."""
         flat = x.reshape(-1, x.shape[-1])
         weights, indices, *state = self.gate(flat, num_tokens, routing_state)
-        out = self.experts(flat, weights, indices, moe_counters)
-        out, *counters = (out,) if moe_counters is None else out
+        if moe_counters is None:
+            out, counters = self.experts(flat, weights, indices), ()
+        else:
+            out, *counters = self.experts(flat, weights, indices, moe_counters)
         out = out.astype(jnp.float32) * self.routed_scaling_factor
         return out.astype(x.dtype).reshape(x.shape), indices, *state, *counters
