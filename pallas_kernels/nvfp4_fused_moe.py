@@ -202,11 +202,12 @@ def _swiglu_activations(splits: int, block_t: int, intermediate: int):
     return body
 
 
-def _store_weighted_transposed(tile_n: int, block_t: int, tokens: int):
+def _store_weighted_transposed(tile_n: int, block_t: int, tokens: int, rounded: bool = True):
     """inline_mgpu body: the down GEMM's fp32 accumulator [tile_n, block_t] (WGMMA layout) -> smem [block_t,
     tile_n] fp32: each value times OUTPUT_FACTOR and its row's global scale, rounded to bf16 (the expert's
     output), times its token's routing weight and rounded to bf16 again (the pair's output, as
-    `moe_gemm_reference`); rows past `tokens` zero."""
+    `moe_gemm_reference`); rows past `tokens` zero. Not `rounded`: the same in fp32 (a part of the pair's output,
+    which the reference rounds only whole)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, memref, vector
     from jax.experimental.mosaic.gpu import utils
@@ -214,7 +215,7 @@ def _store_weighted_transposed(tile_n: int, block_t: int, tokens: int):
     def body(ctx, acc, out_ref, scale_ref, *token_weights):
         del ctx
         index, f32, bf16 = ir.IndexType.get(), ir.F32Type.get(), ir.BF16Type.get()
-        round_bf16 = lambda v: arith.extf(f32, arith.truncf(bf16, v))  # noqa: E731
+        round_bf16 = (lambda v: arith.extf(f32, arith.truncf(bf16, v))) if rounded else (lambda v: v)  # noqa: E731
         weights = [w.registers.item() for w in token_weights]
         row0, lane = nm._thread_place()
         col0 = arith.muli(arith.remui(lane, utils.c(4, index)), utils.c(2, index))

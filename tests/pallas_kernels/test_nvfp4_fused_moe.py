@@ -245,3 +245,42 @@ def test_fused_expert_parallel_share_on_gpu(tokens):
     got = jax.jit(functools.partial(nmm.moe_nvfp4, expert_offset=128, fused=True))(
         x, weights, ids, *nmm.kernel_experts(*share))
     _assert_layer_close((x, weights, ids, *share), got, expert_offset=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,splits", [(1, 5), (1, 10), (1, 20), (2, 5), (7, 5)])
+def test_group_programs_match_reference_on_gpu(tokens, splits):
+    """`fused_programs="groups"` (`nvfp4_group_fused_moe`): Beam's TP8 expert shape, the same call twice in one
+    program with other inputs; at 2 and 7 tokens more programs than the GPU holds at once."""
+    problem, (gate_up, down) = _layer_problem(tokens + 600, tokens, 5120, 320, 256, 8, tile_k=256)
+    layer = functools.partial(nmm.moe_nvfp4, fused=True, fused_programs="groups", gate_up_splits=splits)
+    twice = jax.jit(lambda *args: (layer(*args), layer(args[0] * 2, *args[1:])))
+    once, doubled = twice(*problem[:3], gate_up, down)
+    _assert_layer_close(problem, once)
+    _assert_layer_close((problem[0] * 2, *problem[1:]), doubled)
+
+
+@pytest.mark.gpu
+def test_group_programs_pass_counters_and_skip_pairs_on_gpu():
+    """The group kernel's counters passed through four one-token calls (the third with its pair ids -1: skipped)
+    and a padded bucket of 4 tokens with 3 real: each as the reference, skipped rows zero."""
+    problem, (gate_up, down) = _layer_problem(800, 4, 5120, 320, 256, 8, tile_k=256)
+    x, weights, ids = problem[:3]
+    layer = functools.partial(nmm.moe_nvfp4, fused=True, fused_programs="groups")
+
+    def chain(x, weights, ids, gate_up, down, counters):
+        outs = []
+        for t, skipped in ((0, False), (1, False), (2, True), (3, False)):
+            picked = jnp.full_like(ids[t:t + 1], -1) if skipped else ids[t:t + 1]
+            out, counters = layer(x[t:t + 1], weights[t:t + 1], picked, gate_up, down, counters=counters)
+            outs.append(out)
+        return outs, layer(x, weights, ids.at[3:].set(-1), gate_up, down)
+
+    outs, bucket = jax.jit(chain, donate_argnums=5)(x, weights, ids, gate_up, down, nfm.fresh_counters())
+    for t, out in enumerate(outs):
+        if t == 2:
+            np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+        else:
+            _assert_layer_close((x[t:t + 1], weights[t:t + 1], ids[t:t + 1], *problem[3:]), out)
+    np.testing.assert_array_equal(np.asarray(bucket[3:], np.float32), 0.0)
+    _assert_layer_close((x[:3], weights[:3], ids[:3], *problem[3:]), bucket[:3])
