@@ -23,8 +23,6 @@ programs finish; the caller rounds once.
 from __future__ import annotations
 
 import functools
-import math
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -78,11 +76,6 @@ def fused_group_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales,
         raise ValueError(f"counters must be int32 [slots] (`fresh_counters()` or a call's), got "
                          f"{counters.dtype}{list(counters.shape)}")
     own = counters is None or counters.shape[0] < slots
-    zero_columns = math.gcd(hidden, nfm._ZERO_COLUMNS)
-    zero_programs = hidden // zero_columns
-    if zero_programs > programs:
-        raise ValueError(f"the {zero_programs} zeroing programs must fit in the {programs} programs")
-
     gu_in_specs, gu_stage, gu_decodes, gu_store = nm._tile_programs(
         2 * GROUP, gate_up_tile_k, block_t, False, False, gate_up_decode_chunks, paired_steps=gu_steps)
     down_in_specs, down_stage, down_decodes, _ = nm._tile_programs(
@@ -113,30 +106,11 @@ def fused_group_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales,
     def kernel(pair_expert_gmem, pair_weight_gmem, x_gmem, gu_packed_gmem, gu_scales_gmem, gu_global_gmem,
                down_packed_gmem, down_scales_gmem, down_global_gmem, counters_gmem, out_gmem, sums_gmem):
         p = jax.lax.axis_index("p")
-
-        @pl.when(p < zero_programs)
-        def _():
-            def zero(zero_smem):
-                zero_smem[...] = jnp.zeros(zero_smem.shape, jnp.float32)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(zero_smem, out_gmem.at[:, pl.ds(p * zero_columns, zero_columns)])
-                plgpu.wait_smem_to_gmem(0)
-            pl.run_scoped(zero, plgpu.SMEM((block_t, zero_columns), jnp.float32))
-            nfm._async_proxy_fence()
-            nfm._add(counters_gmem, nfm._ZEROED, nfm._share(p, zero_programs), release=True)
-
         q, s = p // splits, p % splits  # group q (pair b, its columns g) and split s
         b, g = q // per_pair, q % per_pair
         expert = pair_expert_gmem[b]
-        computed = (expert >= 0) & (expert < experts)
-        pass_zeroed = functools.partial(nfm._add, counters_gmem, nfm._ZEROED + 1, nfm._share(p, programs),
-                                        release=False)
 
-        @pl.when(~computed)
-        def _():
-            pass_zeroed()  # every program passes, so the waiters' counter grows by EPOCH a call
-
-        @pl.when(computed)
+        @pl.when((expert >= 0) & (expert < experts))  # (a skipped pair's rows are not written: the caller drops them)
         def _():
             token = b // top_k
 
@@ -193,14 +167,10 @@ def fused_group_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales,
                     plgpu.barrier_wait(scale_barrier)
                     weighted_store(acc, out_smem, scale_smem, *token_weights)
                     plgpu.commit_smem()
-                    nfm._wait_epoch(counters_gmem, nfm._ZEROED)
-                    pass_zeroed()
-                    nfm._async_proxy_fence()
-                    for c in chunks:  # the token's row only: the pair's other rows are zero
+                    for c in chunks:  # the token's row: the group's part of the pair's output
                         plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(token, 1), c],
-                                                out_gmem.at[pl.ds(token, 1), pl.ds(s * down_rows + c.start, c.size)],
-                                                reduction_op="add")
-                    plgpu.wait_smem_to_gmem(0)
+                                                out_gmem.at[pl.ds(q, 1), pl.ds(s * down_rows + c.start, c.size)])
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             pl.run_scoped(down, plgpu.SMEM((block_t, down_rows), jnp.float32),
                           plgpu.SMEM((down_rows * down_tile_k // 16,), jnp.uint32),
@@ -208,15 +178,20 @@ def fused_group_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales,
 
     call = plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((block_t, hidden), jnp.float32),
+        out_type=(jax.ShapeDtypeStruct((groups, hidden), jnp.float32),
                   jax.ShapeDtypeStruct((splits, groups * block_t, 2 * GROUP), jnp.float32)),
         grid=(programs,),
         grid_names=("p",),
         compiler_params=compiler_params,
     )
     counters_ref = jax.new_ref(nfm.fresh_counters(slots) if own else counters)
-    out, _ = call(pair_expert.astype(jnp.int32), pair_weight.astype(jnp.float32), x, gu_packed, gu_scales,
-                  gate_up_global_scale, down_packed, down_scales, down_global_scale, counters_ref)
+    parts, _ = call(pair_expert.astype(jnp.int32), pair_weight.astype(jnp.float32), x, gu_packed, gu_scales,
+                    gate_up_global_scale, down_packed, down_scales, down_global_scale, counters_ref)
+    # A token's output: the parts of its pairs' groups (XLA, with the caller's conversion); skipped pairs' parts
+    # were not written.
+    computed = (pair_expert >= 0) & (pair_expert < experts)
+    parts = jnp.where(jnp.repeat(computed, per_pair)[:, None], parts, 0.0)
+    out = jnp.pad(parts.reshape(tokens, top_k * per_pair, hidden).sum(1), ((0, block_t - tokens), (0, 0)))
     if counters is None:
         return out
     return out, counters if own else jax.freeze(counters_ref)
