@@ -10,15 +10,14 @@ and one grid holds two kinds of programs:
   partial sums), each counting itself done on its block's counter once its sums are written;
 - down programs: fetch their weight steps, wait on their block's counter, add the partial sums of their pair's
   token row and apply the global scales and SwiGLU into their activation tiles themselves, run the down GEMM, and
-  add their tile, times the expert's global scale and each token's routing weight, into the fp32 output by a TMA
-  reduction.
+  write their tile of the pair's row, times the expert's global scale and the routing weight, to the fp32 output
+  `[pairs, H]`; XLA adds a token's pairs after the kernel, in the kernel that converts the output for the caller.
 A down program waits only on programs earlier in the grid, which the GPU starts first, so its wait cannot
-keep them from running (the assumption CUTLASS's stream-K fix-up makes too). The first programs zero the
-output before anything is added to it, and count that on a counter the down programs wait on as well. The
-counters (global int32; the release / acquire of Mosaic GPU's semaphores) count in epochs (EPOCH, below), so a
-caller can pass them on to the next call instead of zeroing fresh ones (`counters=`).
-Rounding follows `moe_gemm_reference` but for the sum: a pair's output is rounded to bf16, weighted and rounded
-again, then the pairs are added in fp32 (in the order their programs finish) and the caller rounds once.
+keep them from running (the assumption CUTLASS's stream-K fix-up makes too). The counters (global int32; the
+release / acquire of Mosaic GPU's semaphores) count in epochs (EPOCH, below), so a caller can pass them on to the
+next call instead of zeroing fresh ones (`counters=`).
+Rounding follows `moe_gemm_reference`: a pair's output is rounded to bf16, weighted and rounded again, the pairs
+added in fp32 and the caller rounds once.
 
 H200 (RESULTS.md, session 29): 16.2-16.3 us at one token against 18.7-18.9 for the six launches (spans: an XLA
 zeroing of the semaphores, this kernel, the output's conversion to bf16). Session 30 (runs 3-6): with a block a
@@ -33,13 +32,13 @@ made the gate/up programs ~0.8 us slower and the down programs no faster. Sessio
 from call to call (as the model's layers pass them), 15.6 us at one token and 22.4-23.5 at two, against 16.7 /
 24.1 for the session-30 kernel with its zeroing kernel in the same calls (runs 2-3). The down tiles run by the
 gate/up programs instead (their weights fetched before the gate/up work, every program resident) lost at every
-token count (run 4: 17.8-18.2 us at one token).
+token count (run 4: 17.8-18.2 us at one token). Session 35 (run 4): the pairs' rows written as they are and added by
+XLA, where the first programs zeroed the output and the down programs waited for that before a TMA reduction into it:
+15.1-15.2 / 21.7-21.8 / 32.8 / 53.0 us at 1 / 2 / 4 / 7 tokens against 15.5-15.6 / 23.2-23.3 / 34.4 / 54.6.
 """
 
 from __future__ import annotations
 
-import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +48,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import nvfp4_mgpu as nm
 
 _X_ROW_BYTES = 128  # the down GEMM's activation tile rows: tile_k 64 bf16, one 128-byte swizzled row
-_ZERO_COLUMNS = 256  # TMA's largest box side
 
 
 def _async_proxy_fence():
@@ -73,13 +71,12 @@ def _async_proxy_fence():
 # counter is EPOCH past that. (Taking a ticket back to zero instead made the kernel 0.5-1.2 us slower: H200,
 # session 34 run 1.)
 EPOCH = 1 << 16  # a power of two, so that the counters' wrap-around keeps whole epochs
-_ZEROED = 0  # zeroing programs' signals (the output is zero), then down programs' passes
-_READY = 2  # block b's gate/up programs' signals at _READY + 2 b, its down programs' passes after it
+# Block b's gate/up programs signal on slot 2 b, its down programs pass on slot 2 b + 1.
 
 
 def counter_slots(blocks: int) -> int:
     """Slots of the counters for `blocks` pairs."""
-    return _READY + 2 * blocks
+    return 2 * blocks
 
 
 COUNTER_SLOTS = counter_slots(8 * 8)  # enough for the kernel's largest call: 8 tokens, top-8
@@ -202,12 +199,11 @@ def _swiglu_activations(splits: int, block_t: int, intermediate: int):
     return body
 
 
-def _store_weighted_transposed(tile_n: int, block_t: int, tokens: int, rounded: bool = True):
+def _store_weighted_transposed(tile_n: int, block_t: int, tokens: int):
     """inline_mgpu body: the down GEMM's fp32 accumulator [tile_n, block_t] (WGMMA layout) -> smem [block_t,
     tile_n] fp32: each value times OUTPUT_FACTOR and its row's global scale, rounded to bf16 (the expert's
     output), times its token's routing weight and rounded to bf16 again (the pair's output, as
-    `moe_gemm_reference`); rows past `tokens` zero. Not `rounded`: the same in fp32 (a part of the pair's output,
-    which the reference rounds only whole)."""
+    `moe_gemm_reference`); rows past `tokens` zero."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, memref, vector
     from jax.experimental.mosaic.gpu import utils
@@ -215,7 +211,7 @@ def _store_weighted_transposed(tile_n: int, block_t: int, tokens: int, rounded: 
     def body(ctx, acc, out_ref, scale_ref, *token_weights):
         del ctx
         index, f32, bf16 = ir.IndexType.get(), ir.F32Type.get(), ir.BF16Type.get()
-        round_bf16 = (lambda v: arith.extf(f32, arith.truncf(bf16, v))) if rounded else (lambda v: v)  # noqa: E731
+        round_bf16 = lambda v: arith.extf(f32, arith.truncf(bf16, v))  # noqa: E731
         weights = [w.registers.item() for w in token_weights]
         row0, lane = nm._thread_place()
         col0 = arith.muli(arith.remui(lane, utils.c(4, index)), utils.c(2, index))
@@ -303,11 +299,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
         raise ValueError(f"counters must be int32 [slots] (`fresh_counters()` or a call's), got "
                          f"{counters.dtype}{list(counters.shape)}")
     own = counters is None or counters.shape[0] < slots
-    zero_columns = math.gcd(hidden, _ZERO_COLUMNS)
-    zero_programs = hidden // zero_columns
-    if gu_steps % splits or zero_programs > gu_programs:
-        raise ValueError(f"splits={splits} must divide gate/up's {gu_steps} K steps, and the {zero_programs} "
-                         f"zeroing programs fit in its {gu_programs} programs")
+    if gu_steps % splits:
+        raise ValueError(f"splits={splits} must divide gate/up's {gu_steps} K steps")
     gu_in_specs, gu_stage, gu_decodes, gu_store = nm._tile_programs(
         gate_up_tile_n, gate_up_tile_k, block_t, False, False, gate_up_decode_chunks)
     down_line_box = down_tile_k // 2 < nm._LINE
@@ -353,17 +346,6 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
 
         @pl.when(p < gu_programs)
         def _():
-            @pl.when(p < zero_programs)
-            def _():
-                def zero(zero_smem):
-                    zero_smem[...] = jnp.zeros(zero_smem.shape, jnp.float32)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(zero_smem, out_gmem.at[:, pl.ds(p * zero_columns, zero_columns)])
-                    plgpu.wait_smem_to_gmem(0)
-                pl.run_scoped(zero, plgpu.SMEM((block_t, zero_columns), jnp.float32))
-                _async_proxy_fence()
-                _add(counters_gmem, _ZEROED, _share(p, zero_programs), release=True)
-
             b, rest = p // gu_programs_per_block, p % gu_programs_per_block
             ni, si = rest // splits, rest % splits
             expert = pair_expert_gmem[b]
@@ -383,21 +365,15 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                 pl.run_scoped(scoped, plgpu.SMEM((block_t, gate_up_tile_n), jnp.float32),
                               plgpu.SMEM((gate_up_tile_n * gate_up_tile_k // 16,), jnp.uint32))
                 _async_proxy_fence()
-                _add(counters_gmem, _READY + 2 * b, _share(rest, gu_programs_per_block), release=True)
+                _add(counters_gmem, 2 * b, _share(rest, gu_programs_per_block), release=True)
 
         @pl.when(p >= gu_programs)
         def _():
             q = p - gu_programs
             b, ni = q // down_tiles, q % down_tiles
             expert = pair_expert_gmem[b]
-            computed = (expert >= 0) & (expert < experts)
-            pass_zeroed = functools.partial(_add, counters_gmem, _ZEROED + 1, _share(q, down_programs), release=False)
 
-            @pl.when(~computed)
-            def _():
-                pass_zeroed()  # every down program passes, so the waiters' counter grows by EPOCH a call
-
-            @pl.when(computed)
+            @pl.when((expert >= 0) & (expert < experts))  # (a skipped pair's row is not written: the caller drops it)
             def _():
                 weight = pair_weight_gmem[b]  # its token's row gets it, the other rows none
                 token_weights = [jnp.where(b // top_k == t, weight, 0.0) for t in range(tokens)]
@@ -409,8 +385,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
 
                     def fill_activations(x_buf):
                         with jax.named_scope("down_wait"):
-                            _wait_epoch(counters_gmem, _READY + 2 * b)
-                            _add(counters_gmem, _READY + 2 * b + 1, _share(ni, down_tiles), release=False)
+                            _wait_epoch(counters_gmem, 2 * b)
+                            _add(counters_gmem, 2 * b + 1, _share(ni, down_tiles), release=False)
                             _async_proxy_fence()
                         with jax.named_scope("down_swiglu"):
                             fill(sums_gmem, x_buf, b * block_t, b // top_k, gate_scale, up_scale)
@@ -426,12 +402,10 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                         plgpu.barrier_wait(scale_barrier)
                         weighted_store(acc, out_smem, scale_smem, *token_weights)
                         plgpu.commit_smem()
-                        _wait_epoch(counters_gmem, _ZEROED)
-                        pass_zeroed()
-                        _async_proxy_fence()
-                        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[:, pl.ds(ni * down_tile_n, down_tile_n)],
-                                                reduction_op="add")
-                        plgpu.wait_smem_to_gmem(0)
+                        # The pair's row (its token's row of the tile): rows of its own, no zeroing or reduction.
+                        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(b // top_k, 1)],
+                                                out_gmem.at[pl.ds(b, 1), pl.ds(ni * down_tile_n, down_tile_n)])
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
                 pl.run_scoped(scoped, plgpu.SMEM((block_t, down_tile_n), jnp.float32),
                               plgpu.SMEM((down_tile_n * down_tile_k // 16,), jnp.uint32),
@@ -439,15 +413,20 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
 
     call = plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((block_t, hidden), jnp.float32),
+        out_type=(jax.ShapeDtypeStruct((blocks, hidden), jnp.float32),
                   jax.ShapeDtypeStruct((splits, blocks * block_t, gu_rows), jnp.float32)),
         grid=(gu_programs + down_programs,),
         grid_names=("p",),
         compiler_params=compiler_params,
     )
     counters_ref = jax.new_ref(fresh_counters(slots) if own else counters)
-    out, _ = call(pair_expert.astype(jnp.int32), pair_weight.astype(jnp.float32), x, gate_up_packed, gu_scales,
-                  gate_up_global_scale, down_packed, down_scales, down_global_scale, counters_ref)
+    pair_out, _ = call(pair_expert.astype(jnp.int32), pair_weight.astype(jnp.float32), x, gate_up_packed, gu_scales,
+                       gate_up_global_scale, down_packed, down_scales, down_global_scale, counters_ref)
+    # A token's pairs added by XLA (in the kernel that converts the output for the caller); skipped pairs' rows were
+    # not written.
+    computed = (pair_expert >= 0) & (pair_expert < experts)
+    out = jnp.where(computed[:, None], pair_out, 0.0).reshape(tokens, top_k, hidden).sum(1)
+    out = jnp.pad(out, ((0, block_t - tokens), (0, 0)))
     if counters is None:
         return out
     return out, counters if own else jax.freeze(counters_ref)

@@ -29,7 +29,6 @@ import numpy as np
 
 from pallas_kernels import moe_gemm as mg
 from pallas_kernels import nvfp4_fused_moe as nfm
-from pallas_kernels import nvfp4_group_fused_moe as ngm
 from pallas_kernels import nvfp4_mgpu as nm
 from pallas_kernels import row_gather as rg
 
@@ -224,15 +223,14 @@ def default_config(tokens: int) -> dict:
 
 
 def _fused_layer(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, expert_offset, matmul, counters,
-                 programs: str, **settings):
+                 **settings):
     """`moe_nvfp4(fused=True)`: `nfm.fused_decode_moe` on the pairs as they are (the kernel skips ids outside its
     experts: other devices' and masked pairs); no XLA kernel before it but the expert offset's subtraction
     (shared-row blocks of distinct experts, built by four XLA kernels, took ~4 us more at 2-4 tokens, session 30
     run 3)."""
     block_expert = ids.reshape(-1) if expert_offset is None else ids.reshape(-1) - expert_offset
     # The emulated GEMM (CPU tests) takes the emulated layer.
-    kernel = nfm.fused_decode_moe if programs == "tiles" else ngm.fused_group_moe
-    fused_layer = kernel if matmul is nm.grouped_matmul else nfm.fused_decode_moe_emulated
+    fused_layer = nfm.fused_decode_moe if matmul is nm.grouped_matmul else nfm.fused_decode_moe_emulated
     out = fused_layer(x, block_expert, weights.reshape(-1), gate_up.packed, gate_up.scales, gate_up.global_scale,
                       down.packed, down.scales, down.global_scale, gate_up_tile_k=gate_up.tile_k,
                       down_tile_k=down.tile_k, counters=counters, **settings)
@@ -250,7 +248,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
               down_decode_row_chunks: int | None = None, gate_up_swiglu: bool | None = None,
               staging_buffers: int | None = None, opened_program: dict | None = None, pdl: bool | None = None,
               expert_offset: int | jax.Array | None = None, fused: bool | None = None,
-              counters: jax.Array | None = None, fused_programs: str = "tiles", matmul=nm.grouped_matmul):
+              counters: jax.Array | None = None, matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
     (`_shared_blocks`; its blocks have T rows rounded up to 8, whatever `block_t` says), "sort"
@@ -285,13 +283,10 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         if block_builder != "shared":
             raise ValueError(f"fused needs shared-row blocks (block_builder='shared'), got {block_builder!r}")
         # The fused kernel's own defaults where unset (its programs differ from the two GEMMs').
-        settings = dict(splits=gate_up_splits, gate_up_decode_chunks=gate_up_decode_chunks)
-        if fused_programs == "tiles":
-            settings.update(gate_up_stages=gate_up_stages, gate_up_tile_n=gate_up_tile_n, down_stages=down_stages,
-                            down_tile_n=down_tile_n, down_decode_row_chunks=down_decode_row_chunks)
-        elif fused_programs != "groups":
-            raise ValueError(f"fused_programs must be 'tiles' or 'groups', got {fused_programs!r}")
-        return _fused_layer(x, weights, ids, gate_up, down, expert_offset, matmul, counters, fused_programs,
+        settings = dict(splits=gate_up_splits, gate_up_stages=gate_up_stages, gate_up_tile_n=gate_up_tile_n,
+                        gate_up_decode_chunks=gate_up_decode_chunks, down_stages=down_stages, down_tile_n=down_tile_n,
+                        down_decode_row_chunks=down_decode_row_chunks)
+        return _fused_layer(x, weights, ids, gate_up, down, expert_offset, matmul, counters,
                             **{key: value for key, value in settings.items() if value is not None})
     block_t = config["block_t"] if block_t is None else block_t
     if gate_up_splits is None:  # the default, where it divides gate/up's K steps (else fewer)

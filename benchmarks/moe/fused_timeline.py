@@ -27,7 +27,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 import bench  # noqa: E402
 
 from pallas_kernels import nvfp4_fused_moe as nfm  # noqa: E402
-from pallas_kernels import nvfp4_group_fused_moe as ngm  # noqa: E402
 
 
 def run(tokens: int, settings: dict, profile_dir: str):
@@ -39,12 +38,9 @@ def run(tokens: int, settings: dict, profile_dir: str):
     os.makedirs(profile_dir, exist_ok=True)
     params = plgpu.CompilerParams(profile_space=32, profile_dir=profile_dir)
 
-    settings = dict(settings)
-    kernel = ngm.fused_group_moe if settings.pop("programs", "tiles") == "groups" else nfm.fused_decode_moe
-
     @jax.jit
     def layer(x, w, ids, gate_up, down_k):
-        return kernel(x, ids.reshape(-1), w.reshape(-1), gate_up.packed, gate_up.scales,
+        return nfm.fused_decode_moe(x, ids.reshape(-1), w.reshape(-1), gate_up.packed, gate_up.scales,
                                     gate_up.global_scale, down_k.packed, down_k.scales, down_k.global_scale,
                                     gate_up_tile_k=gate_up.tile_k, down_tile_k=down_k.tile_k, compiler_params=params,
                                     **settings)
@@ -90,8 +86,7 @@ def summarize(trace_file: str, clock_ghz: float) -> dict:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=1)
-    parser.add_argument("--settings", default="{}", help="fused_decode_moe settings (JSON); "
-                        '"programs": "groups" times nvfp4_group_fused_moe with the rest')
+    parser.add_argument("--settings", default="{}", help="fused_decode_moe settings (JSON)")
     parser.add_argument("--clock-ghz", type=float, default=1.98)
     args = parser.parse_args()
     out = os.environ.get("OUT", ".")
