@@ -122,9 +122,9 @@ def _add(counters, slot, amount, *, release: bool) -> None:
 def _wait_epoch(counters, slot) -> None:
     """Waits until a signals' counter (`slot`) is EPOCH past this call's start, acquiring what its signals released.
     The start is the waiters' counter (slot + 1) rounded down to a multiple of EPOCH, read before this program adds
-    to it, here just before the wait (read by every thread just before it: 15.3-15.4 us at one token against
-    15.6-15.8 read at the program's start, H200 session 34 run 8; this form, in the waiting thread, 15.8 in run 9
-    on another machine, not compared in one run); unsigned differences, so a counter that wrapped still counts."""
+    to it, here by the waiting thread just before the wait (read by every thread instead: equal within 0.1 us at 1-2
+    tokens, H200 session 35 run 8; both faster than a read at the program's start, session 34 run 8); unsigned
+    differences, so a counter that wrapped still counts."""
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT))
     def wait(ctx, counters, slot):
         del ctx
