@@ -39,7 +39,6 @@ XLA, where the first programs zeroed the output and the down programs waited for
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl

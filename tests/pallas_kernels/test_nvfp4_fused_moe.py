@@ -196,9 +196,9 @@ def test_fused_layer_matches_reference_on_gpu(tokens, settings):
 @pytest.mark.gpu
 def test_counters_passed_from_call_to_call_on_gpu():
     """The counters passed on through five calls in one program, as a model's layers pass them: 1, 5, 3 and 2 tokens
-    and 7 with every pair skipped (ids -1: no counter used), from counters one epoch
-    below wrapping around. Each call matches the reference (the skipped one is zero), and each counter comes back
-    grown by EPOCH a call that used it: its signals' and its waiters' alike."""
+    and 7 with every pair skipped (ids -1: no counter used), from counters one epoch below wrapping around. Each call
+    matches the reference (the skipped one is zero), and each counter comes back grown by EPOCH a call that used it:
+    its signals' and its waiters' alike."""
     problem, (gate_up, down) = _layer_problem(700, 7, 5120, 320, 256, 8, tile_k=256)
     x, weights, ids = problem[:3]
     plan = ((1, False), (5, False), (7, True), (3, False), (2, False))
@@ -249,4 +249,3 @@ def test_fused_expert_parallel_share_on_gpu(tokens):
     got = jax.jit(functools.partial(nmm.moe_nvfp4, expert_offset=128, fused=True))(
         x, weights, ids, *nmm.kernel_experts(*share))
     _assert_layer_close((x, weights, ids, *share), got, expert_offset=128)
-
