@@ -245,7 +245,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                      splits: int | None = None, gate_up_stages: int = 2, gate_up_tile_n: int = 64,
                      gate_up_decode_chunks: int | None = None, down_stages: int = 5,
                      down_tile_n: int | None = None,
-                     down_decode_row_chunks: int = 1, counters=None, compiler_params=None):
+                     down_decode_row_chunks: int = 1, down_overlap: bool | None = None, counters=None,
+                     compiler_params=None):
     """`x [T, H]` bf16 (T <= 8), `pair_expert [T * top_k]` int32 (token t's picks from t * top_k on; an expert
     outside [0, E): skip the pair) and `pair_weight [T * top_k]` fp32, its routing weights. Each pair is a block of
     all T rows (shared rows), of which only its token's row is weighted: two pairs of one expert read its weights
@@ -266,6 +267,10 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
         wanted = 4 if 4 <= tokens <= 7 else 2
         gate_up_decode_chunks = max(c for c in (1, 2, 4)
                                     if c <= wanted and gate_up_tile_k % (c * nm.TILE_K_QUANTUM) == 0)
+    if down_overlap is None:  # at 1-2 tokens (14.8 / 21.2-21.4 us against 14.9-15.1 / 21.9-22.0; at 4 and 7 tokens,
+        # where the kernel takes 71 registers, 98 with it: 33.7 / 56.6-56.8 against 32.9-33.0 / 53.4-53.5; H200
+        # session 35 run 10)
+        down_overlap = tokens <= 2
     if down_tile_n is None:  # 128 rows where they divide the hidden size (17.1 us against 19.1 with 64
         # and 4 stages, session 29 run A)
         down_tile_n = 128 if hidden % 128 == 0 else 64
@@ -339,6 +344,40 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                              row_chunks=row_chunks)
         return body
 
+    down_words = down_tile_n * down_tile_k // 16  # a step's staged block scales
+
+    def resident_down_loop(acc_ref, specs, gmem_refs, fill_activations, staged_smem):
+        """A down program's K loop with every step's copy issued first: after `fill_activations`, each step's scales
+        are staged into a buffer of its own and its decode runs while the step before multiplies (no wait for a
+        step's wgmma before the next step's decode, as a pipeline's step has)."""
+        weight_specs, x_spec = specs[:-1], specs[-1]
+        shape = lambda spec: tuple(d for d in spec.block_shape if not nm._squeezed(d))  # noqa: E731
+
+        def scoped(weight_bufs, x_buf, barriers):
+            for kk in range(down_k_steps):
+                for spec, ref, buf in zip(weight_specs, gmem_refs, weight_bufs):
+                    plgpu.copy_gmem_to_smem(nm._block_of(spec, ref, (kk,)), buf.at[kk], barriers.at[kk])
+            fill_activations(x_buf)
+            w_bufs, s_bufs = weight_bufs
+            rows = down_tile_n // down_decode_row_chunks
+            for kk in range(down_k_steps):
+                plgpu.barrier_wait(barriers.at[kk])
+                staged = staged_smem.at[pl.ds(kk * down_words, down_words)]
+                down_stage(s_bufs.at[kk], staged)
+                weights = w_bufs.at[kk] if down_line_box else plgpu.load(w_bufs.at[kk], layout=plgpu.Layout.WGMMA_8BIT)
+                for piece, decode in enumerate(down_decodes):
+                    acc = acc_ref if down_decode_row_chunks == 1 else acc_ref.at[pl.ds(piece * rows, rows)]
+                    plgpu.wgmma(acc, decode(weights, staged), x_buf.at[kk].transpose((1, 0)))
+                    if kk + 1 < down_k_steps or piece + 1 < len(down_decodes):
+                        plgpu.wgmma_wait(1)
+            plgpu.wgmma_wait(0)
+
+        pl.run_scoped(scoped,
+                      [plgpu.SMEM((down_k_steps, *shape(sp)), r.dtype, transforms=sp.transforms)
+                       for sp, r in zip(weight_specs, gmem_refs)],
+                      plgpu.SMEM((down_k_steps, *shape(x_spec)), gmem_refs[-1].dtype, transforms=x_spec.transforms),
+                      plgpu.Barrier(num_arrivals=len(weight_specs), num_barriers=down_k_steps))
+
     def kernel(pair_expert_gmem, pair_weight_gmem, x_gmem, gu_packed_gmem, gu_scales_gmem, gu_global_gmem,
                down_packed_gmem, down_scales_gmem, down_global_gmem, counters_gmem, out_gmem, sums_gmem):
         p = jax.lax.axis_index("p")
@@ -395,8 +434,15 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                                        down_decode_row_chunks, staged_smem)
                     specs = down_in_specs(expert, 0, ni, 0)
                     with jax.named_scope("down_k_loop"):
-                        acc = run_k_loop(body, down_tile_n, specs, (down_packed_gmem, down_scales_gmem, x_gmem),
-                                         down_k_steps, down_stages, fill_activations=fill_activations)
+                        if down_overlap:
+                            def resident(acc_ref):
+                                resident_down_loop(acc_ref, specs, (down_packed_gmem, down_scales_gmem, x_gmem),
+                                                   fill_activations, staged_smem)
+                                return acc_ref[...]
+                            acc = pl.run_scoped(resident, plgpu.ACC((down_tile_n, block_t)))
+                        else:
+                            acc = run_k_loop(body, down_tile_n, specs, (down_packed_gmem, down_scales_gmem, x_gmem),
+                                             down_k_steps, down_stages, fill_activations=fill_activations)
                     with jax.named_scope("down_write"):
                         plgpu.barrier_wait(scale_barrier)
                         weighted_store(acc, out_smem, scale_smem, *token_weights)
@@ -407,7 +453,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
                 pl.run_scoped(scoped, plgpu.SMEM((block_t, down_tile_n), jnp.float32),
-                              plgpu.SMEM((down_tile_n * down_tile_k // 16,), jnp.uint32),
+                              plgpu.SMEM(((down_k_steps if down_overlap else 1) * down_words,), jnp.uint32),
                               plgpu.SMEM((down_tile_n,), jnp.float32), plgpu.Barrier())
 
     call = plgpu.kernel(

@@ -248,7 +248,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
               down_decode_row_chunks: int | None = None, gate_up_swiglu: bool | None = None,
               staging_buffers: int | None = None, opened_program: dict | None = None, pdl: bool | None = None,
               expert_offset: int | jax.Array | None = None, fused: bool | None = None,
-              counters: jax.Array | None = None, matmul=nm.grouped_matmul):
+              counters: jax.Array | None = None, fused_down_overlap: bool | None = None, matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
     (`_shared_blocks`; its blocks have T rows rounded up to 8, whatever `block_t` says), "sort"
@@ -285,7 +285,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         # The fused kernel's own defaults where unset (its programs differ from the two GEMMs').
         settings = dict(splits=gate_up_splits, gate_up_stages=gate_up_stages, gate_up_tile_n=gate_up_tile_n,
                         gate_up_decode_chunks=gate_up_decode_chunks, down_stages=down_stages, down_tile_n=down_tile_n,
-                        down_decode_row_chunks=down_decode_row_chunks)
+                        down_decode_row_chunks=down_decode_row_chunks, down_overlap=fused_down_overlap)
         return _fused_layer(x, weights, ids, gate_up, down, expert_offset, matmul, counters,
                             **{key: value for key, value in settings.items() if value is not None})
     block_t = config["block_t"] if block_t is None else block_t

@@ -181,7 +181,8 @@ def test_timeline_summarizes_each_scope_across_programs(tmp_path, monkeypatch):
 @pytest.mark.parametrize("tokens,settings", [
     (1, {}), (1, dict(gate_up_splits=2, gate_up_tile_n=64, down_tile_n=256, down_decode_row_chunks=4)), (2, {}),
     (3, dict(gate_up_splits=1, down_tile_n=64, down_stages=2)), (5, {}), (7, {}), (8, {}),
-    (8, dict(gate_up_splits=2, down_tile_n=256, down_decode_row_chunks=4))])
+    (8, dict(gate_up_splits=2, down_tile_n=256, down_decode_row_chunks=4)), (1, dict(fused_down_overlap=True)),
+    (5, dict(fused_down_overlap=True, down_tile_n=256, down_decode_row_chunks=4))])
 def test_fused_layer_matches_reference_on_gpu(tokens, settings):
     """Beam's TP8 expert shape; the same call twice in one program with other inputs (the semaphores and the
     output start from zero in each call)."""
