@@ -34,7 +34,10 @@ from call to call (as the model's layers pass them), 15.6 us at one token and 22
 gate/up programs instead (their weights fetched before the gate/up work, every program resident) lost at every
 token count (run 4: 17.8-18.2 us at one token). Session 35 (run 4): the pairs' rows written as they are and added by
 XLA, where the first programs zeroed the output and the down programs waited for that before a TMA reduction into it:
-15.1-15.2 / 21.7-21.8 / 32.8 / 53.0 us at 1 / 2 / 4 / 7 tokens against 15.5-15.6 / 23.2-23.3 / 34.4 / 54.6.
+15.1-15.2 / 21.7-21.8 / 32.8 / 53.0 us at 1 / 2 / 4 / 7 tokens against 15.5-15.6 / 23.2-23.3 / 34.4 / 54.6; at 1-2
+tokens the down steps overlapped (`down_overlap`, run 10): 14.8 / 21.2-21.4. Per-program globaltimer stamps (run 9)
+correct the profiler's picture above: the non-resident down programs start as the gate/up programs leave (5.7-7 us
+in at one token), and what ends the kernel is a down program's ~4-5 us after its block is ready.
 """
 
 from __future__ import annotations
