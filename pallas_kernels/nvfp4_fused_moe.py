@@ -257,7 +257,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     (gate rows then up rows, `nm.pack_weights` with `gate_up_tile_k`; global scales `[E, 2 I]`) and the down weights
     (`down_tile_k` 64) -> `[8, H]` fp32, the routed experts' output of each token (rows past T zero). Settings as
     `grouped_matmul`'s: the gate/up GEMM's `splits` K splits, pipeline `stages`, `tile_n` rows a program and
-    `decode_chunks`; the down GEMM's. `counters`: int32 `[slots]` from `fresh_counters()` or as the call before
+    `decode_chunks`; the down GEMM's; `down_overlap`: a down program issues every K step's copy at once and decodes a
+    step while the one before multiplies (`down_stages` then does not apply; unset: at 1-2 tokens). `counters`: int32 `[slots]` from `fresh_counters()` or as the call before
     returned them (other values break the waits: wrong sums or a hang); then (output, counters) come back, for the
     next call. Unset, or with fewer than `counter_slots(pairs)` slots (returned untouched), the call zeroes its own
     (an XLA kernel before this one). `compiler_params`: `plgpu.CompilerParams` for the kernel (e.g.
