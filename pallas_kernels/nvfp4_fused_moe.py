@@ -150,6 +150,27 @@ def _wait_epoch(counters, slot) -> None:
     wait(counters, jnp.asarray(slot, jnp.int32))
 
 
+def _stamp(stamps, p, column: int, value=None) -> None:
+    """Writes `value` (an int32), or this warpgroup's `%globaltimer_lo` once every thread got here (ns, 32 bits),
+    to `stamps[p, column]` (gmem), from one thread."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT, _SPLAT))
+    def store(ctx, stamps, p, value):
+        del ctx
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith, memref
+        from jax.experimental.mosaic.gpu import utils
+        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+        if value is None:
+            utils.warpgroup_barrier()
+            stamp = utils.inline_ptx("mov.u32 $0, %globaltimer_lo;", result_types=i32, has_side_effects=True)
+        else:
+            stamp = value.registers.item()
+        with utils.single_thread(scope=utils.ThreadSubset.WARPGROUP):
+            memref.store(stamp, stamps, [arith.index_cast(index, p.registers.item()), utils.c(column, index)])
+
+    store(stamps, jnp.asarray(p, jnp.int32), jnp.asarray(0 if value is None else value, jnp.int32))
+
+
 def _swiglu_activations(splits: int, block_t: int, intermediate: int):
     """inline_mgpu body: the block's gate/up partial sums (gmem `[splits, rows, 2 I]` fp32, the block's rows from
     `row0`) -> the down GEMM's activation tiles (smem `[I / 64, block_t, 64]` bf16, 128-byte swizzle): for the
@@ -249,7 +270,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                      gate_up_decode_chunks: int | None = None, down_stages: int = 5,
                      down_tile_n: int | None = None,
                      down_decode_row_chunks: int = 1, down_overlap: bool | None = None, counters=None,
-                     compiler_params=None):
+                     compiler_params=None, stamps: bool = False):
     """`x [T, H]` bf16 (T <= 8), `pair_expert [T * top_k]` int32 (token t's picks from t * top_k on; an expert
     outside [0, E): skip the pair) and `pair_weight [T * top_k]` fp32, its routing weights. Each pair is a block of
     all T rows (shared rows), of which only its token's row is weighted: two pairs of one expert read its weights
@@ -262,7 +283,9 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     returned them (other values break the waits: wrong sums or a hang); then (output, counters) come back, for the
     next call. Unset, or with fewer than `counter_slots(pairs)` slots (returned untouched), the call zeroes its own
     (an XLA kernel before this one). `compiler_params`: `plgpu.CompilerParams` for the kernel (e.g.
-    Mosaic GPU's profiler, which records the named scopes of each program: benchmarks/moe/fused_timeline.py)."""
+    Mosaic GPU's profiler, which records the named scopes of each program: benchmarks/moe/fused_timeline.py).
+    `stamps` (a diagnostic): the kernel also writes each program's `%globaltimer_lo` (ns) at its start and its end and
+    its kind (0 gate/up, 1 down) to int32 `[programs, 3]`, and the call returns (what it returns otherwise, stamps)."""
     tokens, hidden = x.shape
     experts, gu_steps, gu_rows, _ = gate_up_packed.shape
     if gate_up_decode_chunks is None:  # 4 K chunks at 4-7 tokens (75 registers instead of 102: the gate/up grid in
@@ -383,8 +406,11 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                       plgpu.Barrier(num_arrivals=len(weight_specs), num_barriers=down_k_steps))
 
     def kernel(pair_expert_gmem, pair_weight_gmem, x_gmem, gu_packed_gmem, gu_scales_gmem, gu_global_gmem,
-               down_packed_gmem, down_scales_gmem, down_global_gmem, counters_gmem, out_gmem, sums_gmem):
+               down_packed_gmem, down_scales_gmem, down_global_gmem, counters_gmem, out_gmem, sums_gmem, *stamps_gmem):
         p = jax.lax.axis_index("p")
+        if stamps:
+            _stamp(stamps_gmem[0], p, 0)
+            _stamp(stamps_gmem[0], p, 2, (p >= gu_programs).astype(jnp.int32))
 
         @pl.when(p < gu_programs)
         def _():
@@ -460,25 +486,30 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                               plgpu.SMEM(((down_k_steps if down_overlap else 1) * down_words,), jnp.uint32),
                               plgpu.SMEM((down_tile_n,), jnp.float32), plgpu.Barrier())
 
+        if stamps:
+            _stamp(stamps_gmem[0], p, 1)
+
+    programs = gu_programs + down_programs
     call = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((blocks, hidden), jnp.float32),
-                  jax.ShapeDtypeStruct((splits, blocks * block_t, gu_rows), jnp.float32)),
-        grid=(gu_programs + down_programs,),
+                  jax.ShapeDtypeStruct((splits, blocks * block_t, gu_rows), jnp.float32),
+                  *[jax.ShapeDtypeStruct((programs, 3), jnp.int32)] * stamps),
+        grid=(programs,),
         grid_names=("p",),
         compiler_params=compiler_params,
     )
     counters_ref = jax.new_ref(fresh_counters(slots) if own else counters)
-    pair_out, _ = call(pair_expert.astype(jnp.int32), pair_weight.astype(jnp.float32), x, gate_up_packed, gu_scales,
-                       gate_up_global_scale, down_packed, down_scales, down_global_scale, counters_ref)
+    pair_out, _, *stamped = call(pair_expert.astype(jnp.int32), pair_weight.astype(jnp.float32), x, gate_up_packed,
+                                 gu_scales, gate_up_global_scale, down_packed, down_scales, down_global_scale,
+                                 counters_ref)
     # A token's pairs added by XLA (in the kernel that converts the output for the caller); skipped pairs' rows were
     # not written.
     computed = (pair_expert >= 0) & (pair_expert < experts)
     out = jnp.where(computed[:, None], pair_out, 0.0).reshape(tokens, top_k, hidden).sum(1)
     out = jnp.pad(out, ((0, block_t - tokens), (0, 0)))
-    if counters is None:
-        return out
-    return out, counters if own else jax.freeze(counters_ref)
+    result = out if counters is None else (out, counters if own else jax.freeze(counters_ref))
+    return (result, *stamped) if stamps else result
 
 
 def fused_decode_moe_emulated(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales, gate_up_global_scale,

@@ -2,13 +2,18 @@
 profiler: each program's named scopes (gate/up K loop and write; down wait, SwiGLU, K loop, write) timed on the
 device, summarized as the spread of their start and end times across the programs of each kind.
 
-    OUT=dir python3 -u benchmarks/moe/fused_timeline.py [--tokens 8] [--settings '{"down_tile_n": 128}']
+    OUT=dir python3 -u benchmarks/moe/fused_timeline.py [--tokens 8] [--settings '{"down_tile_n": 128}'] [--stamps]
 
 The ids and weights of `--tokens` tokens go in as they are (a block per pair), as in the layer.
 
 Times are µs from the first program's start. A program's start is the GPU's global timer; its scopes are SM clock
 cycles after that, converted at `--clock-ghz` (the H200's SM clock under load: `nvidia-smi -q -d CLOCK`). The
-profiler's own cost (a shared-memory store per event) is small against these scopes but not zero.
+profiler's own cost (a shared-memory store per event) is small against these scopes but not zero; the profiled kernel
+runs ~2 us longer, and its programs' starts mislead: at one token its trace had the non-resident down programs starting
+~11 us in, where the unprofiled kernel starts them at 5.7-7 us (H200, benchmarks/moe/RESULTS.md, session 35 run 9).
+
+`--stamps` runs the kernel unprofiled instead (`fused_decode_moe(stamps=True)`: each program's `%globaltimer` at its
+start and end, the counters passed from call to call) and prints, per kind of program, where starts and ends fall.
 """
 
 from __future__ import annotations
@@ -50,6 +55,42 @@ def run(tokens: int, settings: dict, profile_dir: str):
     return max(glob.glob(os.path.join(profile_dir, "*.json")), key=os.path.getmtime)
 
 
+def run_stamps(tokens: int, settings: dict, calls: int = 6) -> list:
+    """`calls` unprofiled calls of the fused layer with stamps; returns each call's stamps `[programs, 3]`."""
+    gate, up, down = bench.make_weights("nvfp4", jax.random.key(0))
+    gate_up, down_k = bench.mosaic_layout(gate, up, down)
+    x, w, ids = bench.make_tokens(tokens, calls, jax.random.key(1))
+
+    @jax.jit
+    def layer(x, w, ids, gate_up, down_k, counters):
+        (_, counters), stamps = nfm.fused_decode_moe(
+            x, ids.reshape(-1), w.reshape(-1), gate_up.packed, gate_up.scales, gate_up.global_scale, down_k.packed,
+            down_k.scales, down_k.global_scale, gate_up_tile_k=gate_up.tile_k, down_tile_k=down_k.tile_k,
+            counters=counters, stamps=True, **settings)
+        return counters, stamps
+
+    counters, stamped = nfm.fresh_counters(), []
+    for r in range(calls):
+        counters, stamps = layer(x[r], w[r], ids[r], gate_up, down_k, counters)
+        stamped.append(np.asarray(stamps))
+    return stamped
+
+
+def stamp_summary(stamps) -> dict:
+    """One call's stamps `[programs, 3]` (start, end: `%globaltimer_lo`, ns modulo 2^32; kind) -> the kernel's length
+    and, per kind, percentiles 0 / 10 / 50 / 90 / 100 of its programs' starts and ends, µs from the first start."""
+    stamps = np.asarray(stamps).astype(np.int64)
+    # Differences modulo 2^32 read as signed: right across the timer's wrap-around (a kernel is far under 2 s).
+    times = (stamps[:, :2] - stamps[0, 0] + 2**31) % 2**32 - 2**31
+    times = (times - times[:, 0].min()) / 1e3
+    percentiles = lambda a: [round(float(np.percentile(a, q)), 2) for q in (0, 10, 50, 90, 100)]  # noqa: E731
+    summary = dict(kernel_us=round(float(times[:, 1].max()), 2))
+    for kind, name in enumerate(("gate_up", "down")):
+        mine = times[stamps[:, 2] == kind]
+        summary[name] = dict(programs=len(mine), start=percentiles(mine[:, 0]), end=percentiles(mine[:, 1]))
+    return summary
+
+
 def summarize(trace_file: str, clock_ghz: float) -> dict:
     """Per scope name: (programs, first / median / last begin, first / median / last end), µs from the first
     program's start."""
@@ -88,9 +129,17 @@ def main():
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--settings", default="{}", help="fused_decode_moe settings (JSON)")
     parser.add_argument("--clock-ghz", type=float, default=1.98)
+    parser.add_argument("--stamps", action="store_true", help="unprofiled, with each program's globaltimer stamps")
     args = parser.parse_args()
     out = os.environ.get("OUT", ".")
     settings = json.loads(args.settings)
+    if args.stamps:
+        calls = [stamp_summary(stamps) for stamps in run_stamps(args.tokens, settings)]
+        for call in calls:
+            print(json.dumps(call))
+        with open(os.path.join(out, "fused-stamps.json"), "a") as f:
+            f.write(json.dumps(dict(tokens=args.tokens, settings=settings, calls=calls)) + "\n")
+        return
     trace = run(args.tokens, settings, os.path.join(out, "fused-profile"))
     summary = dict(tokens=args.tokens, settings=settings, clock_ghz=args.clock_ghz, trace=os.path.basename(trace),
                    scopes=summarize(trace, args.clock_ghz))

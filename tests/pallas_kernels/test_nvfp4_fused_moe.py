@@ -177,6 +177,31 @@ def test_timeline_summarizes_each_scope_across_programs(tmp_path, monkeypatch):
     assert summary["last_program_start"] == 1.0
 
 
+def test_stamp_summary_reads_the_timer_across_its_wrap_around(monkeypatch):
+    """fused_timeline.py's `--stamps` summary: starts and ends in µs from the first start, per kind of program, with
+    the 32-bit nanosecond timer wrapping around between two programs' stamps."""
+    timeline = _moe_benchmark("fused_timeline", monkeypatch)
+    top = 2**32
+    stamps = np.array([[top - 1000, top - 1000 + 5000, 0],  # starts 1 us before the wrap, runs 5 us
+                       [top - 2000, 3000, 0],  # the first start; ends 5 us later, past the wrap
+                       [500, 9000, 1]])
+    summary = timeline.stamp_summary(stamps.astype(np.int64).astype(np.uint32).view(np.int32))
+    assert summary["kernel_us"] == 11.0
+    assert summary["gate_up"] == dict(programs=2, start=[0.0, 0.1, 0.5, 0.9, 1.0], end=[5.0, 5.1, 5.5, 5.9, 6.0])
+    assert summary["down"] == dict(programs=1, start=[2.5] * 5, end=[11.0] * 5)
+
+
+def test_stamps_come_back_with_the_output():
+    """`fused_decode_moe(stamps=True)`: (output, counters) and the stamps `[programs, 3]` (720 programs at one token:
+    400 gate/up, 320 down)."""
+    op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64, stamps=True)
+    specs = _specs(256, 5120, 320, 1, 8)
+    (out, counters), stamps = jax.eval_shape(lambda *a: op(*a, counters=nfm.fresh_counters()), *specs)
+    assert out.shape == (8, 5120) and counters.shape == (nfm.COUNTER_SLOTS,)
+    assert stamps.shape == (720, 3) and stamps.dtype == jnp.int32
+    assert "mosaic_gpu" in jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,settings", [
     (1, {}), (1, dict(gate_up_splits=2, gate_up_tile_n=64, down_tile_n=256, down_decode_row_chunks=4)), (2, {}),
