@@ -279,9 +279,9 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     (`down_tile_k` 64) -> `[8, H]` fp32, the routed experts' output of each token (rows past T zero). Settings as
     `grouped_matmul`'s: the gate/up GEMM's `splits` K splits, pipeline `stages`, `tile_n` rows a program and
     `decode_chunks`; the down GEMM's; `down_overlap`: a down program issues every K step's copy at once and decodes a
-    step while the one before multiplies (`down_stages` then does not apply; unset: at 1-2 tokens). `counters`: int32 `[slots]` from `fresh_counters()` or as the call before
-    returned them (other values break the waits: wrong sums or a hang); then (output, counters) come back, for the
-    next call. Unset, or with fewer than `counter_slots(pairs)` slots (returned untouched), the call zeroes its own
+    step while the one before multiplies (`down_stages` then does not apply; unset: at 1-2 tokens). `counters`:
+    int32 `[slots]` from `fresh_counters()` or as the call before returned them (other values break the waits: wrong
+    sums or a hang); then (output, counters) come back, for the next call. Unset, or with fewer than `counter_slots(pairs)` slots (returned untouched), the call zeroes its own
     (an XLA kernel before this one). `compiler_params`: `plgpu.CompilerParams` for the kernel (e.g.
     Mosaic GPU's profiler, which records the named scopes of each program: benchmarks/moe/fused_timeline.py).
     `stamps` (a diagnostic): the kernel also writes each program's `%globaltimer_lo` (ns) at its start and its end and
@@ -362,13 +362,13 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
             return acc_ref[...]
         return pl.run_scoped(acc_scope, plgpu.ACC((tile_n, block_t)))
 
-    def decode_step(stage, decodes, tile_n, tile_k, line_box, row_chunks, staged_smem):
+    def decode_step(stage, decodes, tile_n, tile_k, line_box, row_chunks, staged_smem, drain=True):
         def body(acc_ref, indices, w_smem, s_smem, x_smem):
             del indices
             weights = w_smem if line_box else plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT)
             stage(s_smem, staged_smem)
             nm.multiply_step(acc_ref, decodes, weights, staged_smem, x_smem, tile_n=tile_n, tile_k=tile_k,
-                             row_chunks=row_chunks)
+                             row_chunks=row_chunks, drain=drain)
         return body
 
     down_words = down_tile_n * down_tile_k // 16  # a step's staged block scales
@@ -385,19 +385,12 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                 for spec, ref, buf in zip(weight_specs, gmem_refs, weight_bufs):
                     plgpu.copy_gmem_to_smem(nm._block_of(spec, ref, (kk,)), buf.at[kk], barriers.at[kk])
             fill_activations(x_buf)
-            w_bufs, s_bufs = weight_bufs
-            rows = down_tile_n // down_decode_row_chunks
             for kk in range(down_k_steps):
                 plgpu.barrier_wait(barriers.at[kk])
                 staged = staged_smem.at[pl.ds(kk * down_words, down_words)]
-                down_stage(s_bufs.at[kk], staged)
-                weights = w_bufs.at[kk] if down_line_box else plgpu.load(w_bufs.at[kk], layout=plgpu.Layout.WGMMA_8BIT)
-                for piece, decode in enumerate(down_decodes):
-                    acc = acc_ref if down_decode_row_chunks == 1 else acc_ref.at[pl.ds(piece * rows, rows)]
-                    plgpu.wgmma(acc, decode(weights, staged), x_buf.at[kk].transpose((1, 0)))
-                    if kk + 1 < down_k_steps or piece + 1 < len(down_decodes):
-                        plgpu.wgmma_wait(1)
-            plgpu.wgmma_wait(0)
+                step = decode_step(down_stage, down_decodes, down_tile_n, down_tile_k, down_line_box,
+                                   down_decode_row_chunks, staged, drain=kk + 1 == down_k_steps)
+                step(acc_ref, (kk,), *(buf.at[kk] for buf in weight_bufs), x_buf.at[kk])
 
         pl.run_scoped(scoped,
                       [plgpu.SMEM((down_k_steps, *shape(sp)), r.dtype, transforms=sp.transforms)

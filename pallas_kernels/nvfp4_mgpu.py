@@ -555,10 +555,13 @@ def _prefetched_k_loop(step, specs, gmem_refs, *, k_steps: int, stages: int, aft
                   plgpu.Barrier(num_arrivals=k_steps))
 
 
-def multiply_step(acc_ref, decodes, weights, staged, x_smem, *, tile_n: int, tile_k: int, row_chunks: int):
+def multiply_step(acc_ref, decodes, weights, staged, x_smem, *, tile_n: int, tile_k: int, row_chunks: int,
+                  drain: bool = True):
     """One K step of a program: each of `decodes` (`_tile_programs`' pieces: K chunks, each in `row_chunks` row
     chunks) decodes its piece of the step's `weights` with the `staged` block scales and multiplies it by its K
-    chunk of the activations into its rows of the accumulator, the next piece decoding while one multiplies."""
+    chunk of the activations into its rows of the accumulator, the next piece decoding while one multiplies. Not
+    `drain`: the last piece's wgmma may still run on return (the next step's first decode overlaps it; the caller
+    waits for it)."""
     chunks = len(decodes) // row_chunks
     chunk_k, chunk_n = tile_k // chunks, tile_n // row_chunks
     for piece, decode in enumerate(decodes):
@@ -568,7 +571,7 @@ def multiply_step(acc_ref, decodes, weights, staged, x_smem, *, tile_n: int, til
         plgpu.wgmma(acc, decode(weights, staged), x_chunk.transpose((1, 0)))
         if piece + 1 < len(decodes):
             plgpu.wgmma_wait(1)
-    plgpu.wgmma_wait(0)
+    plgpu.wgmma_wait(0 if drain else 1)
 
 
 def _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, *, block_t: int, tile_n: int, scale_smem=None,
