@@ -39,6 +39,7 @@ from pallas_kernels.mgpu_tiles import smem_transforms
 
 _M_INIT = -1e30  # as the Triton kernel's: exp(-inf - _M_INIT) = 0, never inf - inf
 _WGMMA_ROWS = 64
+KEYS_AS_ROWS = True
 
 
 def fits(heads: int, kv_heads: int, page_size: int, head_dim: int, dtype) -> bool:
@@ -70,9 +71,11 @@ def _lhs(x, interpreter_smem, index):
 
 
 def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, window: int | None,
-                 softmax_scale: float, num_splits: int, stages: int = 2, interpret: bool = False):
-    """Partials of every decode sequence's attention: (o `[batch, kv_heads, splits, q_rows, d]`, m and l
-    `[batch, kv_heads, splits, q_rows]`, fp32), rows past `group` unspecified. `queries [tokens, heads,
+                 softmax_scale: float, num_splits: int, stages: int = 2, keys_as_rows: bool | None = None,
+                 interpret: bool = False):
+    """Partials of every decode sequence's attention: (o `[batch, kv_heads, splits, q_rows, d]`, or with
+    `keys_as_rows` (unset: KEYS_AS_ROWS) `[batch, kv_heads, splits, d, q_rows]`, m and l `[batch, kv_heads, splits,
+    q_rows]`, fp32), rows past `group` unspecified. `queries [tokens, heads,
     d]`, `k_pages`/`v_pages [pages, page_size, kv_heads, d]`, `row_token [batch]` (a sequence's decode
     token, -1: none), `seq_lens [batch]`, `page_table [batch, max_pages]` (-1: released page)."""
     tokens, heads, head_dim = queries.shape
@@ -87,6 +90,8 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
                          "one 16-bit dtype")
     dtype = queries.dtype
     operand = smem_transforms(head_dim, dtype)
+    if keys_as_rows is None:
+        keys_as_rows = KEYS_AS_ROWS
     # Free reshapes: a query row is (token, head); a key row is (page, key) with the kv heads side by side.
     q_flat = queries.reshape(tokens * heads, head_dim)
     k_flat = k_pages.reshape(num_pages * page_size, kv_heads * head_dim)
@@ -112,11 +117,11 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
         def page_id(i):  # the split's i-th page (-1: released); past the table's end, its last entry (unused)
             return page_table_gmem[sequence, jnp.minimum(lo + i, max_pages - 1)]
 
-        def attend(k_ring, v_ring, ring_barriers):
-            """A ring of `stages` page buffers: page i lands in slot i % stages, fetched `stages` pages
-            ahead of the math; a slot is fetched again once its page's wgmmas are done. The page ids
-            travel in the loop's carry, each loaded a step before its fetch needs it, so that no global
-            load sits between a page's wgmmas and the next fetch."""
+        def fetch_first_pages(k_ring, v_ring, ring_barriers):
+            """The ring: page i lands in slot i % stages, fetched `stages` pages ahead of the math; a slot is
+            fetched again once its page's wgmmas are done. The page ids travel in the loop's carry, each loaded a
+            step before its fetch needs it, so that no global load sits between a page's wgmmas and the next
+            fetch. Returns `fetch(i, page)` and the first `stages` pages' ids."""
             def fetch(i, page):
                 slot = i % stages
                 rows = pl.ds(jnp.maximum(page, 0) * page_size, page_size)  # a released page (-1): page 0, masked
@@ -127,6 +132,22 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
             first_ids = tuple(page_id(i) for i in range(stages))
             for i in range(stages):
                 pl.when(i < num_steps)(lambda i=i: fetch(i, first_ids[i]))
+            return fetch, first_ids
+
+        def rounded_scores(scores):
+            return (scores.astype(dtype).astype(jnp.float32) * softmax_scale).astype(dtype).astype(jnp.float32)
+
+        def visible_keys(i, page, shape, key_axis):
+            k_pos = (lo + i) * page_size + plgpu.broadcasted_iota(jnp.int32, shape, key_axis,
+                                                                   layout=plgpu.Layout.WGMMA)
+            visible = (k_pos <= q_pos) & (page >= 0)
+            if window is not None:
+                visible &= q_pos - k_pos < window
+            return visible
+
+        def attend(k_ring, v_ring, ring_barriers):
+            """Query rows as wgmma's M (64 rows, `group` of them real): scores [64, page_size]."""
+            fetch, first_ids = fetch_first_pages(k_ring, v_ring, ring_barriers)
             # The queries once, into registers (wgmma's left operand), while the first pages load.
             plgpu.barrier_wait(q_barrier)
             q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA, optimized=False)
@@ -137,14 +158,9 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
                 slot = i % stages
                 plgpu.barrier_wait(ring_barriers.at[slot])
                 k_smem, v_smem = k_ring.at[slot], v_ring.at[slot]
-                scores = _matmul(_lhs(q, lhs_smem, 0), k_smem.transpose((1, 0)), (_WGMMA_ROWS, page_size))
-                scores = (scores.astype(dtype).astype(jnp.float32) * softmax_scale).astype(dtype).astype(jnp.float32)
-                k_pos = (lo + i) * page_size + plgpu.broadcasted_iota(
-                    jnp.int32, (_WGMMA_ROWS, page_size), 1, layout=plgpu.Layout.WGMMA)
-                visible = (k_pos <= q_pos) & (ids[0] >= 0)
-                if window is not None:
-                    visible &= q_pos - k_pos < window
-                scores = jnp.where(visible, scores, -jnp.inf)
+                scores = rounded_scores(
+                    _matmul(_lhs(q, lhs_smem, 0), k_smem.transpose((1, 0)), (_WGMMA_ROWS, page_size)))
+                scores = jnp.where(visible_keys(i, ids[0], scores.shape, 1), scores, -jnp.inf)
                 m_next = jnp.maximum(m_prev, scores.max(axis=1))
                 correction = jnp.exp(m_prev - m_next)
                 probs = jnp.exp(scores - lax.broadcast_in_dim(m_next, scores.shape, [0]))
@@ -160,8 +176,56 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
                     first_ids)
             return lax.fori_loop(0, num_steps, step, init)[:3]
 
+        def attend_keys_as_rows(k_ring, v_ring, ring_barriers, q_tiles, p_tile):
+            """Keys as wgmma's M and the query rows as its N (`q_rows`): scores [page_size, q_rows] and the
+            output transposed, [head_dim, q_rows], so a thread holds page_size * q_rows / 128 scores (4 at pages
+            of 64 and 8 rows) where the other form holds 64 * page_size / 128 (32), 58 of whose 64 rows are
+            padding at Beam's group of 6. The probabilities go through shared memory (wgmma's B operand);
+            the softmax sums stay per thread until the end."""
+            fetch, first_ids = fetch_first_pages(k_ring, v_ring, ring_barriers)
+            # The queries into wgmma's swizzled tiles (a TMA copy there needs tile-aligned rows; here the group
+            # starts at any row): through registers, once, while the first pages load.
+            plgpu.barrier_wait(q_barrier)
+            q_tiles[...] = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA, optimized=False)
+            plgpu.commit_smem()
+            queries_t = q_tiles.at[pl.ds(0, q_rows)].transpose((1, 0))  # [head_dim, q_rows]
+            column = plgpu.Layout.WGMMA.reduce(0)
+
+            def step(i, carry):
+                acc, m_prev, l_parts, ids = carry  # ids: pages i .. i + stages - 1
+                next_id = page_id(i + stages)
+                slot = i % stages
+                plgpu.barrier_wait(ring_barriers.at[slot])
+                k_smem, v_smem = k_ring.at[slot], v_ring.at[slot]
+                scores = rounded_scores(_matmul(k_smem, queries_t, (page_size, q_rows)))
+                scores = jnp.where(visible_keys(i, ids[0], scores.shape, 0), scores, -jnp.inf)
+                m_next = jnp.maximum(m_prev, scores.max(axis=0))
+                correction = jnp.exp(m_prev - m_next)
+                probs = jnp.exp(scores - lax.broadcast_in_dim(m_next, scores.shape, [1]))
+                p_tile.transpose((1, 0))[...] = probs.astype(dtype)
+                plgpu.commit_smem()
+                pv = _matmul(v_smem.transpose((1, 0)), p_tile.transpose((1, 0)), (head_dim, q_rows))
+                pl.when(i + stages < num_steps)(lambda: fetch(i + stages, next_id))
+                acc = acc * lax.broadcast_in_dim(correction, acc.shape, [1]) + pv
+                l_parts = l_parts * lax.broadcast_in_dim(correction, l_parts.shape, [1]) + probs
+                return acc, m_next, l_parts, (*ids[1:], next_id)
+
+            init = (plgpu.layout_cast(jnp.zeros((head_dim, q_rows), jnp.float32), plgpu.Layout.WGMMA),
+                    plgpu.layout_cast(jnp.full((q_rows,), _M_INIT, jnp.float32), column),
+                    plgpu.layout_cast(jnp.zeros((page_size, q_rows), jnp.float32), plgpu.Layout.WGMMA),
+                    first_ids)
+            acc, m, l_parts, _ = lax.fori_loop(0, num_steps, step, init)
+            return acc, m, l_parts.sum(axis=0)
+
         ring = plgpu.SMEM((stages, page_size, head_dim), dtype, transforms=operand)
-        acc, m, l = pl.run_scoped(attend, ring, ring, plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+        if keys_as_rows:
+            acc, m, l = pl.run_scoped(attend_keys_as_rows, ring, ring,
+                                      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                                      plgpu.SMEM((_WGMMA_ROWS, head_dim), dtype, transforms=operand),
+                                      plgpu.SMEM((q_rows, page_size), dtype,
+                                                 transforms=smem_transforms(page_size, dtype)))
+        else:
+            acc, m, l = pl.run_scoped(attend, ring, ring, plgpu.Barrier(num_arrivals=2, num_barriers=stages))
 
         # The ring's buffers are free again: the partials go out through shared memory.
         def store(o_smem, m_smem, l_smem):
@@ -170,18 +234,20 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
             l_smem[...] = l
             plgpu.commit_smem()
             rows = pl.ds(0, q_rows)
-            plgpu.copy_smem_to_gmem(o_smem.at[rows], o_gmem.at[sequence, kv_head, split])
+            plgpu.copy_smem_to_gmem(o_smem if keys_as_rows else o_smem.at[rows], o_gmem.at[sequence, kv_head, split])
             plgpu.copy_smem_to_gmem(m_smem.at[rows], m_gmem.at[sequence, kv_head, split])
             plgpu.copy_smem_to_gmem(l_smem.at[rows], l_gmem.at[sequence, kv_head, split])
             plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(store, plgpu.SMEM((_WGMMA_ROWS, head_dim), jnp.float32),
-                      plgpu.SMEM((_WGMMA_ROWS,), jnp.float32), plgpu.SMEM((_WGMMA_ROWS,), jnp.float32))
+        vector_rows = q_rows if keys_as_rows else _WGMMA_ROWS
+        pl.run_scoped(store, plgpu.SMEM(acc.shape, jnp.float32),
+                      plgpu.SMEM((vector_rows,), jnp.float32), plgpu.SMEM((vector_rows,), jnp.float32))
 
     partial = (batch, kv_heads, num_splits, q_rows)
+    o_partial = (batch, kv_heads, num_splits, head_dim, q_rows) if keys_as_rows else (*partial, head_dim)
     call = plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((*partial, head_dim), jnp.float32), jax.ShapeDtypeStruct(partial, jnp.float32),
+        out_type=(jax.ShapeDtypeStruct(o_partial, jnp.float32), jax.ShapeDtypeStruct(partial, jnp.float32),
                   jax.ShapeDtypeStruct(partial, jnp.float32)),
         grid=(batch, kv_heads, num_splits), grid_names=("b", "h", "s"),
         scratch_types=dict(q_smem=plgpu.SMEM((_WGMMA_ROWS, head_dim), dtype),
@@ -189,7 +255,8 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
                            # The interpreter's wgmma takes its left operand from shared memory only.
                            lhs_smem=(plgpu.SMEM((_WGMMA_ROWS, head_dim), dtype, transforms=operand),
                                      plgpu.SMEM((_WGMMA_ROWS, page_size), dtype,
-                                                transforms=smem_transforms(page_size, dtype))) if interpret else ()),
+                                                transforms=smem_transforms(page_size, dtype)))
+                                    if interpret and not keys_as_rows else ()),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     return call(row_token.astype(jnp.int32), seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), q_flat,
