@@ -786,14 +786,14 @@ DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 1
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_MIN_STEPS_PER_SPLIT = 1
-# The Mosaic GPU split kernel (`decode_attention_mgpu`), on Hopper. Against the Triton kernel (H200, run 8
-# of benchmarks/attention/RESULTS.md, two stages, the same splits): 15.1 against 16.0 us at 8K x 8, 23.4
-# against 27.5 at 128K x 1, 38.7 against 48.2 at 8K x 32, 257 against 340 at 8K x 32 with 48/8 heads; it
-# lost at 32K x 1 (11.7 against 10.8), two pages a split. Three stages lost everywhere (one program per
-# SM). So it takes splits of at least DECODE_MOSAIC_MIN_PAGES pages (sliding layers' steps stay Triton's).
+# The Mosaic GPU split kernel (`decode_attention_mgpu`), on Hopper. Against the Triton kernel (H200, session 36
+# run 1 of benchmarks/attention/RESULTS.md, two stages, the same splits; split + combine): 13.2 against 15.8 us at
+# 8K x 8, 20.7 against 27.2 at 128K x 1, 35.2 against 48.1 at 8K x 32, 246.6 against 339.6 at 8K x 32 with 48/8
+# heads, and at 32K x 1 (two pages a split) 9.6 against 10.6. Three stages lost (16.2 us at 8K x 8: one program
+# an SM). So it takes splits of at least DECODE_MOSAIC_MIN_PAGES pages (sliding layers' steps stay Triton's).
 DECODE_MOSAIC_SPLIT = True
 DECODE_MOSAIC_STAGES = 2
-DECODE_MOSAIC_MIN_PAGES = 4
+DECODE_MOSAIC_MIN_PAGES = 2
 
 
 def _visible_pages(max_pages: int, page_size: int, window: int | None) -> int:
@@ -939,7 +939,7 @@ def _decode_split_kernel(
 
 def _decode_combine_kernel(
     token_row_ref, o_ref, m_ref, l_ref, *refs, splits_per_step: int, group: int, block_d: int, attention_dtype,
-    gated: bool, o_transposed: bool = False,
+    gated: bool,
 ):
     """One (token, query head, head_dim block): the weighted sum of its sequence's split partials
     ([batch, kv_heads, splits, group, ...], whole arrays), or zeros for a token that is not a decode,
@@ -947,25 +947,19 @@ def _decode_combine_kernel(
     still spreads the partials over heads * head_dim / block_d programs. The partials are read
     `splits_per_step` splits at a time (all at once unless there are very many). `gated`: `refs`
     starts with the gate projection and bias, and the epilogue applies the output gate
-    (`output_gate_reference`). `o_transposed`: the output partials are [..., head_dim, rows] (the Mosaic
-    split kernel's keys-as-rows form)."""
+    (`output_gate_reference`)."""
     *gate_refs, out_ref = refs
     token, head, block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_head, row_in_group = head // group, head % group
     batch, num_splits = m_ref.shape[0], m_ref.shape[2]
     lanes = pl.ds(block * block_d, block_d)
 
-    def o_lanes(source, splits):
-        if o_transposed:
-            return o_ref[source, kv_head, splits, lanes, row_in_group]
-        return o_ref[source, kv_head, splits, row_in_group, lanes]
-
     def weighted_sum(source):  # sequence `source`'s partials: (unnormalized output lanes, softmax sum)
         # Empty splits have m = _M_INIT, l = 0, o = 0.
         m = m_ref[source, kv_head, :, row_in_group]  # [splits]
         l = l_ref[source, kv_head, :, row_in_group]
         if splits_per_step == num_splits:  # one chunk: o loads beside m and l, not after their reductions
-            o = o_lanes(source, slice(None))
+            o = o_ref[source, kv_head, :, row_in_group, lanes]
             m_all = m.max()
             return (jnp.exp(m - m_all)[:, None] * o).sum(axis=0), (jnp.exp(m - m_all) * l).sum()
         m_all = m.max()
@@ -973,7 +967,7 @@ def _decode_combine_kernel(
         def body(step, acc):
             chunk = pl.ds(step * splits_per_step, splits_per_step)
             weight = jnp.exp(m_ref[source, kv_head, chunk, row_in_group] - m_all)  # [splits_per_step]
-            return acc + (weight[:, None] * o_lanes(source, chunk)).sum(axis=0)
+            return acc + (weight[:, None] * o_ref[source, kv_head, chunk, row_in_group, lanes]).sum(axis=0)
 
         acc = lax.fori_loop(0, num_splits // splits_per_step, body, jnp.zeros((block_d,), jnp.float32))
         return acc, (jnp.exp(m - m_all) * l).sum()
@@ -1041,18 +1035,16 @@ def paged_decode_attention_kernel(
         blocks = default_decode_blocks(queries, k_pages, v_pages, batch, max_pages, window, interpret=interpret)
     splits = blocks.num_splits
 
-    keys_as_rows = blocks.mosaic_split and decode_attention_mgpu.KEYS_AS_ROWS
     if blocks.mosaic_split:
         if query_prologue is not None:  # XLA, before the kernel (the model's cache has the write kernel do it)
             queries = head_prologue_reference(queries, query_prologue)
         o, m, l = decode_attention_mgpu.split_decode(
             queries, k_pages, v_pages, metadata.row_token, seq_lens, page_table, window=window, softmax_scale=scale,
-            num_splits=splits, stages=blocks.num_stages, keys_as_rows=keys_as_rows, interpret=interpret)
+            num_splits=splits, stages=blocks.num_stages, interpret=interpret)
     else:
         o, m, l = _split_partials(queries, k_pages, v_pages, seq_lens, page_table, metadata, blocks, window, scale,
                                   query_prologue, interpret)
-    out = _combine_partials(o, m, l, metadata, blocks, heads, v_pages.dtype, output_gate, interpret,
-                            o_transposed=keys_as_rows)
+    out = _combine_partials(o, m, l, metadata, blocks, heads, v_pages.dtype, output_gate, interpret)
     return out, metadata.token_row
 
 
@@ -1126,13 +1118,11 @@ def _split_partials(queries, k_pages, v_pages, seq_lens, page_table, metadata, b
     return o, m, l
 
 
-def _combine_partials(o, m, l, metadata, blocks, heads, attention_dtype, output_gate, interpret,
-                      o_transposed: bool = False):
-    """The combine kernel over split partials `o [batch, kv_heads, splits, rows >= group, d]` (with
-    `o_transposed`, `[..., d, rows]`), m and l: the attention output `[tokens, heads, d]` (gated with
-    `output_gate`)."""
+def _combine_partials(o, m, l, metadata, blocks, heads, attention_dtype, output_gate, interpret):
+    """The combine kernel over split partials `o [batch, kv_heads, splits, rows >= group, d]`, m and l:
+    the attention output `[tokens, heads, d]` (gated with `output_gate`)."""
     tokens = metadata.token_row.shape[0]
-    kv_heads, splits, head_dim = o.shape[1], o.shape[2], o.shape[3 if o_transposed else 4]
+    kv_heads, splits, head_dim = o.shape[1], o.shape[2], o.shape[4]
     group = heads // kv_heads
     # Few (token, head) pairs: split head_dim too, so that many SMs read the partials.
     block_d = blocks.combine_block_d
@@ -1141,7 +1131,7 @@ def _combine_partials(o, m, l, metadata, blocks, heads, attention_dtype, output_
     splits_per_step = min(splits, _pow2_floor(_COMBINE_CHUNK_ELEMENTS // block_d))
     combine = functools.partial(
         _decode_combine_kernel, splits_per_step=splits_per_step, group=group, block_d=block_d,
-        attention_dtype=attention_dtype, gated=output_gate is not None, o_transposed=o_transposed,
+        attention_dtype=attention_dtype, gated=output_gate is not None,
     )
     gate, gate_specs = [], []
     if output_gate is not None:

@@ -154,7 +154,7 @@ def test_mosaic_split_lowers_for_cuda(batch, heads, kv_heads, context, splits, s
 def test_mosaic_decode_blocks_and_when_the_model_takes_them(monkeypatch):
     """`decode_blocks(mosaic_split=True)`: the Triton kernel's splits, two stages. The model's default takes
     the Mosaic kernel on Hopper, for shapes it takes, with splits of at least `DECODE_MOSAIC_MIN_PAGES`
-    pages (run 8: it lost at two pages a split)."""
+    pages (session 36 run 1: it wins at two pages a split)."""
     blocks = pa.decode_blocks(8, 1, 128, 64, None, mosaic_split=True)
     assert blocks.mosaic_split and blocks.num_stages == pa.DECODE_MOSAIC_STAGES
     assert blocks.num_splits == pa.decode_blocks(8, 1, 128, 64, None).num_splits == 32
@@ -166,7 +166,8 @@ def test_mosaic_decode_blocks_and_when_the_model_takes_them(monkeypatch):
     assert not pa.use_mosaic_split(bf16, pages, pages, at_8k_x8, 128, None)
     monkeypatch.setattr(pa, "is_hopper", lambda device: True)
     assert pa.use_mosaic_split(bf16, pages, pages, at_8k_x8, 128, None)
-    assert not pa.use_mosaic_split(bf16, pages, pages, pa.decode_blocks(1, 1, 512, 64, None), 512, None)  # 32K x 1
+    assert pa.use_mosaic_split(bf16, pages, pages, pa.decode_blocks(1, 1, 512, 64, None), 512, None)  # 32K x 1
+    assert not pa.use_mosaic_split(bf16, pages, pages, pa.decode_blocks(1, 1, 128, 64, None), 128, None)  # 8K x 1
     assert not pa.use_mosaic_split(bf16, pages, pages, pa.decode_blocks(8, 1, 2048, 64, 512), 2048, 512)  # sliding
     assert not pa.use_mosaic_split(f32, pages.astype(jnp.float32), pages.astype(jnp.float32), at_8k_x8, 128, None)
     assert not pa.use_mosaic_split(bf16, pages[:, :16], pages[:, :16], at_8k_x8, 128, None)  # pages of 16
