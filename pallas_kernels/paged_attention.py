@@ -786,14 +786,14 @@ DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 1
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_MIN_STEPS_PER_SPLIT = 1
-# The Mosaic GPU split kernel (`decode_attention_mgpu`), on Hopper. Against the Triton kernel (H200, session 36
-# run 1 of benchmarks/attention/RESULTS.md, two stages, the same splits; split + combine): 13.2 against 15.8 us at
-# 8K x 8, 20.7 against 27.2 at 128K x 1, 35.2 against 48.1 at 8K x 32, 246.6 against 339.6 at 8K x 32 with 48/8
-# heads, and at 32K x 1 (two pages a split) 9.6 against 10.6. Three stages lost (16.2 us at 8K x 8: one program
-# an SM). So it takes splits of at least DECODE_MOSAIC_MIN_PAGES pages (sliding layers' steps stay Triton's).
+# The Mosaic GPU split kernel (`decode_attention_mgpu`), on Hopper, wherever it fits. Against the Triton kernel
+# (H200, session 36 runs 1-2 of benchmarks/attention/RESULTS.md, two stages, the same splits; split + combine):
+# 13.0-13.2 against 15.8-16.0 us at 8K x 8, 20.4-20.7 against 27.0-27.2 at 128K x 1, 35.0-35.2 against 48.1-48.7
+# at 8K x 32, 244-247 against 340-342 at 8K x 32 with 48/8 heads, at 32K x 1 (two pages a split) 9.2-9.6 against
+# 10.4-10.6, at 8K x 1 (one page a split) 6.0 against 6.1, and sliding (window 512) 4.3 against 5.0 at 8K x 1 and
+# 5.2 against 5.8 at 8K x 8. Three stages lost (16.2 us at 8K x 8: one program an SM).
 DECODE_MOSAIC_SPLIT = True
 DECODE_MOSAIC_STAGES = 2
-DECODE_MOSAIC_MIN_PAGES = 2
 
 
 def _visible_pages(max_pages: int, page_size: int, window: int | None) -> int:
@@ -1055,21 +1055,18 @@ def default_decode_blocks(queries, k_pages, v_pages, batch: int, max_pages: int,
     kernel's where `use_mosaic_split` says so."""
     _, page_size, kv_heads, _ = k_pages.shape
     blocks = decode_blocks(batch, kv_heads, max_pages, page_size, window)
-    if not interpret and use_mosaic_split(queries, k_pages, v_pages, blocks, max_pages, window):
+    if not interpret and use_mosaic_split(queries, k_pages, v_pages):
         blocks = decode_blocks(batch, kv_heads, max_pages, page_size, window, mosaic_split=True)
     return blocks
 
 
-def use_mosaic_split(queries, k_pages, v_pages, blocks: DecodeBlocks, max_pages: int, window: int | None) -> bool:
-    """Whether the step takes the Mosaic GPU split kernel instead of the Triton one (on `blocks`' splits):
-    `DECODE_MOSAIC_SPLIT`, on a Hopper GPU, for shapes the kernel takes, with splits of at least
-    `DECODE_MOSAIC_MIN_PAGES` visible pages."""
+def use_mosaic_split(queries, k_pages, v_pages) -> bool:
+    """Whether the step takes the Mosaic GPU split kernel instead of the Triton one (on the same splits):
+    `DECODE_MOSAIC_SPLIT`, on a Hopper GPU, for shapes the kernel takes."""
     _, heads, head_dim = queries.shape
     _, page_size, kv_heads, _ = k_pages.shape
-    visible_pages = _visible_pages(max_pages, page_size, window)
     return (DECODE_MOSAIC_SPLIT and is_hopper(jax.devices()[0]) and queries.dtype == k_pages.dtype == v_pages.dtype
-            and decode_attention_mgpu.fits(heads, kv_heads, page_size, head_dim, queries.dtype)
-            and visible_pages >= DECODE_MOSAIC_MIN_PAGES * blocks.num_splits)
+            and decode_attention_mgpu.fits(heads, kv_heads, page_size, head_dim, queries.dtype))
 
 
 def _whole_block(shape) -> pl.BlockSpec:
