@@ -43,7 +43,6 @@ from pallas_kernels.mgpu_tiles import smem_transforms
 
 _M_INIT = -1e30  # as the Triton kernel's: exp(-inf - _M_INIT) = 0, never inf - inf
 _WGMMA_ROWS = 64
-EARLY_KEYS = True
 
 
 def fits(heads: int, kv_heads: int, page_size: int, head_dim: int, dtype) -> bool:
@@ -105,25 +104,17 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
         def page_id(i):  # the split's i-th page (-1: released); past the table's end, its last entry (unused)
             return page_table_gmem[sequence, jnp.minimum(lo + i, max_pages - 1)]
 
-        def attend(k_ring, v_ring, k_barriers, v_barriers, q_tiles, p_tile):
+        def attend(k_ring, v_ring, ring_barriers, q_tiles, p_tile):
             """The split's pages through a ring: page i lands in slot i % stages, fetched `stages` pages ahead of
-            the math; a slot's keys are fetched again once its scores are done, its values once the output's
-            wgmma is. The page ids travel in the loop's carry, each loaded a step before its fetch needs it, so
-            that no global load sits between a page's wgmmas and the next fetch. Returns the output^T, the max
-            and the sum of each query row."""
-            def fetch_keys(i, page):
-                rows = pl.ds(jnp.maximum(page, 0) * page_size, page_size)  # a released page (-1): page 0, masked
-                plgpu.copy_gmem_to_smem(k_gmem.at[rows, pl.ds(kv_head * head_dim, head_dim)], k_ring.at[i % stages],
-                                        k_barriers.at[i % stages])
-
-            def fetch_values(i, page):
-                rows = pl.ds(jnp.maximum(page, 0) * page_size, page_size)
-                plgpu.copy_gmem_to_smem(v_gmem.at[rows, pl.ds(kv_head * head_dim, head_dim)], v_ring.at[i % stages],
-                                        v_barriers.at[i % stages])
-
+            the math; a slot is fetched again once its page's wgmmas are done. The page ids travel in the loop's
+            carry, each loaded a step before its fetch needs it, so that no global load sits between a page's
+            wgmmas and the next fetch. Returns the output^T, the max and the sum of each query row."""
             def fetch(i, page):
-                fetch_keys(i, page)
-                fetch_values(i, page)
+                slot = i % stages
+                rows = pl.ds(jnp.maximum(page, 0) * page_size, page_size)  # a released page (-1): page 0, masked
+                columns = pl.ds(kv_head * head_dim, head_dim)
+                plgpu.copy_gmem_to_smem(k_gmem.at[rows, columns], k_ring.at[slot], ring_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(v_gmem.at[rows, columns], v_ring.at[slot], ring_barriers.at[slot])
 
             first_ids = tuple(page_id(i) for i in range(stages))
             for i in range(stages):
@@ -138,10 +129,9 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
                 acc, m_prev, l_parts, ids = carry  # ids: pages i .. i + stages - 1
                 next_id = page_id(i + stages)  # its latency hides behind this page's math
                 slot = i % stages
-                plgpu.barrier_wait(k_barriers.at[slot])
-                scores = _matmul(k_ring.at[slot], queries_t, (page_size, q_rows))
-                if EARLY_KEYS:  # the scores' wgmma is done with the slot's keys: the keys `stages` ahead may land
-                    pl.when(i + stages < num_steps)(lambda: fetch_keys(i + stages, next_id))
+                plgpu.barrier_wait(ring_barriers.at[slot])
+                k_smem, v_smem = k_ring.at[slot], v_ring.at[slot]
+                scores = _matmul(k_smem, queries_t, (page_size, q_rows))
                 scores = (scores.astype(dtype).astype(jnp.float32) * softmax_scale).astype(dtype).astype(jnp.float32)
                 k_pos = (lo + i) * page_size + plgpu.broadcasted_iota(
                     jnp.int32, (page_size, q_rows), 0, layout=plgpu.Layout.WGMMA)
@@ -154,12 +144,9 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
                 probs = jnp.exp(scores - lax.broadcast_in_dim(m_next, scores.shape, [1]))
                 p_tile.transpose((1, 0))[...] = probs.astype(dtype)
                 plgpu.commit_smem()
-                plgpu.barrier_wait(v_barriers.at[slot])
-                pv = _matmul(v_ring.at[slot].transpose((1, 0)), p_tile.transpose((1, 0)), (head_dim, q_rows))
-                if EARLY_KEYS:
-                    pl.when(i + stages < num_steps)(lambda: fetch_values(i + stages, next_id))
-                else:  # both wgmmas are done with the slot: the page `stages` ahead may land in it
-                    pl.when(i + stages < num_steps)(lambda: fetch(i + stages, next_id))
+                pv = _matmul(v_smem.transpose((1, 0)), p_tile.transpose((1, 0)), (head_dim, q_rows))
+                # Both wgmmas are done with the slot: the page `stages` ahead may land in it.
+                pl.when(i + stages < num_steps)(lambda: fetch(i + stages, next_id))
                 acc = acc * lax.broadcast_in_dim(correction, acc.shape, [1]) + pv
                 l_parts = l_parts * lax.broadcast_in_dim(correction, l_parts.shape, [1]) + probs
                 return acc, m_next, l_parts, (*ids[1:], next_id)
@@ -172,8 +159,7 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
             return acc, m, l_parts.sum(axis=0)
 
         ring = plgpu.SMEM((stages, page_size, head_dim), dtype, transforms=operand)
-        acc, m, l = pl.run_scoped(attend, ring, ring, plgpu.Barrier(num_barriers=stages),
-                                  plgpu.Barrier(num_barriers=stages),
+        acc, m, l = pl.run_scoped(attend, ring, ring, plgpu.Barrier(num_arrivals=2, num_barriers=stages),
                                   plgpu.SMEM((_WGMMA_ROWS, head_dim), dtype, transforms=operand),  # queries
                                   plgpu.SMEM((q_rows, page_size), dtype,  # a page's probabilities
                                              transforms=smem_transforms(page_size, dtype)))
