@@ -2,7 +2,7 @@
 
 The Triton split kernel (`paged_attention._decode_split_kernel`) has no asynchronous copies: each loop
 step waits for its K and V loads. Here a program's pages stream through shared memory by TMA, `stages`
-pages ahead of the math. `paged_attention.default_decode_blocks` picks it where it wins (use_mosaic_split).
+pages ahead of the math. `paged_attention.default_decode_blocks` picks it wherever it fits (use_mosaic_split).
 
 A program is one (sequence, kv head, split), as in the Triton kernel, and writes its partials (unnormalized
 output, running max and sum per query row) for `paged_attention`'s combine, which reads them as they are:
@@ -65,9 +65,9 @@ def _matmul(a, b, shape):
 def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, window: int | None,
                  softmax_scale: float, num_splits: int, stages: int = 2, interpret: bool = False):
     """Partials of every decode sequence's attention: (o `[batch, kv_heads, splits, q_rows, d]`, m and l
-    `[batch, kv_heads, splits, q_rows]`, fp32), query rows past `group` unspecified. `queries [tokens, heads, d]`, `k_pages`/`v_pages [pages, page_size, kv_heads, d]`, `row_token
-    [batch]` (a sequence's decode token, -1: none), `seq_lens [batch]`, `page_table [batch, max_pages]` (-1:
-    released page)."""
+    `[batch, kv_heads, splits, q_rows]`, fp32), query rows past `group` unspecified. `queries [tokens, heads, d]`,
+    `k_pages`/`v_pages [pages, page_size, kv_heads, d]`, `row_token [batch]` (a sequence's decode token, -1:
+    none), `seq_lens [batch]`, `page_table [batch, max_pages]` (-1: released page)."""
     tokens, heads, head_dim = queries.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     batch, max_pages = page_table.shape

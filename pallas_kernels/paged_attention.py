@@ -1054,10 +1054,8 @@ def default_decode_blocks(queries, k_pages, v_pages, batch: int, max_pages: int,
     sequences of page tables `max_pages` wide: the Triton kernel's `decode_blocks`, or the Mosaic GPU
     kernel's where `use_mosaic_split` says so."""
     _, page_size, kv_heads, _ = k_pages.shape
-    blocks = decode_blocks(batch, kv_heads, max_pages, page_size, window)
-    if not interpret and use_mosaic_split(queries, k_pages, v_pages):
-        blocks = decode_blocks(batch, kv_heads, max_pages, page_size, window, mosaic_split=True)
-    return blocks
+    mosaic = not interpret and use_mosaic_split(queries, k_pages, v_pages)
+    return decode_blocks(batch, kv_heads, max_pages, page_size, window, mosaic_split=mosaic)
 
 
 def use_mosaic_split(queries, k_pages, v_pages) -> bool:

@@ -55,7 +55,7 @@ def _check(args, out, window):
 
 CASES = [  # kv_heads, group, window, splits, stages, release_hole
     (1, 6, None, 1, 2, False), (2, 6, None, 4, 3, True), (2, 8, 70, 2, 2, False), (3, 1, None, 8, 4, False),
-    (1, 6, 100, 16, 2, True)]
+    (1, 6, 100, 16, 2, True), (1, 12, None, 2, 2, False)]  # group 12: two 8-column query tiles
 
 
 def _device(on_gpu: bool):
