@@ -46,8 +46,8 @@ _WGMMA_ROWS = 64
 
 
 def fits(heads: int, kv_heads: int, page_size: int, head_dim: int, dtype) -> bool:
-    """Whether the kernel takes these shapes: whole kv head groups of at most 64 query heads (wgmma's M),
-    pages and heads of multiples of 64, 16-bit values."""
+    """Whether the kernel takes these shapes: whole kv head groups of at most 64 query heads (the queries pass
+    through one 64-row register tile), pages and heads of multiples of 64, 16-bit values."""
     group = heads // kv_heads
     return (heads % kv_heads == 0 and group <= _WGMMA_ROWS and page_size % 64 == 0 and head_dim % 64 == 0
             and jnp.dtype(dtype).itemsize == 2)

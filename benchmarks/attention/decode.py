@@ -19,7 +19,7 @@ Variants:
            steps per split, w warps, n stages (split kernel), d the combine's head_dim block, g1 the
            Mosaic GPU split kernel (`decode_attention_mgpu`; n is then its TMA pipeline depth, by
            default `DECODE_MOSAIC_STAGES`), g0 the Triton one; e.g. "p2t2m1w4n1" or "s32n3g1".
-           "auto" is what the model runs (`default_decode_blocks`: Mosaic on Hopper where it wins). The
+           "auto" is what the model runs (`default_decode_blocks`: Mosaic on Hopper wherever it fits). The
            step's DecodeMetadata is built once, outside the timed loop, as the engine builds it once per
            step for all layers. (Run 6's letters f and c chose a one-launch
            path and its merge fan-in; it was slower at every shape and is removed.)
