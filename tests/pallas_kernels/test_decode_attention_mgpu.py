@@ -137,10 +137,10 @@ def test_mosaic_split_matches_reference_on_gpu(kv_heads, group, window, splits, 
 
 @pytest.mark.parametrize("batch,heads,kv_heads,context,splits,stages,window", [
     (8, 6, 1, 8192, 32, 2, None), (32, 48, 8, 8192, 2, 3, None), (1, 6, 1, 131072, 256, 4, None),
-    (32, 6, 1, 32768, 4, 2, 512), (8, 48, 8, 131072, 4, 2, None)])
+    (32, 6, 1, 32768, 4, 2, 512), (8, 48, 8, 131072, 4, 2, None), (8, 6, 1, 8192, 16, 2, 512)])
 def test_mosaic_split_lowers_for_cuda(batch, heads, kv_heads, context, splits, stages, window):
-    """Beam's decode shapes (TP8 and all heads; a sliding layer) lower for sm_90 on the CPU, within the
-    shared memory at up to 4 stages (the PTX is built on the GPU)."""
+    """Beam's decode shapes (TP8 and all heads; sliding layers, the last with splits of under a page) lower for
+    sm_90 on the CPU, within the shared memory at up to 4 stages (the PTX is built on the GPU)."""
     from pallas_kernels import decode_attention_mgpu as dm
 
     spec = jax.ShapeDtypeStruct
