@@ -281,9 +281,10 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     `decode_chunks`; the down GEMM's; `down_overlap`: a down program issues every K step's copy at once and decodes a
     step while the one before multiplies (`down_stages` then does not apply; unset: at 1-2 tokens). `counters`:
     int32 `[slots]` from `fresh_counters()` or as the call before returned them (other values break the waits: wrong
-    sums or a hang); then (output, counters) come back, for the next call. Unset, or with fewer than `counter_slots(pairs)` slots (returned untouched), the call zeroes its own
-    (an XLA kernel before this one). `compiler_params`: `plgpu.CompilerParams` for the kernel (e.g.
-    Mosaic GPU's profiler, which records the named scopes of each program: benchmarks/moe/fused_timeline.py).
+    sums or a hang); then (output, counters) come back, for the next call. Unset, or with fewer than
+    `counter_slots(pairs)` slots (returned untouched), the call zeroes its own (an XLA kernel before this one).
+    `compiler_params`: `plgpu.CompilerParams` for the kernel (e.g. Mosaic GPU's profiler, which records the named
+    scopes of each program: benchmarks/moe/fused_timeline.py).
     `stamps` (a diagnostic): the kernel also writes each program's `%globaltimer_lo` (ns) at its start and its end and
     its kind (0 gate/up, 1 down) to int32 `[programs, 3]`, and the call returns (what it returns otherwise, stamps)."""
     tokens, hidden = x.shape
