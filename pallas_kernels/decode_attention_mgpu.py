@@ -7,6 +7,11 @@ pages ahead of the math. `paged_attention.default_decode_blocks` picks it wherev
 A program is one (sequence, kv head, split), as in the Triton kernel, and writes its partials (unnormalized
 output, running max and sum per query row) for `paged_attention`'s combine, which reads them as they are:
 `q_rows` query rows, the group rounded up to 8, of which the first `group` are used.
+- A split takes every `num_splits`-th visible page, from its own index on (the Triton kernel's splits are
+  contiguous runs of pages). A program's start is a chain of global loads before its first page can be fetched;
+  with contiguous splits, a page's index needed the sequence's length first (sequence length, then page id,
+  then the page); interleaved, without a window, it needs none, and the page ids load beside the length
+  (session 37; not yet timed on a GPU).
 - Keys are wgmma's M and the group's query rows its N: a page's scores are `[page_size, q_rows]`, a few
   values a thread (4 at pages of 64 and Beam's group of 6). Until session 36 the query rows were M, padded to
   64 rows: 32 scores a thread for the softmax, 58 of each 64 rows padding, ~1.3 us of math a page (H200,
@@ -92,17 +97,20 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
         q_pos = seq_len - 1
         first_page = 0 if window is None else jnp.maximum(q_pos - window + 1, 0) // page_size
         end_page = jnp.maximum((seq_len + page_size - 1) // page_size, first_page)
-        per_split = (end_page - first_page + num_splits - 1) // num_splits
-        lo = jnp.minimum(first_page + split * per_split, end_page)
-        hi = jnp.minimum(lo + per_split, end_page)
+        # The split's pages: every num_splits-th visible page from its own. Without a window a page's index
+        # needs no load, so the first page ids load beside the sequence's length, not after it.
+        num_steps = jnp.maximum(end_page - first_page - split + num_splits - 1, 0) // num_splits
 
+        def page_index(i):  # the split's i-th page in the sequence
+            return first_page + split + i * num_splits
+
+        def page_id(i):  # its page id (-1: released); past the table's end, its last entry (unused)
+            return page_table_gmem[sequence, jnp.minimum(page_index(i), max_pages - 1)]
+
+        first_ids = tuple(page_id(i) for i in range(stages))
         # The group's query rows into the first rows of an untiled buffer (any row offset).
         first_row = jnp.maximum(token, 0) * heads + kv_head * group
         plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(first_row, group)], q_smem.at[pl.ds(0, group)], q_barrier)
-        num_steps = hi - lo
-
-        def page_id(i):  # the split's i-th page (-1: released); past the table's end, its last entry (unused)
-            return page_table_gmem[sequence, jnp.minimum(lo + i, max_pages - 1)]
 
         def attend(k_ring, v_ring, ring_barriers, q_tiles, p_tile):
             """The split's pages through a ring: page i lands in slot i % stages, fetched `stages` pages ahead of
@@ -116,7 +124,6 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
                 plgpu.copy_gmem_to_smem(k_gmem.at[rows, columns], k_ring.at[slot], ring_barriers.at[slot])
                 plgpu.copy_gmem_to_smem(v_gmem.at[rows, columns], v_ring.at[slot], ring_barriers.at[slot])
 
-            first_ids = tuple(page_id(i) for i in range(stages))
             for i in range(stages):
                 pl.when(i < num_steps)(lambda i=i: fetch(i, first_ids[i]))
             # The queries into wgmma's swizzled tiles, once, while the first pages load.
@@ -133,7 +140,7 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
                 k_smem, v_smem = k_ring.at[slot], v_ring.at[slot]
                 scores = _matmul(k_smem, queries_t, (page_size, q_rows))
                 scores = (scores.astype(dtype).astype(jnp.float32) * softmax_scale).astype(dtype).astype(jnp.float32)
-                k_pos = (lo + i) * page_size + plgpu.broadcasted_iota(
+                k_pos = page_index(i) * page_size + plgpu.broadcasted_iota(
                     jnp.int32, (page_size, q_rows), 0, layout=plgpu.Layout.WGMMA)
                 visible = (k_pos <= q_pos) & (ids[0] >= 0)
                 if window is not None:

@@ -15,8 +15,8 @@ import pytest
 from pallas_kernels import paged_attention as pa
 
 # (seq_len, q_len): decodes at page boundaries and past them, a prefill chunk (not a decode: zeros),
-# an empty sequence.
-SPECS = [(1, 1), (64, 1), (65, 1), (200, 1), (37, 5), (0, 0), (130, 1)]
+# an empty sequence, one of 10 pages (splits of unequal page counts).
+SPECS = [(1, 1), (64, 1), (65, 1), (200, 1), (37, 5), (0, 0), (130, 1), (600, 1)]
 
 
 def _batch(seed, *, kv_heads, group, page_size=64, head_dim=128, release_hole=False, specs=SPECS):
