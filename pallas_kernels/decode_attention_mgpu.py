@@ -44,10 +44,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mgpu_tiles import smem_transforms
+from pallas_kernels.mgpu_tiles import smem_transforms, stamp
 
 _M_INIT = -1e30  # as the Triton kernel's: exp(-inf - _M_INIT) = 0, never inf - inf
 _WGMMA_ROWS = 64
+# The columns of `split_decode(stamps=True)`: times (ns) and the program's page count.
+STAMPS = ("start", "fetching", "first_page", "pages_done", "end", "pages")
 
 
 def fits(heads: int, kv_heads: int, page_size: int, head_dim: int, dtype) -> bool:
@@ -68,11 +70,15 @@ def _matmul(a, b, shape):
 
 
 def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, window: int | None,
-                 softmax_scale: float, num_splits: int, stages: int = 2, interpret: bool = False):
+                 softmax_scale: float, num_splits: int, stages: int = 2, interpret: bool = False,
+                 stamps: bool = False):
     """Partials of every decode sequence's attention: (o `[batch, kv_heads, splits, q_rows, d]`, m and l
     `[batch, kv_heads, splits, q_rows]`, fp32), query rows past `group` unspecified. `queries [tokens, heads, d]`,
     `k_pages`/`v_pages [pages, page_size, kv_heads, d]`, `row_token [batch]` (a sequence's decode token, -1:
-    none), `seq_lens [batch]`, `page_table [batch, max_pages]` (-1: released page)."""
+    none), `seq_lens [batch]`, `page_table [batch, max_pages]` (-1: released page).
+    `stamps` (a diagnostic, compiled only): each program (sequence, kv head, split) also writes int32 `[programs,
+    len(STAMPS)]` (`STAMPS`: its `%globaltimer_lo` in ns at its start, once its first page fetch is issued, once
+    that page is in, after its last page, at its end; and its page count), returned after the partials."""
     tokens, heads, head_dim = queries.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     batch, max_pages = page_table.shape
@@ -89,9 +95,15 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
     q_flat = queries.reshape(tokens * heads, head_dim)
     k_flat = k_pages.reshape(num_pages * page_size, kv_heads * head_dim)
     v_flat = v_pages.reshape(num_pages * page_size, kv_heads * head_dim)
-    def kernel(row_token_gmem, seq_lens_gmem, page_table_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, *,
-               q_smem, q_barrier):
+    def kernel(row_token_gmem, seq_lens_gmem, page_table_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem,
+               *stamps_gmem, q_smem, q_barrier):
         sequence, kv_head, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+
+        def mark(name, value=None):  # a stamp (`stamps`)
+            if stamps:
+                stamp(stamps_gmem[0], (sequence * kv_heads + kv_head) * num_splits + split, STAMPS.index(name), value)
+
+        mark("start")
         token = row_token_gmem[sequence]
         seq_len = jnp.where(token >= 0, seq_lens_gmem[sequence], 0)  # no decode: nothing to visit
         q_pos = seq_len - 1
@@ -126,6 +138,7 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
 
             for i in range(stages):
                 pl.when(i < num_steps)(lambda i=i: fetch(i, first_ids[i]))
+            mark("fetching")
             # The queries into wgmma's swizzled tiles, once, while the first pages load.
             plgpu.barrier_wait(q_barrier)
             q_tiles[...] = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA, optimized=False)
@@ -137,6 +150,8 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
                 next_id = page_id(i + stages)  # its latency hides behind this page's math
                 slot = i % stages
                 plgpu.barrier_wait(ring_barriers.at[slot])
+                if stamps:
+                    pl.when(i == 0)(lambda: mark("first_page"))
                 k_smem, v_smem = k_ring.at[slot], v_ring.at[slot]
                 scores = _matmul(k_smem, queries_t, (page_size, q_rows))
                 scores = (scores.astype(dtype).astype(jnp.float32) * softmax_scale).astype(dtype).astype(jnp.float32)
@@ -171,6 +186,8 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
                                   plgpu.SMEM((q_rows, page_size), dtype,  # a page's probabilities
                                              transforms=smem_transforms(page_size, dtype)))
 
+        mark("pages_done")
+        mark("pages", num_steps)
         # The ring's buffers are free again: the partials go out through shared memory. The output^T is read
         # back transposed (Mosaic GPU stores fp32 registers transposed into shared memory only as 16-bit pairs)
         # and stored by the threads, in the combine's `[q_rows, head_dim]`.
@@ -184,6 +201,7 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
             o_gmem.at[sequence, kv_head, split][...] = plgpu.load(
                 o_smem.transpose((1, 0)), (), layout=plgpu.Layout.WG_STRIDED((q_rows, head_dim), vec_size=1))
             plgpu.wait_smem_to_gmem(0)
+            mark("end")
 
         pl.run_scoped(store, plgpu.SMEM(acc.shape, jnp.float32),
                       plgpu.SMEM((q_rows,), jnp.float32), plgpu.SMEM((q_rows,), jnp.float32))
@@ -192,7 +210,8 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
     call = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((*partial, head_dim), jnp.float32), jax.ShapeDtypeStruct(partial, jnp.float32),
-                  jax.ShapeDtypeStruct(partial, jnp.float32)),
+                  jax.ShapeDtypeStruct(partial, jnp.float32),
+                  *[jax.ShapeDtypeStruct((batch * kv_heads * num_splits, len(STAMPS)), jnp.int32)] * stamps),
         grid=(batch, kv_heads, num_splits), grid_names=("b", "h", "s"),
         scratch_types=dict(q_smem=plgpu.SMEM((_WGMMA_ROWS, head_dim), dtype), q_barrier=plgpu.Barrier()),
         interpret=plgpu.InterpretGPUParams() if interpret else None,

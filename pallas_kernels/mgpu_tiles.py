@@ -1,5 +1,5 @@
 """What the Mosaic GPU kernels (`bf16_moe_mgpu`, `decode_attention_mgpu`, the NVFP4 kernels) share: the
-GPUs they are written for, and shared-memory tile layouts."""
+GPUs they are written for, shared-memory tile layouts, and a timer stamp for diagnostics."""
 
 from __future__ import annotations
 
@@ -24,3 +24,26 @@ def smem_transforms(cols: int, dtype) -> tuple:
     """TMA/wgmma tiling and swizzle of a shared-memory tile whose rows hold `cols` values."""
     swizzle = plgpu.find_swizzle(cols * jnp.dtype(dtype).itemsize * 8)
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def stamp(stamps, p, column: int, value=None) -> None:
+    """A diagnostic: writes `value` (an int32), or the warpgroup's `%globaltimer_lo` once every thread got here (ns,
+    32 bits), to `stamps[p, column]` (an int32 gmem ref), from one thread."""
+    splat = plgpu.Layout.WG_SPLAT(())
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), splat, splat))
+    def store(ctx, stamps, p, value):
+        del ctx
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith, memref
+        from jax.experimental.mosaic.gpu import utils
+        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+        if value is None:
+            utils.warpgroup_barrier()
+            time = utils.inline_ptx("mov.u32 $0, %globaltimer_lo;", result_types=i32, has_side_effects=True)
+        else:
+            time = value.registers.item()
+        with utils.single_thread(scope=utils.ThreadSubset.WARPGROUP):
+            memref.store(time, stamps, [arith.index_cast(index, p.registers.item()), utils.c(column, index)])
+
+    store(stamps, jnp.asarray(p, jnp.int32), jnp.asarray(0 if value is None else value, jnp.int32))

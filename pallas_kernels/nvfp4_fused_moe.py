@@ -48,6 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import nvfp4_mgpu as nm
+from pallas_kernels.mgpu_tiles import stamp
 
 _X_ROW_BYTES = 128  # the down GEMM's activation tile rows: tile_k 64 bf16, one 128-byte swizzled row
 
@@ -148,27 +149,6 @@ def _wait_epoch(counters, slot) -> None:
         utils.warpgroup_barrier()
 
     wait(counters, jnp.asarray(slot, jnp.int32))
-
-
-def _stamp(stamps, p, column: int, value=None) -> None:
-    """Writes `value` (an int32), or this warpgroup's `%globaltimer_lo` once every thread got here (ns, 32 bits),
-    to `stamps[p, column]` (gmem), from one thread."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT, _SPLAT))
-    def store(ctx, stamps, p, value):
-        del ctx
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import arith, memref
-        from jax.experimental.mosaic.gpu import utils
-        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-        if value is None:
-            utils.warpgroup_barrier()
-            stamp = utils.inline_ptx("mov.u32 $0, %globaltimer_lo;", result_types=i32, has_side_effects=True)
-        else:
-            stamp = value.registers.item()
-        with utils.single_thread(scope=utils.ThreadSubset.WARPGROUP):
-            memref.store(stamp, stamps, [arith.index_cast(index, p.registers.item()), utils.c(column, index)])
-
-    store(stamps, jnp.asarray(p, jnp.int32), jnp.asarray(0 if value is None else value, jnp.int32))
 
 
 def _swiglu_activations(splits: int, block_t: int, intermediate: int):
@@ -403,8 +383,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                down_packed_gmem, down_scales_gmem, down_global_gmem, counters_gmem, out_gmem, sums_gmem, *stamps_gmem):
         p = jax.lax.axis_index("p")
         if stamps:
-            _stamp(stamps_gmem[0], p, 0)
-            _stamp(stamps_gmem[0], p, 2, (p >= gu_programs).astype(jnp.int32))
+            stamp(stamps_gmem[0], p, 0)
+            stamp(stamps_gmem[0], p, 2, (p >= gu_programs).astype(jnp.int32))
 
         @pl.when(p < gu_programs)
         def _():
@@ -481,7 +461,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                               plgpu.SMEM((down_tile_n,), jnp.float32), plgpu.Barrier())
 
         if stamps:
-            _stamp(stamps_gmem[0], p, 1)
+            stamp(stamps_gmem[0], p, 1)
 
     programs = gu_programs + down_programs
     call = plgpu.kernel(

@@ -151,6 +151,20 @@ def test_mosaic_split_lowers_for_cuda(batch, heads, kv_heads, context, splits, s
     assert "mosaic_gpu" in jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def test_mosaic_split_with_stamps_lowers_for_cuda():
+    """The diagnostic form (`stamps=True`, benchmarks/attention/split_timeline.py) lowers and returns a stamp row a
+    program after the partials."""
+    from pallas_kernels import decode_attention_mgpu as dm
+
+    spec = jax.ShapeDtypeStruct
+    op = functools.partial(dm.split_decode, window=None, softmax_scale=128**-0.5, num_splits=4, stages=2, stamps=True)
+    specs = (spec((8, 6, 128), jnp.bfloat16), *[spec((1025, 64, 1, 128), jnp.bfloat16)] * 2,
+             spec((8,), jnp.int32), spec((8,), jnp.int32), spec((8, 128), jnp.int32))
+    traced = jax.jit(op).trace(*specs)
+    assert [out.shape for out in traced.out_info][-1] == (8 * 4, len(dm.STAMPS))
+    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
 def test_mosaic_decode_blocks_and_when_the_model_takes_them(monkeypatch):
     """`decode_blocks(mosaic_split=True)`: the Triton kernel's splits, two stages. The model's default takes
     the Mosaic kernel on Hopper for shapes it takes, at any pages a split (session 36 runs 1-2: it wins or ties
@@ -170,3 +184,30 @@ def test_mosaic_decode_blocks_and_when_the_model_takes_them(monkeypatch):
     assert not pa.use_mosaic_split(jnp.zeros((2, 6, 96), jnp.bfloat16), pages[..., :96], pages[..., :96])
     monkeypatch.setattr(pa, "DECODE_MOSAIC_SPLIT", False)
     assert not pa.use_mosaic_split(bf16, pages, pages)
+
+
+def test_split_timeline_summary_reads_the_timer_across_its_wrap_around(monkeypatch):
+    """benchmarks/attention/split_timeline.py's summary: times in µs from the first start, each program's phases,
+    over the programs that visit pages, with the 32-bit nanosecond timer wrapping around between stamps."""
+    import importlib.util
+    from pathlib import Path
+
+    from pallas_kernels import decode_attention_mgpu as dm
+
+    scripts = Path(__file__).parents[2] / "benchmarks/attention"
+    monkeypatch.syspath_prepend(str(scripts))
+    spec = importlib.util.spec_from_file_location("split_timeline", scripts / "split_timeline.py")
+    timeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timeline)
+    top = 2**32
+    # start, fetching, first_page, pages_done, end (ns), pages; the first starts 2 us before the wrap.
+    stamps = np.array([[top - 2000, top - 1000, 500, 4000, 4500, 3],
+                       [top - 1500, top - 1000, 1000, 2000, 3000, 2],
+                       [top - 1900, top - 1800, top - 1700, top - 1700, top - 1600, 0]])  # no pages
+    assert list(dm.STAMPS) == ["start", "fetching", "first_page", "pages_done", "end", "pages"]
+    summary = timeline.stamp_summary(stamps.astype(np.uint32).view(np.int32))
+    assert summary["kernel_us"] == 6.5 and summary["busy_programs"] == 2 and summary["programs"] == 3
+    assert summary["at"]["first_page"] == [2.5, 2.55, 2.75, 2.95, 3.0]
+    assert summary["phases"]["chain"] == [0.5, 0.55, 0.75, 0.95, 1.0]
+    assert summary["phases"]["later_pages"] == [1.0, 1.25, 2.25, 3.25, 3.5]
+    assert summary["phases"]["program"] == [4.5, 4.7, 5.5, 6.3, 6.5]
