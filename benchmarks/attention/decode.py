@@ -24,7 +24,9 @@ Variants:
            step for all layers. (Run 6's letters f and c chose a one-launch
            path and its merge fan-in; it was slower at every shape and is removed.)
   old    : with --baseline-module FILE (e.g. `git show <commit>:pallas_kernels/paged_attention.py`),
-           that file's decode kernels with their own default blocks: the previous kernel, same run.
+           that file's decode kernels with their own default blocks: the previous kernel, same run. A
+           decode_attention_mgpu.py instead (it defines `split_decode`): today's paged_attention with that
+           file's Mosaic split kernel.
   kernel : ragged_paged_attention_kernel, the general kernel (one program per (query block, kv head)
            walking every visible page), block_q 2
   xla    : written here; gathers the sequence's pages through the page table (full: all max_pages;
@@ -441,11 +443,22 @@ def decode_config_name(spec):
     return f"decode-{spec}"
 
 
-def load_baseline_module(path):
-    spec = importlib.util.spec_from_file_location("baseline_paged_attention", path)
+def _load_module(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
+    return module
+
+
+def load_baseline_module(path):
+    """The 'old' paged_attention: the file at `path`, or, for a decode_attention_mgpu.py, a fresh copy of today's
+    paged_attention that runs that file's split kernel."""
+    module = _load_module(path, "baseline_paged_attention")
+    if hasattr(module, "split_decode"):
+        split_module = _load_module(path, "baseline_decode_attention_mgpu")
+        module = _load_module(pa.__file__, "baseline_paged_attention")
+        module.decode_attention_mgpu = split_module
     return module
 
 
@@ -540,7 +553,9 @@ def run_config(ctx, batch, shape_name, kind, args, interpret, timer=None, baseli
         steps["old"] = (old_step, None)
         for spec in args.baseline_configs if sweep else []:  # the old kernel with the new configs' blocks
             b = make_decode_blocks(spec, batch, kvh, max_pages, page_size, window)
-            old_blocks = baseline.DecodeBlocks(b.pages_per_step, b.num_splits, b.num_warps, b.num_stages)
+            # The fields the old DecodeBlocks has (an older one may lack `mosaic_split`).
+            old_blocks = baseline.DecodeBlocks(**{f.name: getattr(b, f.name)
+                                                  for f in dataclasses.fields(baseline.DecodeBlocks)})
 
             def old_config_step(qq, pt, k_pages, v_pages, query_start, seq_lens, metadata, old_blocks=old_blocks):
                 return baseline.ragged_paged_attention(
