@@ -155,8 +155,9 @@ def _swiglu_activations(splits: int, block_t: int, intermediate: int):
     """inline_mgpu body: the block's gate/up partial sums (gmem `[splits, rows, 2 I]` fp32, the block's rows from
     `row0`) -> the down GEMM's activation tiles (smem `[I / 64, block_t, 64]` bf16, 128-byte swizzle): for the
     pair's `token` row, gate and up summed over the splits, times OUTPUT_FACTOR and their global scales, rounded
-    to bf16, and SwiGLU rounded to bf16 (as `moe_nvfp4`'s XLA pass); the other rows zero (their tokens' routing
-    weights are zero for this pair, so they are not computed)."""
+    to bf16, and SwiGLU rounded to bf16 (as `moe_nvfp4`'s XLA pass). The other rows keep what shared memory held:
+    a row is a column of the down GEMM's output that no other column reads, and only the token's is stored
+    (session 37: their zeroing, 7 rows of `intermediate` stores a program, is gone; not yet timed on a GPU)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref
     from jax.experimental.mosaic.gpu import utils
@@ -191,13 +192,7 @@ def _swiglu_activations(splits: int, block_t: int, intermediate: int):
             up = projection(arith.addi(j, utils.c(intermediate, index)), up_factor)
             llvm.store(arith.truncf(bf16, nm.swiglu_value(gate, up)), place(token, j))
 
-        def zero(i):  # the k-th row after the token's, cyclically: every other row once
-            k, j = arith.divui(i, utils.c(intermediate, index)), arith.remui(i, utils.c(intermediate, index))
-            t = arith.remui(arith.addi(token, arith.addi(k, utils.c(1, index))), utils.c(block_t, index))
-            llvm.store(arith.constant(bf16, 0.0), place(t, j))
-
         nm.for_each_index(intermediate, one)
-        nm.for_each_index((block_t - 1) * intermediate, zero)
 
     return body
 
@@ -206,7 +201,7 @@ def _store_weighted_transposed(tile_n: int, block_t: int, tokens: int):
     """inline_mgpu body: the down GEMM's fp32 accumulator [tile_n, block_t] (WGMMA layout) -> smem [block_t,
     tile_n] fp32: each value times OUTPUT_FACTOR and its row's global scale, rounded to bf16 (the expert's
     output), times its token's routing weight and rounded to bf16 again (the pair's output, as
-    `moe_gemm_reference`); rows past `tokens` zero."""
+    `moe_gemm_reference`); rows past `tokens` get a weight of zero (only the pair's token's row is stored)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, memref, vector
     from jax.experimental.mosaic.gpu import utils
