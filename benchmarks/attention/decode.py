@@ -455,10 +455,10 @@ def load_baseline_module(path):
     """The 'old' paged_attention: the file at `path`, or, for a decode_attention_mgpu.py, a fresh copy of today's
     paged_attention that runs that file's split kernel."""
     module = _load_module(path, "baseline_paged_attention")
-    if hasattr(module, "split_decode"):
-        split_module = _load_module(path, "baseline_decode_attention_mgpu")
-        module = _load_module(pa.__file__, "baseline_paged_attention")
-        module.decode_attention_mgpu = split_module
+    if hasattr(module, "split_decode"):  # a split kernel: a copy of today's paged_attention around it
+        paged_attention = _load_module(pa.__file__, "baseline_paged_attention")
+        paged_attention.decode_attention_mgpu = module
+        return paged_attention
     return module
 
 
