@@ -759,6 +759,7 @@ class DecodeBlocks:
     num_warps: int = 4  # split kernel
     num_stages: int = 2  # split kernel (Triton's software pipelining depth)
     combine_block_d: int | None = None  # head_dim lanes per combine program; None: by the token count
+    combine_num_warps: int = 4  # combine kernel
     # The split kernel in Mosaic GPU (`decode_attention_mgpu`, Hopper, bf16; it takes finished queries, so
     # a query prologue runs before it), `num_stages` pages ahead by TMA; `pages_per_step` and `num_warps`
     # do not apply.
@@ -1146,7 +1147,7 @@ def _combine_partials(o, m, l, metadata, blocks, heads, attention_dtype, output_
         # The whole output: a program writes its head's lanes.
         out_specs=_whole_block((tokens, heads, head_dim)),
         out_shape=jax.ShapeDtypeStruct((tokens, heads, head_dim), out_dtype),
-        compiler_params=_triton_params(4, 1),
+        compiler_params=_triton_params(blocks.combine_num_warps, 1),
         interpret=interpret,
         name=f"paged_decode_combine_{splits=}" + ("_gated" if output_gate is not None else ""),
     )(metadata.token_row, o, m, l, *gate)

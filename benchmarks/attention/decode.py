@@ -16,7 +16,8 @@ Variants:
            --decode-configs entry (and per --sweep-configs entry at the --sweep-points). A config is
            "auto" (decode_blocks' tuned choice, what the model runs) or letters with numbers that
            override it: p pages per step, s splits, t programs per SM the split aims for, m minimum
-           steps per split, w warps, n stages (split kernel), d the combine's head_dim block, g1 the
+           steps per split, w warps, n stages (split kernel), d the combine's head_dim block, r its
+           warps (run 5's k was another, removed knob), g1 the
            Mosaic GPU split kernel (`decode_attention_mgpu`; n is then its TMA pipeline depth, by
            default `DECODE_MOSAIC_STAGES`), g0 the Triton one; e.g. "p2t2m1w4n1" or "s32n3g1".
            "auto" is what the model runs (`default_decode_blocks`: Mosaic on Hopper wherever it fits). The
@@ -415,7 +416,8 @@ def time_loop(loop, q, page_table, rest, *, target_ms, repeats, max_iters):
 
 
 CONFIG_LETTERS = {"p": "pages_per_step", "s": "num_splits", "t": "programs_per_sm", "m": "min_steps_per_split",
-                  "w": "num_warps", "n": "num_stages", "d": "combine_block_d", "g": "mosaic_split"}
+                  "w": "num_warps", "n": "num_stages", "d": "combine_block_d", "r": "combine_num_warps",
+                  "g": "mosaic_split"}
 
 
 def parse_decode_config(spec: str) -> dict:
@@ -433,10 +435,10 @@ def make_decode_blocks(spec: str, batch, kv_heads, max_pages, page_size, window,
     if spec == "auto" and arrays is not None:
         return pa.default_decode_blocks(*arrays, batch, max_pages, window)
     kwargs = parse_decode_config(spec)
-    combine_block_d = kwargs.pop("combine_block_d", None)
+    combine = {name: kwargs.pop(name) for name in ("combine_block_d", "combine_num_warps") if name in kwargs}
     kwargs["mosaic_split"] = bool(kwargs.get("mosaic_split", 0))
     blocks = pa.decode_blocks(batch, kv_heads, max_pages, page_size, window, **kwargs)
-    return dataclasses.replace(blocks, combine_block_d=combine_block_d)
+    return dataclasses.replace(blocks, **combine)
 
 
 def decode_config_name(spec):
@@ -662,6 +664,7 @@ def print_sweep(rows):
             print(f"  {n:>22} {row[n + '_us']:8.1f} us {row[n + '_pct_floor']:5.1f} %  kernels {kernel_split(row, n):>14}"
                   f"  pps {b.get('pages_per_step')} splits {b.get('num_splits')} warps {b.get('num_warps')}"
                   f" stages {b.get('num_stages')} combine_d {b.get('combine_block_d')}"
+                  f" combine_warps {b.get('combine_num_warps')}"
                   f"  maxdiff {row.get(n + '_max_abs_diff', float('nan')):.1e}")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -638,6 +639,21 @@ def test_decode_kernels_lower_for_the_gpu(triton_for_sm90, monkeypatch, heads, k
         # The split kernel and the combine kernel (and the general kernel in a mixed step).
         assert text.count("triton") == (2 if decode_only else 3), text.count("triton")
         assert "paged_decode_split" in text and "paged_decode_combine" in text
+
+
+@pytest.mark.parametrize("combine_num_warps", [1, 2])
+def test_combine_warps_reach_the_combine_kernel(triton_for_sm90, monkeypatch, combine_num_warps):
+    """`DecodeBlocks.combine_num_warps` (a benchmark knob, decode.py's `r`) is the combine kernel's; the split
+    kernel keeps its own."""
+    monkeypatch.setattr(pa, "DECODE_MOSAIC_SPLIT", False)
+    shape = jax.ShapeDtypeStruct
+    pages = shape((8 * 128, 64, 1, 128), jnp.bfloat16)
+    args = (shape((8, 6, 128), jnp.bfloat16), pages, pages, shape((9,), jnp.int32), shape((8,), jnp.int32),
+            shape((8, 128), jnp.int32))
+    blocks = pa.DecodeBlocks(2, 32, num_warps=4, combine_num_warps=combine_num_warps)
+    op = functools.partial(pa.ragged_paged_attention, use_kernel=True, decode_only=True, decode_block_sizes=blocks)
+    text = jax.jit(op).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert sorted(re.findall(r"num_warps = (\d+) : i32", text)) == sorted(["4", str(combine_num_warps)])
 
 
 @pytest.mark.gpu
