@@ -194,7 +194,7 @@ class PagedKVCache:
         blocks = None
         if self.fuses_attention and query_prologue is not None and key_prologue is not None:
             # The decode kernel's blocks decide who applies the query prologue (`write_kv_before_decode`).
-            blocks = default_decode_blocks(q, self.k_pages, self.v_pages, *table.shape, window,
+            blocks = default_decode_blocks(q, self.k_pages, self.v_pages, *table.shape, window, after_write=True,
                                            interpret=self.interpret)
             k_pages, v_pages, q, query_prologue = write_kv_before_decode(
                 self.k_pages, self.v_pages, k, v, self._slot_mapping(layer), q, key_prologue=key_prologue,

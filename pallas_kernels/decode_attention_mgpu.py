@@ -70,12 +70,16 @@ def _matmul(a, b, shape):
 
 
 def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, window: int | None,
-                 softmax_scale: float, num_splits: int, stages: int = 2, interpret: bool = False,
-                 stamps: bool = False):
+                 softmax_scale: float, num_splits: int, stages: int = 2, dependent_launch: bool = False,
+                 interpret: bool = False, stamps: bool = False):
     """Partials of every decode sequence's attention: (o `[batch, kv_heads, splits, q_rows, d]`, m and l
     `[batch, kv_heads, splits, q_rows]`, fp32), query rows past `group` unspecified. `queries [tokens, heads, d]`,
     `k_pages`/`v_pages [pages, page_size, kv_heads, d]`, `row_token [batch]` (a sequence's decode token, -1:
     none), `seq_lens [batch]`, `page_table [batch, max_pages]` (-1: released page).
+    `dependent_launch` (compiled only): the kernel may start before the kernel ahead of it ends (programmatic
+    dependent launch; the K/V write kernel in the model's layer, which writes the queries and the pages): a
+    program loads its sequence's length and first page ids, then waits for that kernel (`griddepcontrol.wait`)
+    before it copies queries or pages. Nothing it reads before the wait may be written by the kernel ahead.
     `stamps` (a diagnostic, compiled only): each program (sequence, kv head, split) also writes int32 `[programs,
     len(STAMPS)]` (`STAMPS`: its `%globaltimer_lo` in ns at its start, once its first page fetch is issued, once
     that page is in, after its last page, at its end; and its page count), returned after the partials."""
@@ -120,6 +124,8 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
             return page_table_gmem[sequence, jnp.minimum(page_index(i), max_pages - 1)]
 
         first_ids = tuple(page_id(i) for i in range(stages))
+        if dependent_launch and not interpret:  # the queries and pages may still be being written
+            plgpu.griddepcontrol_wait()
         # The group's query rows into the first rows of an untiled buffer (any row offset).
         first_row = jnp.maximum(token, 0) * heads + kv_head * group
         plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(first_row, group)], q_smem.at[pl.ds(0, group)], q_barrier)

@@ -764,6 +764,9 @@ class DecodeBlocks:
     # a query prologue runs before it), `num_stages` pages ahead by TMA; `pages_per_step` and `num_warps`
     # do not apply.
     mosaic_split: bool = False
+    # The Mosaic split kernel starts as a dependent of the kernel ahead of it (programmatic dependent launch:
+    # `decode_attention_mgpu.split_decode(dependent_launch=)`), for a call right after the K/V write kernel.
+    mosaic_dependent_launch: bool = False
 
 
 # The H200 has 132 SMs.
@@ -795,6 +798,9 @@ DECODE_MIN_STEPS_PER_SPLIT = 1
 # 5.2 against 5.8 at 8K x 8. Three stages lost (16.2 us at 8K x 8: one program an SM).
 DECODE_MOSAIC_SPLIT = True
 DECODE_MOSAIC_STAGES = 2
+# The model's Mosaic split kernel as a dependent launch of the K/V write kernel before it (its length and page-id
+# loads overlapping that kernel's end). Off until timed on a GPU (session 37 built it without one).
+DECODE_MOSAIC_DEPENDENT_LAUNCH = False
 
 
 def _visible_pages(max_pages: int, page_size: int, window: int | None) -> int:
@@ -1041,7 +1047,8 @@ def paged_decode_attention_kernel(
             queries = head_prologue_reference(queries, query_prologue)
         o, m, l = decode_attention_mgpu.split_decode(
             queries, k_pages, v_pages, metadata.row_token, seq_lens, page_table, window=window, softmax_scale=scale,
-            num_splits=splits, stages=blocks.num_stages, interpret=interpret)
+            num_splits=splits, stages=blocks.num_stages, dependent_launch=blocks.mosaic_dependent_launch,
+            interpret=interpret)
     else:
         o, m, l = _split_partials(queries, k_pages, v_pages, seq_lens, page_table, metadata, blocks, window, scale,
                                   query_prologue, interpret)
@@ -1050,13 +1057,16 @@ def paged_decode_attention_kernel(
 
 
 def default_decode_blocks(queries, k_pages, v_pages, batch: int, max_pages: int, window: int | None, *,
-                          interpret: bool = False) -> DecodeBlocks:
+                          after_write: bool = False, interpret: bool = False) -> DecodeBlocks:
     """The blocks `paged_decode_attention_kernel` takes when given none (what the model runs) for `batch`
     sequences of page tables `max_pages` wide: the Triton kernel's `decode_blocks`, or the Mosaic GPU
-    kernel's where `use_mosaic_split` says so."""
+    kernel's where `use_mosaic_split` says so. `after_write`: the call follows the K/V write kernel
+    (`write_kv_before_decode`), which the Mosaic kernel may then start under (`DECODE_MOSAIC_DEPENDENT_LAUNCH`)."""
     _, page_size, kv_heads, _ = k_pages.shape
     mosaic = not interpret and use_mosaic_split(queries, k_pages, v_pages)
-    return decode_blocks(batch, kv_heads, max_pages, page_size, window, mosaic_split=mosaic)
+    blocks = decode_blocks(batch, kv_heads, max_pages, page_size, window, mosaic_split=mosaic)
+    dependent = mosaic and after_write and DECODE_MOSAIC_DEPENDENT_LAUNCH
+    return dataclasses.replace(blocks, mosaic_dependent_launch=dependent)
 
 
 def use_mosaic_split(queries, k_pages, v_pages) -> bool:

@@ -17,7 +17,8 @@ Variants:
            "auto" (decode_blocks' tuned choice, what the model runs) or letters with numbers that
            override it: p pages per step, s splits, t programs per SM the split aims for, m minimum
            steps per split, w warps, n stages (split kernel), d the combine's head_dim block, r its
-           warps (run 5's k was another, removed knob), g1 the
+           warps (run 5's k was another, removed knob), l1 the Mosaic split kernel as a dependent launch
+           (`DecodeBlocks.mosaic_dependent_launch`: only after the K/V write, --layer), g1 the
            Mosaic GPU split kernel (`decode_attention_mgpu`; n is then its TMA pipeline depth, by
            default `DECODE_MOSAIC_STAGES`), g0 the Triton one; e.g. "p2t2m1w4n1" or "s32n3g1".
            "auto" is what the model runs (`default_decode_blocks`: Mosaic on Hopper wherever it fits). The
@@ -304,7 +305,8 @@ def run_layer_config(ctx, batch, kind, args, interpret, timer=None):
     outs = {}
     for name, fused, spec in layer_variants(args):
         try:
-            blocks = make_decode_blocks(spec, batch, 1, table.shape[1], page_size, window, (q, k_pages, v_pages))
+            blocks = make_decode_blocks(spec, batch, 1, table.shape[1], page_size, window, (q, k_pages, v_pages),
+                                        after_write=fused)
             row["decode_blocks"][name] = vars(blocks)
             step = layer_step(fused, window, blocks, interpret)
             row[f"{name}_ops"] = top_level_ops(step, q, table, k_pages, v_pages, *rest)
@@ -417,7 +419,7 @@ def time_loop(loop, q, page_table, rest, *, target_ms, repeats, max_iters):
 
 CONFIG_LETTERS = {"p": "pages_per_step", "s": "num_splits", "t": "programs_per_sm", "m": "min_steps_per_split",
                   "w": "num_warps", "n": "num_stages", "d": "combine_block_d", "r": "combine_num_warps",
-                  "g": "mosaic_split"}
+                  "g": "mosaic_split", "l": "mosaic_dependent_launch"}
 
 
 def parse_decode_config(spec: str) -> dict:
@@ -430,15 +432,19 @@ def parse_decode_config(spec: str) -> dict:
     return {CONFIG_LETTERS[letter]: int(number) for letter, number in parts}
 
 
-def make_decode_blocks(spec: str, batch, kv_heads, max_pages, page_size, window, arrays=None):
-    """`arrays` (queries, k_pages, v_pages): "auto" is then what the model runs (`default_decode_blocks`)."""
+def make_decode_blocks(spec: str, batch, kv_heads, max_pages, page_size, window, arrays=None, after_write=False):
+    """`arrays` (queries, k_pages, v_pages): "auto" is then what the model runs (`default_decode_blocks`; with
+    `after_write`, as right after the K/V write kernel)."""
     if spec == "auto" and arrays is not None:
-        return pa.default_decode_blocks(*arrays, batch, max_pages, window)
+        return pa.default_decode_blocks(*arrays, batch, max_pages, window, after_write=after_write)
     kwargs = parse_decode_config(spec)
-    combine = {name: kwargs.pop(name) for name in ("combine_block_d", "combine_num_warps") if name in kwargs}
+    kept = {name: kwargs.pop(name) for name in ("combine_block_d", "combine_num_warps", "mosaic_dependent_launch")
+            if name in kwargs}
+    if "mosaic_dependent_launch" in kept:
+        kept["mosaic_dependent_launch"] = bool(kept["mosaic_dependent_launch"])
     kwargs["mosaic_split"] = bool(kwargs.get("mosaic_split", 0))
     blocks = pa.decode_blocks(batch, kv_heads, max_pages, page_size, window, **kwargs)
-    return dataclasses.replace(blocks, **combine)
+    return dataclasses.replace(blocks, **kept)
 
 
 def decode_config_name(spec):

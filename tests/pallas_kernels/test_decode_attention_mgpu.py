@@ -186,6 +186,40 @@ def test_mosaic_decode_blocks_and_when_the_model_takes_them(monkeypatch):
     assert not pa.use_mosaic_split(bf16, pages, pages)
 
 
+def test_dependent_launch_waits_before_the_first_copies():
+    """`split_decode(dependent_launch=True)`: a `griddepcontrol.wait` (the kernel then launches as a dependent of the
+    kernel ahead of it) after the length and page-id loads and before any copy; it lowers for sm_90."""
+    from pallas_kernels import decode_attention_mgpu as dm
+
+    spec = jax.ShapeDtypeStruct
+    specs = (spec((8, 6, 128), jnp.bfloat16), *[spec((1025, 64, 1, 128), jnp.bfloat16)] * 2,
+             spec((8,), jnp.int32), spec((8,), jnp.int32), spec((8, 128), jnp.int32))
+    for dependent in (False, True):
+        op = functools.partial(dm.split_decode, window=None, softmax_scale=128**-0.5, num_splits=4,
+                               dependent_launch=dependent)
+        kernel = str(jax.make_jaxpr(op)(*specs))
+        assert ("griddepcontrol_wait" in kernel) == dependent
+        if dependent:
+            wait = kernel.index("griddepcontrol_wait")
+            # Before it: the loads of the decode token, the length and the first 2 page ids (`x <- ref[...]`).
+            assert kernel.count(" <- ", 0, wait) == 4 and "copy_gmem_to_smem" not in kernel[:wait]
+            assert "mosaic_gpu" in jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_the_model_launches_the_split_kernel_as_a_dependent_only_after_the_write(monkeypatch):
+    """`default_decode_blocks(after_write=True)` (the model's layer, right after the K/V write kernel) takes the
+    dependent launch where `DECODE_MOSAIC_DEPENDENT_LAUNCH` says so, on the Mosaic kernel only."""
+    queries, pages = jnp.zeros((8, 6, 128), jnp.bfloat16), jnp.zeros((4, 64, 1, 128), jnp.bfloat16)
+    monkeypatch.setattr(pa, "is_hopper", lambda device: True)
+    for switch in (False, True):
+        monkeypatch.setattr(pa, "DECODE_MOSAIC_DEPENDENT_LAUNCH", switch)
+        assert pa.default_decode_blocks(queries, pages, pages, 8, 128, None, after_write=True).mosaic_dependent_launch \
+            == switch
+        assert not pa.default_decode_blocks(queries, pages, pages, 8, 128, None).mosaic_dependent_launch
+    monkeypatch.setattr(pa, "is_hopper", lambda device: False)  # the Triton kernel: never
+    assert not pa.default_decode_blocks(queries, pages, pages, 8, 128, None, after_write=True).mosaic_dependent_launch
+
+
 def test_split_timeline_summary_reads_the_timer_across_its_wrap_around(monkeypatch):
     """benchmarks/attention/split_timeline.py's summary: times in µs from the first start, each program's phases,
     over the programs that visit pages, with the 32-bit nanosecond timer wrapping around between stamps."""
