@@ -51,6 +51,11 @@ from pallas_kernels import nvfp4_mgpu as nm
 from pallas_kernels.mgpu_tiles import stamp
 
 _X_ROW_BYTES = 128  # the down GEMM's activation tile rows: tile_k 64 bf16, one 128-byte swizzled row
+# The columns of `fused_decode_moe(stamps=True)`: a program's `%globaltimer_lo` (ns) at its start and its end, its
+# kind (0 gate/up, 1 down), and when it got past its phases: a down program past its block's wait ("ready") and
+# with its activations filled ("filled"), any program with its K loop done ("multiplied"); 0 where it did not get
+# there (a real stamp is 0 once in 2^32 ns).
+STAMPS = ("start", "end", "kind", "ready", "filled", "multiplied")
 
 
 def _async_proxy_fence():
@@ -260,8 +265,9 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     `counter_slots(pairs)` slots (returned untouched), the call zeroes its own (an XLA kernel before this one).
     `compiler_params`: `plgpu.CompilerParams` for the kernel (e.g. Mosaic GPU's profiler, which records the named
     scopes of each program: benchmarks/moe/fused_timeline.py).
-    `stamps` (a diagnostic): the kernel also writes each program's `%globaltimer_lo` (ns) at its start and its end and
-    its kind (0 gate/up, 1 down) to int32 `[programs, 3]`, and the call returns (what it returns otherwise, stamps)."""
+    `stamps` (a diagnostic): the kernel also writes int32 `[programs, len(STAMPS)]` (each program's `%globaltimer_lo`
+    at its start, its end and past its phases, and its kind), and the call returns (what it returns otherwise,
+    stamps)."""
     tokens, hidden = x.shape
     experts, gu_steps, gu_rows, _ = gate_up_packed.shape
     if gate_up_decode_chunks is None:  # 4 K chunks at 4-7 tokens (75 registers instead of 102: the gate/up grid in
@@ -377,9 +383,15 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     def kernel(pair_expert_gmem, pair_weight_gmem, x_gmem, gu_packed_gmem, gu_scales_gmem, gu_global_gmem,
                down_packed_gmem, down_scales_gmem, down_global_gmem, counters_gmem, out_gmem, sums_gmem, *stamps_gmem):
         p = jax.lax.axis_index("p")
-        if stamps:
-            stamp(stamps_gmem[0], p, 0)
-            stamp(stamps_gmem[0], p, 2, (p >= gu_programs).astype(jnp.int32))
+
+        def mark(name, value=None):  # a stamp (`stamps`)
+            if stamps:
+                stamp(stamps_gmem[0], p, STAMPS.index(name), value)
+
+        mark("start")
+        mark("kind", (p >= gu_programs).astype(jnp.int32))
+        for phase in ("ready", "filled", "multiplied"):  # 0 until the program gets there
+            mark(phase, 0)
 
         @pl.when(p < gu_programs)
         def _():
@@ -395,6 +407,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                     with jax.named_scope("gate_up_k_loop"):
                         acc = run_k_loop(body, gate_up_tile_n, specs, (gu_packed_gmem, gu_scales_gmem, x_gmem),
                                          gu_k_steps, gate_up_stages)
+                    mark("multiplied")
                     with jax.named_scope("gate_up_write"):
                         nm._write_tile(gu_store, acc, out_smem, sums_gmem, b, ni, si, block_t=block_t,
                                        tile_n=gate_up_tile_n)
@@ -425,9 +438,11 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                             _wait_epoch(counters_gmem, 2 * b)
                             _add(counters_gmem, 2 * b + 1, _share(ni, down_tiles), release=False)
                             _async_proxy_fence()
+                        mark("ready")
                         with jax.named_scope("down_swiglu"):
                             fill(sums_gmem, x_buf, b * block_t, b // top_k, gate_scale, up_scale)
                             plgpu.commit_smem()
+                        mark("filled")
 
                     body = decode_step(down_stage, down_decodes, down_tile_n, down_tile_k, down_line_box,
                                        down_decode_row_chunks, staged_smem)
@@ -442,6 +457,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                         else:
                             acc = run_k_loop(body, down_tile_n, specs, (down_packed_gmem, down_scales_gmem, x_gmem),
                                              down_k_steps, down_stages, fill_activations=fill_activations)
+                    mark("multiplied")
                     with jax.named_scope("down_write"):
                         plgpu.barrier_wait(scale_barrier)
                         weighted_store(acc, out_smem, scale_smem, *token_weights)
@@ -455,15 +471,14 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                               plgpu.SMEM(((down_k_steps if down_overlap else 1) * down_words,), jnp.uint32),
                               plgpu.SMEM((down_tile_n,), jnp.float32), plgpu.Barrier())
 
-        if stamps:
-            stamp(stamps_gmem[0], p, 1)
+        mark("end")
 
     programs = gu_programs + down_programs
     call = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((blocks, hidden), jnp.float32),
                   jax.ShapeDtypeStruct((splits, blocks * block_t, gu_rows), jnp.float32),
-                  *[jax.ShapeDtypeStruct((programs, 3), jnp.int32)] * stamps),
+                  *[jax.ShapeDtypeStruct((programs, len(STAMPS)), jnp.int32)] * stamps),
         grid=(programs,),
         grid_names=("p",),
         compiler_params=compiler_params,

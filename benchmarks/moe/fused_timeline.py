@@ -13,7 +13,9 @@ runs ~2 us longer, and its programs' starts mislead: at one token its trace had 
 ~11 us in, where the unprofiled kernel starts them at 5.7-7 us (H200, benchmarks/moe/RESULTS.md, session 35 run 9).
 
 `--stamps` runs the kernel unprofiled instead (`fused_decode_moe(stamps=True)`: each program's `%globaltimer` at its
-start and end, the counters passed from call to call) and prints, per kind of program, where starts and ends fall.
+start and end and past its phases, the counters passed from call to call) and prints, per kind of program, where
+starts and ends fall and how long its phases take (`PHASES`: a down program's wait for its block, SwiGLU fill, K loop
+and write; since session 37).
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def run(tokens: int, settings: dict, profile_dir: str):
 
 
 def run_stamps(tokens: int, settings: dict, calls: int = 6) -> list:
-    """`calls` unprofiled calls of the fused layer with stamps; returns each call's stamps `[programs, 3]`."""
+    """`calls` unprofiled calls of the fused layer with stamps; returns each call's stamps
+    `[programs, len(nfm.STAMPS)]`."""
     gate, up, down = bench.make_weights("nvfp4", jax.random.key(0))
     gate_up, down_k = bench.mosaic_layout(gate, up, down)
     x, w, ids = bench.make_tokens(tokens, calls, jax.random.key(1))
@@ -76,18 +79,33 @@ def run_stamps(tokens: int, settings: dict, calls: int = 6) -> list:
     return stamped
 
 
+# Per kind of program, its phases: (name, from column, to column) of `nfm.STAMPS`.
+PHASES = {"gate_up": (("k_loop", "start", "multiplied"), ("write", "multiplied", "end")),
+          "down": (("wait", "start", "ready"), ("fill", "ready", "filled"), ("k_loop", "filled", "multiplied"),
+                   ("write", "multiplied", "end"))}
+
+
 def stamp_summary(stamps) -> dict:
-    """One call's stamps `[programs, 3]` (start, end: `%globaltimer_lo`, ns modulo 2^32; kind) -> the kernel's length
-    and, per kind, percentiles 0 / 10 / 50 / 90 / 100 of its programs' starts and ends, µs from the first start."""
+    """One call's stamps `[programs, len(nfm.STAMPS)]` (`%globaltimer_lo`, ns modulo 2^32; the kind; 0: a phase the
+    program did not reach) -> the kernel's length and, per kind, percentiles 0 / 10 / 50 / 90 / 100 over its programs
+    of its stamps (µs from the first start) and of its phases' lengths (µs; over the programs that reached both
+    ends)."""
     stamps = np.asarray(stamps).astype(np.int64)
+    column = {name: i for i, name in enumerate(nfm.STAMPS)}
+    reached = stamps != 0
     # Differences modulo 2^32 read as signed: right across the timer's wrap-around (a kernel is far under 2 s).
-    times = (stamps[:, :2] - stamps[0, 0] + 2**31) % 2**32 - 2**31
-    times = (times - times[:, 0].min()) / 1e3
+    times = (stamps - stamps[0, column["start"]] + 2**31) % 2**32 - 2**31
+    times = (times - times[:, column["start"]].min()) / 1e3
     percentiles = lambda a: [round(float(np.percentile(a, q)), 2) for q in (0, 10, 50, 90, 100)]  # noqa: E731
-    summary = dict(kernel_us=round(float(times[:, 1].max()), 2))
+    summary = dict(kernel_us=round(float(times[:, column["end"]].max()), 2))
     for kind, name in enumerate(("gate_up", "down")):
-        mine = times[stamps[:, 2] == kind]
-        summary[name] = dict(programs=len(mine), start=percentiles(mine[:, 0]), end=percentiles(mine[:, 1]))
+        mine = stamps[:, column["kind"]] == kind
+        at = lambda c: times[mine & reached[:, column[c]], column[c]]  # noqa: E731, B023
+        summary[name] = dict(programs=int(mine.sum()), start=percentiles(at("start")), end=percentiles(at("end")))
+        for phase, first, last in PHASES[name]:
+            both = mine & reached[:, column[first]] & reached[:, column[last]]
+            if both.any():
+                summary[name][phase] = percentiles(times[both, column[last]] - times[both, column[first]])
     return summary
 
 

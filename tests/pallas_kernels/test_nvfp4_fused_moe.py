@@ -178,27 +178,32 @@ def test_timeline_summarizes_each_scope_across_programs(tmp_path, monkeypatch):
 
 
 def test_stamp_summary_reads_the_timer_across_its_wrap_around(monkeypatch):
-    """fused_timeline.py's `--stamps` summary: starts and ends in µs from the first start, per kind of program, with
-    the 32-bit nanosecond timer wrapping around between two programs' stamps."""
+    """fused_timeline.py's `--stamps` summary: stamps in µs from the first start and phase lengths, per kind of
+    program, with the 32-bit nanosecond timer wrapping around between stamps and 0 for a phase not reached."""
     timeline = _moe_benchmark("fused_timeline", monkeypatch)
-    top = 2**32
-    stamps = np.array([[top - 1000, top - 1000 + 5000, 0],  # starts 1 us before the wrap, runs 5 us
-                       [top - 2000, 3000, 0],  # the first start; ends 5 us later, past the wrap
-                       [500, 9000, 1]])
-    summary = timeline.stamp_summary(stamps.astype(np.int64).astype(np.uint32).view(np.int32))
+    assert nfm.STAMPS == ("start", "end", "kind", "ready", "filled", "multiplied")
+    first = 2**32 - 2000  # the first start, 2 us before the wrap
+    at = lambda us: (first + int(us * 1000)) % 2**32  # noqa: E731
+    stamps = np.array([[at(1), at(6), 0, 0, 0, at(4)],  # gate/up: K loop 3 us, write 2 us
+                       [at(0), at(5), 0, 0, 0, at(3)],
+                       [at(2.5), at(11), 1, at(7), at(8), at(10)]])  # down: wait 4.5, fill 1, K loop 2, write 1
+    summary = timeline.stamp_summary(stamps.astype(np.uint32).view(np.int32))
     assert summary["kernel_us"] == 11.0
-    assert summary["gate_up"] == dict(programs=2, start=[0.0, 0.1, 0.5, 0.9, 1.0], end=[5.0, 5.1, 5.5, 5.9, 6.0])
-    assert summary["down"] == dict(programs=1, start=[2.5] * 5, end=[11.0] * 5)
+    assert summary["gate_up"] == dict(programs=2, start=[0.0, 0.1, 0.5, 0.9, 1.0], end=[5.0, 5.1, 5.5, 5.9, 6.0],
+                                      k_loop=[3.0] * 5, write=[2.0] * 5)
+    assert summary["down"] == dict(programs=1, start=[2.5] * 5, end=[11.0] * 5, wait=[4.5] * 5, fill=[1.0] * 5,
+                                   k_loop=[2.0] * 5, write=[1.0] * 5)
 
 
-def test_stamps_come_back_with_the_output():
-    """`fused_decode_moe(stamps=True)`: (output, counters) and the stamps `[programs, 3]` (720 programs at one token:
-    400 gate/up, 320 down)."""
+@pytest.mark.parametrize("tokens,programs", [(1, 720), (4, 1920)])  # the down steps overlapped at 1, piped at 4
+def test_stamps_come_back_with_the_output(tokens, programs):
+    """`fused_decode_moe(stamps=True)`: (output, counters) and the stamps `[programs, len(STAMPS)]` (720 programs at
+    one token: 400 gate/up, 320 down)."""
     op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64, stamps=True)
-    specs = _specs(256, 5120, 320, 1, 8)
+    specs = _specs(256, 5120, 320, tokens, 8 * tokens)
     (out, counters), stamps = jax.eval_shape(lambda *a: op(*a, counters=nfm.fresh_counters()), *specs)
     assert out.shape == (8, 5120) and counters.shape == (nfm.COUNTER_SLOTS,)
-    assert stamps.shape == (720, 3) and stamps.dtype == jnp.int32
+    assert stamps.shape == (programs, len(nfm.STAMPS)) and stamps.dtype == jnp.int32
     assert "mosaic_gpu" in jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
 
 
