@@ -5,6 +5,7 @@ both against the plain-jnp reference."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import jax
@@ -117,6 +118,45 @@ def test_mosaic_split_with_prologue_and_gate(kind, on_gpu):
     want = np.asarray(want, np.float32)[decodes]
     got = np.asarray(got, np.float32)[decodes]
     np.testing.assert_allclose(got, want, rtol=0, atol=4 * 2.0**-8 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("kind,on_gpu", [("full", False), pytest.param("sliding", True, marks=pytest.mark.gpu),
+                                         pytest.param("full", True, marks=pytest.mark.gpu)])
+def test_dependent_launch_after_the_write_gives_the_same_layer(kind, on_gpu):
+    """The model's fused layer (the K/V write kernel with the query prologue, then the Mosaic split kernel and the
+    gated combine) with the split kernel launched as a dependent of the write (`mosaic_dependent_launch`): the same
+    output and pages as launched plainly. On a GPU the split kernel then starts before the write ends, so a copy
+    ahead of its wait would read stale queries or pages; interpreted (the CPU case) the wait is skipped."""
+    window = 100 if kind == "sliding" else None
+    with _device(on_gpu):
+        args = _batch(43, kv_heads=2, group=6)
+        queries, k_pages, v_pages, query_start, seq_lens, table = args
+        raw, query, gate, _ = _prologue_and_gate(5, args, kind)
+        key = dataclasses.replace(query, ssmax_scale=None)
+        rng = np.random.default_rng(7)
+        new_k, new_v = (jnp.asarray(rng.standard_normal((queries.shape[0], 2, 128)), jnp.bfloat16) for _ in range(2))
+        token_row = np.asarray(pa.decode_metadata(query_start, queries.shape[0]).token_row)
+        slots = np.full(queries.shape[0], -1, np.int32)  # each decode token's K/V at its position's slot
+        for t in np.flatnonzero(token_row >= 0):
+            position = int(seq_lens[token_row[t]]) - 1
+            slots[t] = int(table[token_row[t], position // 64]) * 64 + position % 64
+        slots = jnp.asarray(slots)
+
+        def layer(k_pages, v_pages, dependent):
+            blocks = pa.DecodeBlocks(pages_per_step=1, num_splits=4, num_stages=2, mosaic_split=True,
+                                     mosaic_dependent_launch=dependent)
+            k_pages, v_pages, q, left = pa.write_kv_before_decode(
+                k_pages, v_pages, new_k, new_v, slots, raw, key_prologue=key, query_prologue=query, blocks=blocks,
+                interpret=not on_gpu)
+            out = pa.ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, table, window=window,
+                                            use_kernel="decode", decode_block_sizes=blocks, query_prologue=left,
+                                            output_gate=gate, interpret=not on_gpu)
+            return out, k_pages, v_pages
+
+        plain, dependent = (jax.jit(functools.partial(layer, dependent=d))(k_pages, v_pages) for d in (False, True))
+    assert np.abs(np.asarray(plain[0], np.float32)).max() > 0
+    for got, want in zip(dependent, plain):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 def test_mosaic_split_rejects_what_it_cannot_do():
