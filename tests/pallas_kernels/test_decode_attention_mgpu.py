@@ -191,16 +191,20 @@ def test_mosaic_split_lowers_for_cuda(batch, heads, kv_heads, context, splits, s
     assert "mosaic_gpu" in jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def _split_specs():
+    """`split_decode`'s arguments at 8K x 8 in Beam's TP8 shape (8 sequences of 128 pages, 6 query heads, 1 kv head)."""
+    spec = jax.ShapeDtypeStruct
+    return (spec((8, 6, 128), jnp.bfloat16), *[spec((1025, 64, 1, 128), jnp.bfloat16)] * 2,
+            spec((8,), jnp.int32), spec((8,), jnp.int32), spec((8, 128), jnp.int32))
+
+
 def test_mosaic_split_with_stamps_lowers_for_cuda():
     """The diagnostic form (`stamps=True`, benchmarks/attention/split_timeline.py) lowers and returns a stamp row a
     program after the partials."""
     from pallas_kernels import decode_attention_mgpu as dm
 
-    spec = jax.ShapeDtypeStruct
     op = functools.partial(dm.split_decode, window=None, softmax_scale=128**-0.5, num_splits=4, stages=2, stamps=True)
-    specs = (spec((8, 6, 128), jnp.bfloat16), *[spec((1025, 64, 1, 128), jnp.bfloat16)] * 2,
-             spec((8,), jnp.int32), spec((8,), jnp.int32), spec((8, 128), jnp.int32))
-    traced = jax.jit(op).trace(*specs)
+    traced = jax.jit(op).trace(*_split_specs())
     assert [out.shape for out in traced.out_info][-1] == (8 * 4, len(dm.STAMPS))
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
@@ -231,9 +235,7 @@ def test_dependent_launch_waits_before_the_first_copies():
     kernel ahead of it) after the length and page-id loads and before any copy; it lowers for sm_90."""
     from pallas_kernels import decode_attention_mgpu as dm
 
-    spec = jax.ShapeDtypeStruct
-    specs = (spec((8, 6, 128), jnp.bfloat16), *[spec((1025, 64, 1, 128), jnp.bfloat16)] * 2,
-             spec((8,), jnp.int32), spec((8,), jnp.int32), spec((8, 128), jnp.int32))
+    specs = _split_specs()
     for dependent in (False, True):
         op = functools.partial(dm.split_decode, window=None, softmax_scale=128**-0.5, num_splits=4,
                                dependent_launch=dependent)
