@@ -422,6 +422,11 @@ CONFIG_LETTERS = {"p": "pages_per_step", "s": "num_splits", "t": "programs_per_s
                   "g": "mosaic_split", "l": "mosaic_dependent_launch"}
 
 
+_CONFIG_FLAGS = ("mosaic_split", "mosaic_dependent_launch")  # g, l: 0 or 1
+# Blocks `decode_blocks` does not choose: set on the blocks it returns.
+_CONFIG_AFTER = ("combine_block_d", "combine_num_warps", "mosaic_dependent_launch")
+
+
 def parse_decode_config(spec: str) -> dict:
     """"auto" -> {}; "p1t2w4n2" -> {"pages_per_step": 1, "programs_per_sm": 2, ...} (see the docstring)."""
     if spec == "auto":
@@ -429,7 +434,8 @@ def parse_decode_config(spec: str) -> dict:
     parts = re.fullmatch(r"(?:[a-z]\d+)+", spec) and re.findall(r"([a-z])(\d+)", spec)
     if not parts or any(letter not in CONFIG_LETTERS for letter, _ in parts):
         raise ValueError(f"bad decode config {spec!r}: 'auto' or letters {sorted(CONFIG_LETTERS)} with numbers")
-    return {CONFIG_LETTERS[letter]: int(number) for letter, number in parts}
+    config = {CONFIG_LETTERS[letter]: int(number) for letter, number in parts}
+    return {name: bool(value) if name in _CONFIG_FLAGS else value for name, value in config.items()}
 
 
 def make_decode_blocks(spec: str, batch, kv_heads, max_pages, page_size, window, arrays=None, after_write=False):
@@ -438,13 +444,9 @@ def make_decode_blocks(spec: str, batch, kv_heads, max_pages, page_size, window,
     if spec == "auto" and arrays is not None:
         return pa.default_decode_blocks(*arrays, batch, max_pages, window, after_write=after_write)
     kwargs = parse_decode_config(spec)
-    kept = {name: kwargs.pop(name) for name in ("combine_block_d", "combine_num_warps", "mosaic_dependent_launch")
-            if name in kwargs}
-    if "mosaic_dependent_launch" in kept:
-        kept["mosaic_dependent_launch"] = bool(kept["mosaic_dependent_launch"])
-    kwargs["mosaic_split"] = bool(kwargs.get("mosaic_split", 0))
+    after = {name: kwargs.pop(name) for name in _CONFIG_AFTER if name in kwargs}
     blocks = pa.decode_blocks(batch, kv_heads, max_pages, page_size, window, **kwargs)
-    return dataclasses.replace(blocks, **kept)
+    return dataclasses.replace(blocks, **after)
 
 
 def decode_config_name(spec):
