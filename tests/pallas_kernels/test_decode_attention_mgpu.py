@@ -120,16 +120,18 @@ def test_mosaic_split_with_prologue_and_gate(kind, on_gpu):
     np.testing.assert_allclose(got, want, rtol=0, atol=4 * 2.0**-8 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("kind,on_gpu", [("full", False), pytest.param("sliding", True, marks=pytest.mark.gpu),
-                                         pytest.param("full", True, marks=pytest.mark.gpu)])
-def test_dependent_launch_after_the_write_gives_the_same_layer(kind, on_gpu):
+@pytest.mark.parametrize("kind,on_gpu,merge", [
+    ("full", False, False), ("full", False, True),
+    *[pytest.param(kind, True, merge, marks=pytest.mark.gpu) for kind in ("sliding", "full") for merge in (False, True)]])
+def test_dependent_launch_after_the_write_gives_the_same_layer(kind, on_gpu, merge):
     """The model's fused layer (the K/V write kernel with the query prologue, then the Mosaic split kernel and the
-    gated combine) with the split kernel launched as a dependent of the write (`mosaic_dependent_launch`): the same
-    output and pages as launched plainly. On a GPU the split kernel then starts before the write ends, so a copy
-    ahead of its wait would read stale queries or pages; interpreted (the CPU case) the wait is skipped."""
+    gated combine, or with `merge` the one-launch kernel on a decode-only step) with the attention kernel launched
+    as a dependent of the write (`mosaic_dependent_launch`): the same output and pages as launched plainly. On a
+    GPU it then starts before the write ends, so a copy ahead of its wait would read stale queries or pages;
+    interpreted (the CPU cases) the wait is skipped."""
     window = 100 if kind == "sliding" else None
     with _device(on_gpu):
-        args = _batch(43, kv_heads=2, group=6)
+        args = _batch(43, kv_heads=2, group=6, specs=DECODE_ONLY_SPECS if merge else SPECS)
         queries, k_pages, v_pages, query_start, seq_lens, table = args
         raw, query, gate, _ = _prologue_and_gate(5, args, kind)
         key = dataclasses.replace(query, ssmax_scale=None)
@@ -144,7 +146,7 @@ def test_dependent_launch_after_the_write_gives_the_same_layer(kind, on_gpu):
 
         def layer(k_pages, v_pages, dependent):
             blocks = pa.DecodeBlocks(pages_per_step=1, num_splits=4, num_stages=2, mosaic_split=True,
-                                     mosaic_dependent_launch=dependent)
+                                     mosaic_dependent_launch=dependent, mosaic_merge=merge)
             k_pages, v_pages, q, left = pa.write_kv_before_decode(
                 k_pages, v_pages, new_k, new_v, slots, raw, key_prologue=key, query_prologue=query, blocks=blocks,
                 interpret=not on_gpu)
