@@ -807,7 +807,7 @@ DECODE_MOSAIC_STAGES = 2
 DECODE_MOSAIC_DEPENDENT_LAUNCH = False
 # The model's decode-only steps in one launch (`DecodeBlocks.mosaic_merge`), the splits capped at a cluster's 8. Off
 # until timed on a GPU (session 38 built it without one): it drops the combine kernel (1.6-2.0 us at every point,
-# session 36) but caps 8K x 8 at 64 programs instead of 256.
+# session 36) but caps 8K x 8 at 64 programs instead of 256, and 32K x 1 at 8 (a rule by shape is for the timing).
 DECODE_MOSAIC_MERGE = False
 
 
