@@ -769,7 +769,8 @@ class DecodeBlocks:
     mosaic_dependent_launch: bool = False
     # One launch: the Mosaic kernel's splits of a sequence are a cluster whose first program merges the others'
     # partials and writes the (gated) output (`decode_attention_mgpu.merged_decode`), no combine kernel. Needs
-    # num_splits <= decode_attention_mgpu.MAX_CLUSTER and no more tokens than sequences (a decode-only step).
+    # num_splits <= decode_attention_mgpu.MAX_CLUSTER (16; `decode_blocks` takes at most 8, a portable cluster) and
+    # no more tokens than sequences (a decode-only step).
     mosaic_merge: bool = False
 
 
@@ -833,7 +834,8 @@ def decode_blocks(
     cdiv(window - 1, page_size) + 1 whatever the context, so a sliding layer's blocks are flat).
     A latency-bound step (fewer loop steps in all than SMs) gets one page per split instead.
     `mosaic_split`: blocks of the Mosaic GPU split kernel (`DECODE_MOSAIC_STAGES` stages by default);
-    `mosaic_merge` (with it): in one launch, at most a cluster's `decode_attention_mgpu.MAX_CLUSTER` splits."""
+    `mosaic_merge` (with it): in one launch, at most a portable cluster's `decode_attention_mgpu.PORTABLE_CLUSTER`
+    splits unless `num_splits` says more."""
     if mosaic_merge and not mosaic_split:
         raise ValueError("mosaic_merge needs mosaic_split: the merge is the Mosaic GPU kernel's")
     visible_pages = _visible_pages(max_pages, page_size, window)
@@ -851,7 +853,7 @@ def decode_blocks(
         wanted = -(-(programs_per_sm * num_sms) // (batch * kv_heads))
         num_splits = max(1, min(_pow2_floor(wanted), _pow2_floor(steps // max(min_steps_per_split, 1))))
         if mosaic_merge:
-            num_splits = min(num_splits, decode_attention_mgpu.MAX_CLUSTER)
+            num_splits = min(num_splits, decode_attention_mgpu.PORTABLE_CLUSTER)
     for name, value in (("num_splits", num_splits), ("pages_per_step", pages_per_step)):
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name} {value} must be a power of two")

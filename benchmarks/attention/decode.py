@@ -21,7 +21,8 @@ Variants:
            (`DecodeBlocks.mosaic_dependent_launch`: only after the K/V write, --layer), g1 the
            Mosaic GPU split kernel (`decode_attention_mgpu`; n is then its TMA pipeline depth, by
            default `DECODE_MOSAIC_STAGES`), g0 the Triton one, c1 (with g1) the Mosaic kernel in one launch
-           (`DecodeBlocks.mosaic_merge`: a sequence's splits, at most 8, merged in a cluster; no combine);
+           (`DecodeBlocks.mosaic_merge`: a sequence's splits merged in a cluster, no combine; at most 8
+           unless s says up to 16);
            e.g. "p2t2m1w4n1", "s32n3g1" or "g1c1n4".
            "auto" is what the model runs (`default_decode_blocks`: Mosaic on Hopper wherever it fits). The
            step's DecodeMetadata is built once, outside the timed loop, as the engine builds it once per

@@ -296,7 +296,7 @@ def test_split_timeline_summary_reads_the_timer_across_its_wrap_around(monkeypat
 DECODE_ONLY_SPECS = [(1, 1), (64, 1), (65, 1), (200, 1), (37, 0), (130, 1), (600, 1), (0, 0)]
 MERGE_CASES = [  # kv_heads, group, window, splits, stages, release_hole
     (1, 6, None, 8, 2, False), (2, 6, None, 4, 3, True), (2, 8, 70, 2, 2, False), (3, 1, None, 8, 4, False),
-    (1, 6, 100, 8, 2, True), (1, 12, None, 1, 2, False)]
+    (1, 6, 100, 8, 2, True), (1, 12, None, 1, 2, False), (1, 6, None, 16, 2, False)]
 
 
 def _merge_blocks(splits, stages=2, **kwargs):
@@ -346,8 +346,8 @@ def test_merged_decode_matches_reference_on_gpu(kv_heads, group, window, splits,
 
 def test_merged_decode_rejects_what_it_cannot_do():
     args = _batch(1, kv_heads=1, group=6, specs=DECODE_ONLY_SPECS)
-    with pytest.raises(ValueError, match="one cluster, 1 to 8"):
-        pa.paged_decode_attention_kernel(*args, blocks=_merge_blocks(16), interpret=True)
+    with pytest.raises(ValueError, match="one cluster, 1 to 16"):
+        pa.paged_decode_attention_kernel(*args, blocks=_merge_blocks(32), interpret=True)
     mixed = _batch(1, kv_heads=1, group=6)  # a prefill chunk of 5: 13 tokens for 8 sequences
     with pytest.raises(ValueError, match="13 tokens for 8 sequences"):
         pa.paged_decode_attention_kernel(*mixed, blocks=_merge_blocks(4), interpret=True)
@@ -356,10 +356,11 @@ def test_merged_decode_rejects_what_it_cannot_do():
 
 
 @pytest.mark.parametrize("batch,heads,kv_heads,context,splits,stages,window,gated", [
-    (8, 6, 1, 8192, 8, 2, None, True), (8, 6, 1, 8192, 8, 4, None, False), (32, 48, 8, 8192, 2, 2, None, True),
+    (8, 6, 1, 8192, 8, 2, None, True), (8, 6, 1, 8192, 8, 4, None, False), (8, 6, 1, 8192, 16, 2, None, False),
+    (32, 48, 8, 8192, 2, 2, None, True),
     (8, 6, 1, 8192, 8, 2, 512, True), (1, 6, 1, 8192, 1, 2, None, False)])
 def test_merged_decode_lowers_for_cuda(batch, heads, kv_heads, context, splits, stages, window, gated):
-    """Beam's shapes in one launch (clusters of up to 8, the peers' shared memory read by the first) lower for
+    """Beam's shapes in one launch (clusters of up to 16, the peers' shared memory read by the first) lower for
     sm_90 within the shared memory; also as a dependent launch with stamps."""
     from pallas_kernels import decode_attention_mgpu as dm
 
