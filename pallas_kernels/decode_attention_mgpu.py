@@ -34,6 +34,9 @@ output, running max and sum per query row) for `paged_attention`'s combine, whic
   out, not understood.
 - Rounding follows the Triton kernel (and so the reference): fp32 scores rounded to the query dtype,
   scaled, rounded again.
+- `merged_decode` (session 38, not yet run on a GPU): the same programs without the combine kernel. A sequence's
+  splits are one cluster; each leaves its partials in its shared memory and the first merges them through
+  distributed shared memory, gates the output as the combine does and writes the token's rows.
 """
 
 from __future__ import annotations
@@ -328,12 +331,12 @@ def _decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, windo
                     merged_m, merged_l = m_next, merged_l * mine + l * theirs
                 # No visible key: the sum and the output are 0, and so is the row.
                 out_t = merged_acc / lax.broadcast_in_dim(jnp.where(merged_l > 0, merged_l, 1.0), merged_acc.shape, [1])
-                write_rows(_gated(out_t) if gated else out_t, token)
+                write_rows(gate_output(out_t) if gated else out_t, token)
 
             if clustered:
                 cluster_sync()
 
-        def _gated(out_t):
+        def gate_output(out_t):
             """`output_gate_reference`'s rounding on `[head_dim, q_rows]` tiles: the attention output rounded, the
             biased logits, the sigmoid and the product rounded to the gate's dtype (the product in write_rows)."""
             out_t = out_t.astype(dtype).astype(jnp.float32)
