@@ -1,5 +1,5 @@
 """What the Mosaic GPU kernels (`bf16_moe_mgpu`, `decode_attention_mgpu`, the NVFP4 kernels) share: the
-GPUs they are written for, shared-memory tile layouts, a cluster barrier, and a timer stamp for diagnostics."""
+GPUs they are written for, shared-memory tile layouts, and a timer stamp for diagnostics."""
 
 from __future__ import annotations
 
@@ -47,19 +47,3 @@ def stamp(stamps, p, column: int, value=None) -> None:
             memref.store(time, stamps, [arith.index_cast(index, p.registers.item()), utils.c(column, index)])
 
     store(stamps, jnp.asarray(p, jnp.int32), jnp.asarray(0 if value is None else value, jnp.int32))
-
-
-def cluster_sync() -> None:
-    """Every program of the kernel's cluster gets here before any goes on, and what a program wrote to its shared
-    memory before is visible to the others' `plgpu.cluster_ref` loads after (`barrier.cluster` arrive with release,
-    wait with acquire; every thread takes part). Compiled only: interpret mode has no rule for inline PTX."""
-    @plgpu.inline_mgpu()
-    def sync(ctx):
-        del ctx
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import llvm
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [],
-                        "barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;", "",
-                        has_side_effects=True)
-
-    sync()

@@ -767,11 +767,6 @@ class DecodeBlocks:
     # The Mosaic split kernel starts as a dependent of the kernel ahead of it (programmatic dependent launch:
     # `decode_attention_mgpu.split_decode(dependent_launch=)`), for a call right after the K/V write kernel.
     mosaic_dependent_launch: bool = False
-    # One launch: the Mosaic kernel's splits of a sequence are a cluster whose first program merges the others'
-    # partials and writes the (gated) output (`decode_attention_mgpu.merged_decode`), no combine kernel. Needs
-    # num_splits <= decode_attention_mgpu.MAX_CLUSTER (16; `decode_blocks` takes at most 8, a portable cluster) and
-    # no more tokens than sequences (a decode-only step).
-    mosaic_merge: bool = False
 
 
 # The H200 has 132 SMs.
@@ -806,10 +801,6 @@ DECODE_MOSAIC_STAGES = 2
 # The model's Mosaic split kernel as a dependent launch of the K/V write kernel before it (its length and page-id
 # loads overlapping that kernel's end). Off until timed on a GPU (session 37 built it without one).
 DECODE_MOSAIC_DEPENDENT_LAUNCH = False
-# The model's decode-only steps in one launch (`DecodeBlocks.mosaic_merge`), the splits capped at a cluster's 8. Off
-# until timed on a GPU (session 38 built it without one): it drops the combine kernel (1.6-2.0 us at every point,
-# session 36) but caps 8K x 8 at 64 programs instead of 256, and 32K x 1 at 8 (a rule by shape is for the timing).
-DECODE_MOSAIC_MERGE = False
 
 
 def _visible_pages(max_pages: int, page_size: int, window: int | None) -> int:
@@ -825,7 +816,7 @@ def decode_blocks(
     batch: int, kv_heads: int, max_pages: int, page_size: int, window: int | None, *,
     pages_per_step: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, programs_per_sm: int | None = None, min_steps_per_split: int | None = None,
-    num_sms: int = DECODE_NUM_SMS, mosaic_split: bool = False, mosaic_merge: bool = False,
+    num_sms: int = DECODE_NUM_SMS, mosaic_split: bool = False,
 ) -> DecodeBlocks:
     """The decode kernels' block sizes for a step's static shape; any argument given overrides the
     tuned value. The context is split until batch * kv_heads * num_splits programs reach
@@ -833,11 +824,7 @@ def decode_blocks(
     sequence's visible pages (all of `max_pages`, or with a window at most
     cdiv(window - 1, page_size) + 1 whatever the context, so a sliding layer's blocks are flat).
     A latency-bound step (fewer loop steps in all than SMs) gets one page per split instead.
-    `mosaic_split`: blocks of the Mosaic GPU split kernel (`DECODE_MOSAIC_STAGES` stages by default);
-    `mosaic_merge` (with it): in one launch, at most a portable cluster's `decode_attention_mgpu.PORTABLE_CLUSTER`
-    splits unless `num_splits` says more."""
-    if mosaic_merge and not mosaic_split:
-        raise ValueError("mosaic_merge needs mosaic_split: the merge is the Mosaic GPU kernel's")
+    `mosaic_split`: blocks of the Mosaic GPU split kernel (`DECODE_MOSAIC_STAGES` stages by default)."""
     visible_pages = _visible_pages(max_pages, page_size, window)
     if pages_per_step is None and num_splits is None and page_size >= 64:
         steps = batch * kv_heads * -(-visible_pages // DECODE_PAGES_PER_STEP)
@@ -852,15 +839,13 @@ def decode_blocks(
         steps = -(-visible_pages // pages_per_step)
         wanted = -(-(programs_per_sm * num_sms) // (batch * kv_heads))
         num_splits = max(1, min(_pow2_floor(wanted), _pow2_floor(steps // max(min_steps_per_split, 1))))
-        if mosaic_merge:
-            num_splits = min(num_splits, decode_attention_mgpu.PORTABLE_CLUSTER)
     for name, value in (("num_splits", num_splits), ("pages_per_step", pages_per_step)):
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name} {value} must be a power of two")
     if num_stages is None:
         num_stages = DECODE_MOSAIC_STAGES if mosaic_split else DECODE_NUM_STAGES
     return DecodeBlocks(pages_per_step, num_splits, DECODE_NUM_WARPS if num_warps is None else num_warps, num_stages,
-                        mosaic_split=mosaic_split, mosaic_merge=mosaic_merge)
+                        mosaic_split=mosaic_split)
 
 
 def _decode_split_kernel(
@@ -1041,8 +1026,7 @@ def paged_decode_attention_kernel(
     Two Pallas calls: the split kernel, grid (sequence, kv head, split), then the combine, grid
     (token, query head, head_dim block). Triton needs power-of-two page_size and head_dim. The split
     kernel is Triton's, or with `blocks.mosaic_split` Mosaic GPU's (`decode_attention_mgpu`, Hopper);
-    without `blocks`, `decode_blocks` picks (`use_mosaic_split`). With `blocks.mosaic_merge` one Mosaic GPU
-    call instead (`decode_attention_mgpu.merged_decode`: no combine; tokens <= batch).
+    without `blocks`, `decode_blocks` picks (`use_mosaic_split`).
 
     Fused (the model's GPU path): with `query_prologue`, `queries` are the raw projections and the
     split kernel applies the norm and RoPE / SSMax to its query rows first; with `output_gate`, the
@@ -1061,13 +1045,6 @@ def paged_decode_attention_kernel(
     if blocks.mosaic_split:
         if query_prologue is not None:  # XLA, before the kernel (the model's cache has the write kernel do it)
             queries = head_prologue_reference(queries, query_prologue)
-        if blocks.mosaic_merge:
-            gate = {} if output_gate is None else dict(gate=output_gate.gate, gate_bias=output_gate.bias)
-            out = decode_attention_mgpu.merged_decode(
-                queries, k_pages, v_pages, metadata.row_token, metadata.token_row, seq_lens, page_table, window=window,
-                softmax_scale=scale, num_splits=splits, stages=blocks.num_stages,
-                dependent_launch=blocks.mosaic_dependent_launch, interpret=interpret, **gate)
-            return out, metadata.token_row
         o, m, l = decode_attention_mgpu.split_decode(
             queries, k_pages, v_pages, metadata.row_token, seq_lens, page_table, window=window, softmax_scale=scale,
             num_splits=splits, stages=blocks.num_stages, dependent_launch=blocks.mosaic_dependent_launch,
@@ -1084,12 +1061,10 @@ def default_decode_blocks(queries, k_pages, v_pages, batch: int, max_pages: int,
     """The blocks `paged_decode_attention_kernel` takes when given none (what the model runs) for `batch`
     sequences of page tables `max_pages` wide: the Triton kernel's `decode_blocks`, or the Mosaic GPU
     kernel's where `use_mosaic_split` says so. `after_write`: the call follows the K/V write kernel
-    (`write_kv_before_decode`), which the Mosaic kernel may then start under (`DECODE_MOSAIC_DEPENDENT_LAUNCH`).
-    A step of no more tokens than sequences (decode-only) runs in one launch where `DECODE_MOSAIC_MERGE` says so."""
+    (`write_kv_before_decode`), which the Mosaic kernel may then start under (`DECODE_MOSAIC_DEPENDENT_LAUNCH`)."""
     _, page_size, kv_heads, _ = k_pages.shape
     mosaic = not interpret and use_mosaic_split(queries, k_pages, v_pages)
-    merge = mosaic and DECODE_MOSAIC_MERGE and queries.shape[0] <= batch
-    blocks = decode_blocks(batch, kv_heads, max_pages, page_size, window, mosaic_split=mosaic, mosaic_merge=merge)
+    blocks = decode_blocks(batch, kv_heads, max_pages, page_size, window, mosaic_split=mosaic)
     dependent = mosaic and after_write and DECODE_MOSAIC_DEPENDENT_LAUNCH
     return dataclasses.replace(blocks, mosaic_dependent_launch=dependent)
 

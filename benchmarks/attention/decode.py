@@ -20,14 +20,11 @@ Variants:
            warps (run 5's k was another, removed knob), l1 the Mosaic split kernel as a dependent launch
            (`DecodeBlocks.mosaic_dependent_launch`: only after the K/V write, --layer), g1 the
            Mosaic GPU split kernel (`decode_attention_mgpu`; n is then its TMA pipeline depth, by
-           default `DECODE_MOSAIC_STAGES`), g0 the Triton one, c1 (with g1) the Mosaic kernel in one launch
-           (`DecodeBlocks.mosaic_merge`: a sequence's splits merged in a cluster, no combine; at most 8
-           unless s says up to 16);
-           e.g. "p2t2m1w4n1", "s32n3g1" or "g1c1n4".
+           default `DECODE_MOSAIC_STAGES`), g0 the Triton one; e.g. "p2t2m1w4n1" or "s32n3g1".
            "auto" is what the model runs (`default_decode_blocks`: Mosaic on Hopper wherever it fits). The
            step's DecodeMetadata is built once, outside the timed loop, as the engine builds it once per
-           step for all layers. (Run 6's letters f and c chose a one-launch Triton path, whose last split
-           merged after an atomic ticket, and its merge fan-in; it was slower at every shape and is removed.)
+           step for all layers. (Run 6's letters f and c chose a one-launch
+           path and its merge fan-in; it was slower at every shape and is removed.)
   old    : with --baseline-module FILE (e.g. `git show <commit>:pallas_kernels/paged_attention.py`),
            that file's decode kernels with their own default blocks: the previous kernel, same run. A
            decode_attention_mgpu.py instead (it defines `split_decode`): today's paged_attention with that
@@ -422,10 +419,10 @@ def time_loop(loop, q, page_table, rest, *, target_ms, repeats, max_iters):
 
 CONFIG_LETTERS = {"p": "pages_per_step", "s": "num_splits", "t": "programs_per_sm", "m": "min_steps_per_split",
                   "w": "num_warps", "n": "num_stages", "d": "combine_block_d", "r": "combine_num_warps",
-                  "g": "mosaic_split", "l": "mosaic_dependent_launch", "c": "mosaic_merge"}
+                  "g": "mosaic_split", "l": "mosaic_dependent_launch"}
 
 
-_CONFIG_FLAGS = ("mosaic_split", "mosaic_dependent_launch", "mosaic_merge")  # g, l, c: 0 or 1
+_CONFIG_FLAGS = ("mosaic_split", "mosaic_dependent_launch")  # g, l: 0 or 1
 # Blocks `decode_blocks` does not choose: set on the blocks it returns.
 _CONFIG_AFTER = ("combine_block_d", "combine_num_warps", "mosaic_dependent_launch")
 

@@ -8,8 +8,7 @@ call as percentiles of µs from the call's first start. Beside it, the same call
         [--configs auto,s16,n3]
 
 A point is CONTEXTxBATCH at Beam's TP8 shape (6 query heads, 1 kv head); a config is `decode.py`'s (`auto`: the
-model's blocks; `s16` 16 splits; `n3` 3 stages; `c1` in one launch, `merged_decode`; ...), always on the Mosaic
-kernel (`g1`). GPU only (Hopper).
+model's blocks; `s16` 16 splits; `n3` 3 stages; ...), always on the Mosaic kernel (`g1`). GPU only (Hopper).
 """
 
 from __future__ import annotations
@@ -54,21 +53,17 @@ def stamp_summary(stamps) -> dict:
 
 
 def run_point(ctx: int, batch: int, kind: str, spec: str, timer, calls: int) -> dict:
-    """`calls` stamped calls of the split (or merged) kernel at one point, and the median CUPTI time of unstamped
-    calls."""
+    """`calls` stamped calls of the split kernel at one point, and the median CUPTI time of unstamped calls."""
     shape = decode.SHAPES["tp8"]
     window = None if kind == "full" else decode.WINDOW
     q, k_pages, v_pages, query_start, seq_lens, table, _ = decode.make_inputs(ctx, batch, shape, kind, 64, jnp.bfloat16)
     blocks = decode.make_decode_blocks(spec, batch, shape["kv_heads"], table.shape[1], 64, window)
-    metadata = pa.decode_metadata(query_start, q.shape[0])
+    row_token = pa.decode_metadata(query_start, q.shape[0]).row_token
 
     def split(stamps: bool):
-        kwargs = dict(window=window, softmax_scale=128**-0.5, num_splits=blocks.num_splits, stages=blocks.num_stages,
-                      stamps=stamps)
-        if blocks.mosaic_merge:  # one launch: a program's end is after its cluster's merge
-            return jax.jit(lambda q, k, v, t: dm.merged_decode(q, k, v, metadata.row_token, metadata.token_row,
-                                                               seq_lens, t, **kwargs))
-        return jax.jit(lambda q, k, v, t: dm.split_decode(q, k, v, metadata.row_token, seq_lens, t, **kwargs))
+        return jax.jit(lambda q, k, v, t: dm.split_decode(
+            q, k, v, row_token, seq_lens, t, window=window, softmax_scale=128**-0.5, num_splits=blocks.num_splits,
+            stages=blocks.num_stages, stamps=stamps))
 
     stamped, plain = split(True), split(False)
     summaries = []

@@ -120,18 +120,16 @@ def test_mosaic_split_with_prologue_and_gate(kind, on_gpu):
     np.testing.assert_allclose(got, want, rtol=0, atol=4 * 2.0**-8 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("kind,on_gpu,merge", [
-    ("full", False, False), ("full", False, True),
-    *[pytest.param(kind, True, merge, marks=pytest.mark.gpu) for kind in ("sliding", "full") for merge in (False, True)]])
-def test_dependent_launch_after_the_write_gives_the_same_layer(kind, on_gpu, merge):
+@pytest.mark.parametrize("kind,on_gpu", [("full", False), pytest.param("sliding", True, marks=pytest.mark.gpu),
+                                         pytest.param("full", True, marks=pytest.mark.gpu)])
+def test_dependent_launch_after_the_write_gives_the_same_layer(kind, on_gpu):
     """The model's fused layer (the K/V write kernel with the query prologue, then the Mosaic split kernel and the
-    gated combine, or with `merge` the one-launch kernel on a decode-only step) with the attention kernel launched
-    as a dependent of the write (`mosaic_dependent_launch`): the same output and pages as launched plainly. On a
-    GPU it then starts before the write ends, so a copy ahead of its wait would read stale queries or pages;
-    interpreted (the CPU cases) the wait is skipped."""
+    gated combine) with the split kernel launched as a dependent of the write (`mosaic_dependent_launch`): the same
+    output and pages as launched plainly. On a GPU the split kernel then starts before the write ends, so a copy
+    ahead of its wait would read stale queries or pages; interpreted (the CPU case) the wait is skipped."""
     window = 100 if kind == "sliding" else None
     with _device(on_gpu):
-        args = _batch(43, kv_heads=2, group=6, specs=DECODE_ONLY_SPECS if merge else SPECS)
+        args = _batch(43, kv_heads=2, group=6)
         queries, k_pages, v_pages, query_start, seq_lens, table = args
         raw, query, gate, _ = _prologue_and_gate(5, args, kind)
         key = dataclasses.replace(query, ssmax_scale=None)
@@ -146,7 +144,7 @@ def test_dependent_launch_after_the_write_gives_the_same_layer(kind, on_gpu, mer
 
         def layer(k_pages, v_pages, dependent):
             blocks = pa.DecodeBlocks(pages_per_step=1, num_splits=4, num_stages=2, mosaic_split=True,
-                                     mosaic_dependent_launch=dependent, mosaic_merge=merge)
+                                     mosaic_dependent_launch=dependent)
             k_pages, v_pages, q, left = pa.write_kv_before_decode(
                 k_pages, v_pages, new_k, new_v, slots, raw, key_prologue=key, query_prologue=query, blocks=blocks,
                 interpret=not on_gpu)
@@ -289,110 +287,3 @@ def test_split_timeline_summary_reads_the_timer_across_its_wrap_around(monkeypat
     assert summary["phases"]["chain"] == [0.5, 0.55, 0.75, 0.95, 1.0]
     assert summary["phases"]["later_pages"] == [1.0, 1.25, 2.25, 3.25, 3.5]
     assert summary["phases"]["program"] == [4.5, 4.7, 5.5, 6.3, 6.5]
-
-
-# A decode-only step as the runner builds one (the merged kernel needs tokens <= batch): six decodes, a sequence
-# with no token this step, a padding row; 6 decode tokens and 2 padding tokens for 8 sequences.
-DECODE_ONLY_SPECS = [(1, 1), (64, 1), (65, 1), (200, 1), (37, 0), (130, 1), (600, 1), (0, 0)]
-MERGE_CASES = [  # kv_heads, group, window, splits, stages, release_hole
-    (1, 6, None, 8, 2, False), (2, 6, None, 4, 3, True), (2, 8, 70, 2, 2, False), (3, 1, None, 8, 4, False),
-    (1, 6, 100, 8, 2, True), (1, 12, None, 1, 2, False), (1, 6, None, 16, 2, False)]
-
-
-def _merge_blocks(splits, stages=2, **kwargs):
-    return pa.DecodeBlocks(pages_per_step=1, num_splits=splits, num_stages=stages, mosaic_split=True,
-                           mosaic_merge=True, **kwargs)
-
-
-@pytest.mark.parametrize("kv_heads,group,window,splits,stages,release_hole", MERGE_CASES)
-def test_merged_decode_matches_reference_interpret(kv_heads, group, window, splits, stages, release_hole):
-    """One launch (`mosaic_merge`): a sequence's splits merged by its first, zeros for the tokens that are no
-    decode (interpreted, the partials pass through gmem; on a GPU through the cluster's shared memory)."""
-    with _device(on_gpu=False):
-        args = _batch(kv_heads * 10 + group, kv_heads=kv_heads, group=group, release_hole=release_hole,
-                      specs=DECODE_ONLY_SPECS)
-        assert args[0].shape[0] == len(DECODE_ONLY_SPECS)
-        out, _ = pa.paged_decode_attention_kernel(*args, window=window, blocks=_merge_blocks(splits, stages),
-                                                  interpret=True)
-        _check(args, out, window)
-
-
-@pytest.mark.parametrize("kind,on_gpu", [("sliding", False), ("full", False),
-                                         pytest.param("sliding", True, marks=pytest.mark.gpu),
-                                         pytest.param("full", True, marks=pytest.mark.gpu)])
-def test_merged_decode_with_prologue_and_gate(kind, on_gpu):
-    """The model's call in one launch: the query prologue (XLA, before the kernel), the gate in the merge."""
-    with _device(on_gpu):
-        args = _batch(47, kv_heads=2, group=6, specs=DECODE_ONLY_SPECS)
-        raw, query, gate, want = _prologue_and_gate(9, args, kind)
-        run = functools.partial(pa.paged_decode_attention_kernel, blocks=_merge_blocks(4), interpret=not on_gpu)
-        got, token_row = jax.jit(run)(raw, *args[1:], query_prologue=query, output_gate=gate)
-    decodes = np.asarray(token_row) >= 0
-    assert got.dtype == gate.gate.dtype
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert not got[~decodes].any()
-    np.testing.assert_allclose(got[decodes], want[decodes], rtol=0, atol=4 * 2.0**-8 * np.abs(want).max())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kv_heads,group,window,splits,stages,release_hole", MERGE_CASES)
-def test_merged_decode_matches_reference_on_gpu(kv_heads, group, window, splits, stages, release_hole):
-    args = _batch(kv_heads * 10 + group, kv_heads=kv_heads, group=group, release_hole=release_hole,
-                  specs=DECODE_ONLY_SPECS)
-    run = jax.jit(functools.partial(pa.paged_decode_attention_kernel, window=window,
-                                    blocks=_merge_blocks(splits, stages)))
-    _check(args, run(*args)[0], window)
-
-
-def test_merged_decode_rejects_what_it_cannot_do():
-    args = _batch(1, kv_heads=1, group=6, specs=DECODE_ONLY_SPECS)
-    with pytest.raises(ValueError, match="one cluster, 1 to 16"):
-        pa.paged_decode_attention_kernel(*args, blocks=_merge_blocks(32), interpret=True)
-    mixed = _batch(1, kv_heads=1, group=6)  # a prefill chunk of 5: 13 tokens for 8 sequences
-    with pytest.raises(ValueError, match="13 tokens for 8 sequences"):
-        pa.paged_decode_attention_kernel(*mixed, blocks=_merge_blocks(4), interpret=True)
-    with pytest.raises(ValueError, match="needs mosaic_split"):
-        pa.decode_blocks(8, 1, 128, 64, None, mosaic_merge=True)
-
-
-@pytest.mark.parametrize("batch,heads,kv_heads,context,splits,stages,window,gated", [
-    (8, 6, 1, 8192, 8, 2, None, True), (8, 6, 1, 8192, 8, 4, None, False), (8, 6, 1, 8192, 16, 2, None, False),
-    (32, 48, 8, 8192, 2, 2, None, True),
-    (8, 6, 1, 8192, 8, 2, 512, True), (1, 6, 1, 8192, 1, 2, None, False)])
-def test_merged_decode_lowers_for_cuda(batch, heads, kv_heads, context, splits, stages, window, gated):
-    """Beam's shapes in one launch (clusters of up to 16, the peers' shared memory read by the first) lower for
-    sm_90 within the shared memory; also as a dependent launch with stamps."""
-    from pallas_kernels import decode_attention_mgpu as dm
-
-    spec = jax.ShapeDtypeStruct
-    pages, max_pages = batch * context // 64 + 1, context // 64
-    specs = [spec((batch, heads, 128), jnp.bfloat16), *[spec((pages, 64, kv_heads, 128), jnp.bfloat16)] * 2,
-             *[spec((batch,), jnp.int32)] * 3, spec((batch, max_pages), jnp.int32)]
-    kwargs = dict(window=window, softmax_scale=128**-0.5, num_splits=splits, stages=stages)
-    if gated:
-        specs += [spec((batch, heads, 128), jnp.bfloat16), spec((heads,), jnp.bfloat16)]
-
-        def op(*args):
-            *args, gate, bias = args
-            return dm.merged_decode(*args, gate=gate, gate_bias=bias, dependent_launch=True, stamps=True, **kwargs)
-    else:
-        op = functools.partial(dm.merged_decode, **kwargs)
-    traced = jax.jit(op).trace(*specs)
-    out = traced.out_info[0] if gated else traced.out_info
-    assert out.shape == (batch, heads, 128)
-    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
-
-
-def test_the_model_merges_decode_only_steps_where_switched_on(monkeypatch):
-    """`default_decode_blocks`: one launch where `DECODE_MOSAIC_MERGE` says so, for steps of no more tokens than
-    sequences, on the Mosaic kernel, at most 8 splits."""
-    pages = jnp.zeros((4, 64, 1, 128), jnp.bfloat16)
-    decode_only, mixed = jnp.zeros((8, 6, 128), jnp.bfloat16), jnp.zeros((12, 6, 128), jnp.bfloat16)
-    monkeypatch.setattr(pa, "is_hopper", lambda device: True)
-    assert not pa.default_decode_blocks(decode_only, pages, pages, 8, 128, None).mosaic_merge
-    monkeypatch.setattr(pa, "DECODE_MOSAIC_MERGE", True)
-    blocks = pa.default_decode_blocks(decode_only, pages, pages, 8, 128, None)
-    assert blocks.mosaic_merge and blocks.num_splits == 8  # 32 without the merge (a cluster holds 8)
-    assert not pa.default_decode_blocks(mixed, pages, pages, 8, 128, None).mosaic_merge
-    monkeypatch.setattr(pa, "is_hopper", lambda device: False)  # the Triton kernel: never
-    assert not pa.default_decode_blocks(decode_only, pages, pages, 8, 128, None).mosaic_merge
