@@ -77,6 +77,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -466,6 +467,15 @@ def load_baseline_module(path):
     paged_attention that runs that file's split kernel."""
     module = _load_module(path, "baseline_paged_attention")
     if hasattr(module, "split_decode"):  # a split kernel: a copy of today's paged_attention around it
+        if "dependent_launch" not in inspect.signature(module.split_decode).parameters:  # older than 6a667fe
+            split_decode = module.split_decode
+
+            def without_dependent_launch(*args, dependent_launch=False, **kwargs):
+                if dependent_launch:
+                    raise ValueError(f"{path}'s split_decode has no dependent launch")
+                return split_decode(*args, **kwargs)
+
+            module.split_decode = without_dependent_launch
         paged_attention = _load_module(pa.__file__, "baseline_paged_attention")
         paged_attention.decode_attention_mgpu = module
         return paged_attention
