@@ -30,19 +30,20 @@ def stamp(stamps, p, column: int, value=None) -> None:
     """A diagnostic: writes `value` (an int32), or the warpgroup's `%globaltimer_lo` once every thread got here (ns,
     32 bits), to `stamps[p, column]` (an int32 gmem ref), from one thread."""
     splat = plgpu.Layout.WG_SPLAT(())
+    timed = value is None  # decided here: inside `store`, its own argument is never None
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), splat, splat))
-    def store(ctx, stamps, p, value):
+    def store(ctx, stamps, p, given):
         del ctx
         from jax._src.lib.mlir import ir
         from jax._src.lib.mlir.dialects import arith, memref
         from jax.experimental.mosaic.gpu import utils
         i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-        if value is None:
+        if timed:
             utils.warpgroup_barrier()
             time = utils.inline_ptx("mov.u32 $0, %globaltimer_lo;", result_types=i32, has_side_effects=True)
         else:
-            time = value.registers.item()
+            time = given.registers.item()
         with utils.single_thread(scope=utils.ThreadSubset.WARPGROUP):
             memref.store(time, stamps, [arith.index_cast(index, p.registers.item()), utils.c(column, index)])
 

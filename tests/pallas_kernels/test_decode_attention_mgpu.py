@@ -200,13 +200,16 @@ def _split_specs():
 
 def test_mosaic_split_with_stamps_lowers_for_cuda():
     """The diagnostic form (`stamps=True`, benchmarks/attention/split_timeline.py) lowers and returns a stamp row a
-    program after the partials."""
+    program after the partials, its time columns read from `%globaltimer_lo` (until session 38 the stamp helper
+    stored 0 there: its inner argument shadowed the `value is None` test, and the H200 showed spans of 0)."""
     from pallas_kernels import decode_attention_mgpu as dm
 
     op = functools.partial(dm.split_decode, window=None, softmax_scale=128**-0.5, num_splits=4, stages=2, stamps=True)
     traced = jax.jit(op).trace(*_split_specs())
     assert [out.shape for out in traced.out_info][-1] == (8 * 4, len(dm.STAMPS))
-    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+    lowered = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in lowered
+    assert "globaltimer_lo" in lowered
 
 
 def test_mosaic_decode_blocks_and_when_the_model_takes_them(monkeypatch):
