@@ -186,18 +186,23 @@ def _swiglu_activations(splits: int, block_t: int, intermediate: int):
                                          arith.muli(arith.remui(k, utils.c(8, index)), utils.c(2, index))))
             return utils.getelementptr(base, [arith.index_cast(i32, byte)], ir.IntegerType.get_signless(8))
 
-        def projection(column, factor):
-            total = memref.load(sums_ref, [utils.c(0, index), row, column])
-            for s in range(1, splits):
-                total = arith.addf(total, memref.load(sums_ref, [utils.c(s, index), row, column]))
+        def partial_sums(j):  # the splits' partial sums of gate column j, then of up column j
+            return [memref.load(sums_ref, [utils.c(s, index), row, column])
+                    for column in (j, arith.addi(j, utils.c(intermediate, index))) for s in range(splits)]
+
+        def projection(sums, factor):
+            total = sums[0]
+            for value in sums[1:]:
+                total = arith.addf(total, value)
             return arith.extf(f32, arith.truncf(bf16, arith.mulf(total, factor)))
 
-        def one(j):
-            gate = projection(j, gate_factor)
-            up = projection(arith.addi(j, utils.c(intermediate, index)), up_factor)
+        def one(j, sums):
+            gate, up = projection(sums[:splits], gate_factor), projection(sums[splits:], up_factor)
             llvm.store(arith.truncf(bf16, nm.swiglu_value(gate, up)), place(token, j))
 
-        nm.for_each_index(intermediate, one)
+        # A thread's loads for all its columns (2-3 of them, gate and up of each K split) first: one round trip to L2,
+        # none waiting behind the last column's guard (session 39; not yet run on a GPU).
+        nm.for_each_index(intermediate, one, load=partial_sums)
 
     return body
 

@@ -192,23 +192,32 @@ def _decode_pair_asm(pair: int) -> str:
     return "{ .reg .b32 t, negzero; mov.b32 negzero, 0x80008000; " + extract + " fma.rn.bf16x2 $0, t, $2, negzero; }"
 
 
-def for_each_index(count: int, body) -> None:
+def for_each_index(count: int, body, *, load=None) -> None:
     """In an inline_mgpu body: `body(i)` for i in 0 .. count-1, spread over the warpgroup's 128 threads
-    (thread t takes t, t + 128, ...; a guard where fewer indices than threads are left)."""
+    (thread t takes t, t + 128, ...; a guard where fewer indices than threads are left).
+    With `load`, a thread's `load(i)` for all its indices come first, unguarded (an index past the end loads as the
+    last one), then `body(i, loaded)`: the loads are in flight together, none waits behind a guard or another
+    index's stores."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, gpu, scf
     from jax.experimental.mosaic.gpu import utils
 
     index = ir.IndexType.get()
     tid = arith.remui(gpu.thread_id(gpu.Dimension.x), utils.c(128, index))
-    for start in range(0, count, 128):
-        i = arith.addi(tid, utils.c(start, index))
+    starts = range(0, count, 128)
+    indices = [arith.addi(tid, utils.c(start, index)) for start in starts]
+    if load is None:
+        calls = [body] * len(indices)
+    else:
+        loaded = [load(arith.minui(i, utils.c(count - 1, index))) for i in indices]
+        calls = [lambda i, values=values: body(i, values) for values in loaded]
+    for start, i, one in zip(starts, indices, calls):
         if start + 128 <= count:
-            body(i)
+            one(i)
             continue
         guard = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, i, utils.c(count, index)))
         with ir.InsertionPoint(guard.then_block):
-            body(i)
+            one(i)
             scf.yield_([])
 
 
