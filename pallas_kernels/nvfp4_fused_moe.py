@@ -7,7 +7,8 @@ sum, the global scales, SwiGLU) 1.6 and the combine two kernels of 1.7 (H200, be
 session 27 run A). Here a block is a (token, expert) pair of the routing as it comes (no kernel before this one),
 and one grid holds two kinds of programs:
 - gate/up programs, first in the grid: `grouped_matmul`'s programs for shared-row blocks (K splits, fp32
-  partial sums), each counting itself done on its block's counter once its sums are written;
+  partial sums of which each stores its pair's token row only, from registers), each counting itself done on its
+  block's counter once its sums are written;
 - down programs: fetch their weight steps, wait on their block's counter, add the partial sums of their pair's
   token row and apply the global scales and SwiGLU into their activation tiles themselves, run the down GEMM, and
   write their tile of the pair's row, times the expert's global scale and the routing weight, to the fp32 output
@@ -37,7 +38,11 @@ XLA, where the first programs zeroed the output and the down programs waited for
 15.1-15.2 / 21.7-21.8 / 32.8 / 53.0 us at 1 / 2 / 4 / 7 tokens against 15.5-15.6 / 23.2-23.3 / 34.4 / 54.6; at 1-2
 tokens the down steps overlapped (`down_overlap`, run 10): 14.8 / 21.2-21.4. Per-program globaltimer stamps (run 9)
 correct the profiler's picture above: the non-resident down programs start as the gate/up programs leave (5.7-7 us
-in at one token), and what ends the kernel is a down program's ~4-5 us after its block is ready.
+in at one token), and what ends the kernel is a down program's ~4-5 us after its block is ready. Session 40
+(stamps at one token, median / max): a down program's tail after its block is ready is fill 0.8 / 1.5, K loop 1.7
+/ 2.7 and write 0.4 / 0.7 us; with its step scales staged before the wait the K loop is 1.0 / 2.0. Gate/up programs
+that store their token's row from registers (not the whole tile by TMA, waiting for the copy) took the layer to 20.3
+-20.4 / 50.4-50.7 us at 2 / 7 tokens against 20.5-20.7 / 51.4-51.8.
 """
 
 from __future__ import annotations
@@ -162,7 +167,7 @@ def _swiglu_activations(splits: int, block_t: int, intermediate: int):
     pair's `token` row, gate and up summed over the splits, times OUTPUT_FACTOR and their global scales, rounded
     to bf16, and SwiGLU rounded to bf16 (as `moe_nvfp4`'s XLA pass). The other rows keep what shared memory held:
     a row is a column of the down GEMM's output that no other column reads, and only the token's is stored
-    (session 37: their zeroing, 7 rows of `intermediate` stores a program, is gone; not yet timed on a GPU)."""
+    (without their zeroing: 14.1-14.2 / 31.3 us at 1 / 4 tokens against 14.7 / 33.3, H200 session 40)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref
     from jax.experimental.mosaic.gpu import utils
@@ -201,8 +206,45 @@ def _swiglu_activations(splits: int, block_t: int, intermediate: int):
             llvm.store(arith.truncf(bf16, nm.swiglu_value(gate, up)), place(token, j))
 
         # A thread's loads for all its columns (2-3 of them, gate and up of each K split) first: one round trip to L2,
-        # none waiting behind the last column's guard (session 39; not yet run on a GPU).
+        # none waiting behind the last column's guard (no change measured: 14.1-14.2 us at one token against 14.2,
+        # H200 session 40).
         nm.for_each_index(intermediate, one, load=partial_sums)
+
+    return body
+
+
+def _store_token_row(tile_n: int, block_t: int):
+    """inline_mgpu body: the gate/up fp32 accumulator [tile_n, block_t] (WGMMA layout) -> gmem: its column `token`
+    (the one row of the partial sums that the pair's down programs read) to `sums[split, row, col0 ..]`, stored
+    from registers by the threads that hold it (a value of rows r and r + 8 each), no shared memory or TMA."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, memref, scf, vector
+    from jax.experimental.mosaic.gpu import utils
+
+    def body(ctx, acc, sums_ref, split, row, col0, token):
+        del ctx
+        index = ir.IndexType.get()
+        as_index = lambda v: arith.index_cast(index, v.registers.item())  # noqa: E731
+        split, row, col0, token = map(as_index, (split, row, col0, token))
+        row0, lane = nm._thread_place()
+        column = arith.remui(token, utils.c(8, index))
+        holds = arith.cmpi(arith.CmpIPredicate.eq, arith.remui(lane, utils.c(4, index)),
+                           arith.divui(column, utils.c(2, index)))
+        second = arith.cmpi(arith.CmpIPredicate.eq, arith.remui(column, utils.c(2, index)), utils.c(1, index))
+        group = arith.divui(token, utils.c(8, index))
+        guard = scf.IfOp(holds)
+        with ir.InsertionPoint(guard.then_block):
+            for m in range(tile_n // 64):
+                for half in range(2):
+                    pair = acc.registers[m, 0, 0, 0, half, 0, 0, 0, 0]
+                    for c in range(1, block_t // 8):  # the token's 8-column group (one at block_t 8)
+                        is_c = arith.cmpi(arith.CmpIPredicate.eq, group, utils.c(c, index))
+                        pair = arith.select(is_c, acc.registers[m, c, 0, 0, half, 0, 0, 0, 0], pair)
+                    value = arith.select(second, vector.extract(pair, dynamic_position=[], static_position=[1]),
+                                         vector.extract(pair, dynamic_position=[], static_position=[0]))
+                    n = arith.addi(col0, arith.addi(row0, utils.c(64 * m + 8 * half, index)))
+                    memref.store(value, sums_ref, [split, row, n])
+            scf.yield_([])
 
     return body
 
@@ -254,7 +296,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                      splits: int | None = None, gate_up_stages: int = 2, gate_up_tile_n: int = 64,
                      gate_up_decode_chunks: int | None = None, down_stages: int = 5,
                      down_tile_n: int | None = None,
-                     down_decode_row_chunks: int = 1, down_overlap: bool | None = None, counters=None,
+                     down_decode_row_chunks: int = 1, down_overlap: bool | None = None,
+                     down_scales_first: bool | None = None, counters=None,
                      compiler_params=None, stamps: bool = False):
     """`x [T, H]` bf16 (T <= 8), `pair_expert [T * top_k]` int32 (token t's picks from t * top_k on; an expert
     outside [0, E): skip the pair) and `pair_weight [T * top_k]` fp32, its routing weights. Each pair is a block of
@@ -264,7 +307,9 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     (`down_tile_k` 64) -> `[8, H]` fp32, the routed experts' output of each token (rows past T zero). Settings as
     `grouped_matmul`'s: the gate/up GEMM's `splits` K splits, pipeline `stages`, `tile_n` rows a program and
     `decode_chunks`; the down GEMM's; `down_overlap`: a down program issues every K step's copy at once and decodes a
-    step while the one before multiplies (`down_stages` then does not apply; unset: at 1-2 tokens). `counters`:
+    step while the one before multiplies (`down_stages` then does not apply; unset: at 1-2 tokens);
+    `down_scales_first` (with `down_overlap`): it stages every step's block scales before it waits for its block
+    (unset: at one token). `counters`:
     int32 `[slots]` from `fresh_counters()` or as the call before returned them (other values break the waits: wrong
     sums or a hang); then (output, counters) come back, for the next call. Unset, or with fewer than
     `counter_slots(pairs)` slots (returned untouched), the call zeroes its own (an XLA kernel before this one).
@@ -285,6 +330,9 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
         # where the kernel takes 71 registers, 98 with it: 33.7 / 56.6-56.8 against 32.9-33.0 / 53.4-53.5; H200
         # session 35 run 10)
         down_overlap = tokens <= 2
+    if down_scales_first is None:  # at one token (13.7-14.0 us against 14.1-14.5; at two 21.0-21.3 against
+        # 20.3-20.7, H200 session 40)
+        down_scales_first = tokens == 1
     if down_tile_n is None:  # 128 rows where they divide the hidden size (17.1 us against 19.1 with 64
         # and 4 stages, session 29 run A)
         down_tile_n = 128 if hidden % 128 == 0 else 64
@@ -319,7 +367,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     own = counters is None or counters.shape[0] < slots
     if gu_steps % splits:
         raise ValueError(f"splits={splits} must divide gate/up's {gu_steps} K steps")
-    gu_in_specs, gu_stage, gu_decodes, gu_store = nm._tile_programs(
+    gu_in_specs, gu_stage, gu_decodes, _ = nm._tile_programs(
         gate_up_tile_n, gate_up_tile_k, block_t, False, False, gate_up_decode_chunks)
     down_line_box = down_tile_k // 2 < nm._LINE
     down_in_specs, down_stage, down_decodes, _ = nm._tile_programs(
@@ -332,6 +380,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     fill = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(transforms=x_transforms),
                                         *[plgpu.Layout.WG_SPLAT(())] * 4))(
         _swiglu_activations(splits, block_t, intermediate))
+    token_row = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), *[plgpu.Layout.WG_SPLAT(())] * 4))(
+        _store_token_row(gate_up_tile_n, block_t))
     weighted_store = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(),
                                                   *[plgpu.Layout.WG_SPLAT(())] * tokens))(
         _store_weighted_transposed(down_tile_n, block_t, tokens))
@@ -371,13 +421,19 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
             for kk in range(down_k_steps):
                 for spec, ref, buf in zip(weight_specs, gmem_refs, weight_bufs):
                     plgpu.copy_gmem_to_smem(nm._block_of(spec, ref, (kk,)), buf.at[kk], barriers.at[kk])
+            staged = [staged_smem.at[pl.ds(kk * down_words, down_words)] for kk in range(down_k_steps)]
+            if down_scales_first:  # every step's scales staged before the block's wait, off the tail after it
+                for kk in range(down_k_steps):
+                    plgpu.barrier_wait(barriers.at[kk])
+                    down_stage(weight_bufs[1].at[kk], staged[kk])
             fill_activations(x_buf)
             for kk in range(down_k_steps):
-                plgpu.barrier_wait(barriers.at[kk])
-                staged = staged_smem.at[pl.ds(kk * down_words, down_words)]
-                step = decode_step(down_stage, down_decodes, down_tile_n, down_tile_k, down_line_box,
-                                   down_decode_row_chunks, staged, drain=kk + 1 == down_k_steps)
-                step(acc_ref, (kk,), *(buf.at[kk] for buf in weight_bufs), x_buf.at[kk])
+                if not down_scales_first:
+                    plgpu.barrier_wait(barriers.at[kk])
+                    down_stage(weight_bufs[1].at[kk], staged[kk])
+                nm.multiply_step(acc_ref, down_decodes, weight_bufs[0].at[kk], staged[kk], x_buf.at[kk],
+                                 tile_n=down_tile_n, tile_k=down_tile_k, row_chunks=down_decode_row_chunks,
+                                 drain=kk + 1 == down_k_steps)
 
         pl.run_scoped(scoped,
                       [plgpu.SMEM((down_k_steps, *shape(sp)), r.dtype, transforms=sp.transforms)
@@ -406,7 +462,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
 
             @pl.when((expert >= 0) & (expert < experts))
             def _():
-                def scoped(out_smem, staged_smem):
+                def scoped(staged_smem):
                     body = decode_step(gu_stage, gu_decodes, gate_up_tile_n, gate_up_tile_k, False, 1, staged_smem)
                     specs = gu_in_specs(expert, si * gu_k_steps, ni, 0)
                     with jax.named_scope("gate_up_k_loop"):
@@ -414,12 +470,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                                          gu_k_steps, gate_up_stages)
                     mark("multiplied")
                     with jax.named_scope("gate_up_write"):
-                        nm._write_tile(gu_store, acc, out_smem, sums_gmem, b, ni, si, block_t=block_t,
-                                       tile_n=gate_up_tile_n)
-                        plgpu.wait_smem_to_gmem(0)
-                pl.run_scoped(scoped, plgpu.SMEM((block_t, gate_up_tile_n), jnp.float32),
-                              plgpu.SMEM((gate_up_tile_n * gate_up_tile_k // 16,), jnp.uint32))
-                _async_proxy_fence()
+                        token_row(acc, sums_gmem, si, b * block_t + b // top_k, ni * gate_up_tile_n, b // top_k)
+                pl.run_scoped(scoped, plgpu.SMEM((gate_up_tile_n * gate_up_tile_k // 16,), jnp.uint32))
                 _add(counters_gmem, 2 * b, _share(rest, gu_programs_per_block), release=True)
 
         @pl.when(p >= gu_programs)
