@@ -93,6 +93,16 @@ def test_lowers_for_cuda(tokens, splits, down_tile_n, row_chunks):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("tokens,scales_first", [(1, False), (2, True)])
+def test_down_scales_first_lowers_against_its_default(tokens, scales_first):
+    """The overlapped down loop with its step scales staged before or after the block's wait, each where the
+    default is the other (on at one token)."""
+    op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64, down_overlap=True,
+                           down_scales_first=scales_first)
+    text = jax.jit(op).trace(*_specs(256, 5120, 320, tokens, 8 * tokens)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
 def test_passed_counters_are_the_kernels_in_place():
     """Counters passed in are the kernel's own buffer (an input aliased to an output: no copy, no zeroing kernel);
     without them, or with too few, the call makes zeroed ones."""
