@@ -213,10 +213,10 @@ def _swiglu_activations(splits: int, block_t: int, intermediate: int):
     return body
 
 
-def _store_token_row(tile_n: int, block_t: int):
-    """inline_mgpu body: the gate/up fp32 accumulator [tile_n, block_t] (WGMMA layout) -> gmem: its column `token`
-    (the one row of the partial sums that the pair's down programs read) to `sums[split, row, col0 ..]`, stored
-    from registers by the threads that hold it (a value of rows r and r + 8 each), no shared memory or TMA."""
+def _store_token_row(tile_n: int):
+    """inline_mgpu body: the gate/up fp32 accumulator [tile_n, 8] (WGMMA layout) -> gmem: its column `token` (the
+    one row of the partial sums that the pair's down programs read) to `sums[split, row, col0 ..]`, stored from
+    registers by the threads that hold it (a value of rows r and r + 8 each), no shared memory or TMA."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, memref, scf, vector
     from jax.experimental.mosaic.gpu import utils
@@ -227,19 +227,15 @@ def _store_token_row(tile_n: int, block_t: int):
         as_index = lambda v: arith.index_cast(index, v.registers.item())  # noqa: E731
         split, row, col0, token = map(as_index, (split, row, col0, token))
         row0, lane = nm._thread_place()
-        column = arith.remui(token, utils.c(8, index))
+        # A thread holds columns 2 (lane % 4) and that + 1.
         holds = arith.cmpi(arith.CmpIPredicate.eq, arith.remui(lane, utils.c(4, index)),
-                           arith.divui(column, utils.c(2, index)))
-        second = arith.cmpi(arith.CmpIPredicate.eq, arith.remui(column, utils.c(2, index)), utils.c(1, index))
-        group = arith.divui(token, utils.c(8, index))
+                           arith.divui(token, utils.c(2, index)))
+        second = arith.cmpi(arith.CmpIPredicate.eq, arith.remui(token, utils.c(2, index)), utils.c(1, index))
         guard = scf.IfOp(holds)
         with ir.InsertionPoint(guard.then_block):
             for m in range(tile_n // 64):
                 for half in range(2):
                     pair = acc.registers[m, 0, 0, 0, half, 0, 0, 0, 0]
-                    for c in range(1, block_t // 8):  # the token's 8-column group (one at block_t 8)
-                        is_c = arith.cmpi(arith.CmpIPredicate.eq, group, utils.c(c, index))
-                        pair = arith.select(is_c, acc.registers[m, c, 0, 0, half, 0, 0, 0, 0], pair)
                     value = arith.select(second, vector.extract(pair, dynamic_position=[], static_position=[1]),
                                          vector.extract(pair, dynamic_position=[], static_position=[0]))
                     n = arith.addi(col0, arith.addi(row0, utils.c(64 * m + 8 * half, index)))
@@ -381,7 +377,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                                         *[plgpu.Layout.WG_SPLAT(())] * 4))(
         _swiglu_activations(splits, block_t, intermediate))
     token_row = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), *[plgpu.Layout.WG_SPLAT(())] * 4))(
-        _store_token_row(gate_up_tile_n, block_t))
+        _store_token_row(gate_up_tile_n))
     weighted_store = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(),
                                                   *[plgpu.Layout.WG_SPLAT(())] * tokens))(
         _store_weighted_transposed(down_tile_n, block_t, tokens))
@@ -422,15 +418,18 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                 for spec, ref, buf in zip(weight_specs, gmem_refs, weight_bufs):
                     plgpu.copy_gmem_to_smem(nm._block_of(spec, ref, (kk,)), buf.at[kk], barriers.at[kk])
             staged = [staged_smem.at[pl.ds(kk * down_words, down_words)] for kk in range(down_k_steps)]
+
+            def stage_scales(kk):  # once the step's copies landed
+                plgpu.barrier_wait(barriers.at[kk])
+                down_stage(weight_bufs[1].at[kk], staged[kk])
+
             if down_scales_first:  # every step's scales staged before the block's wait, off the tail after it
                 for kk in range(down_k_steps):
-                    plgpu.barrier_wait(barriers.at[kk])
-                    down_stage(weight_bufs[1].at[kk], staged[kk])
+                    stage_scales(kk)
             fill_activations(x_buf)
             for kk in range(down_k_steps):
                 if not down_scales_first:
-                    plgpu.barrier_wait(barriers.at[kk])
-                    down_stage(weight_bufs[1].at[kk], staged[kk])
+                    stage_scales(kk)
                 nm.multiply_step(acc_ref, down_decodes, weight_bufs[0].at[kk], staged[kk], x_buf.at[kk],
                                  tile_n=down_tile_n, tile_k=down_tile_k, row_chunks=down_decode_row_chunks,
                                  drain=kk + 1 == down_k_steps)
