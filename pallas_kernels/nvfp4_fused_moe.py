@@ -281,6 +281,29 @@ def _store_weighted_transposed(tile_n: int, block_t: int, tokens: int):
     return body
 
 
+def program_role(p, blocks: int, gate_up_per_block: int, down_per_block: int, down_lag: int | None):
+    """Program p's kind (True: gate/up), block and index among that block's programs of its kind, in the grid's
+    order: every gate/up program first (`down_lag` None), or a block's down programs after the gate/up programs of
+    the block `down_lag` later. A down program always comes after its block's gate/up programs, which the GPU
+    starts first, so its wait cannot keep them from running."""
+    if down_lag is None or down_lag >= blocks:
+        gate_up, q = p < blocks * gate_up_per_block, p - blocks * gate_up_per_block
+        return (gate_up, jnp.where(gate_up, p // gate_up_per_block, q // down_per_block),
+                jnp.where(gate_up, p % gate_up_per_block, q % down_per_block))
+    head, segment = down_lag * gate_up_per_block, gate_up_per_block + down_per_block
+    q = p - head
+    s, r = q // segment, q % segment  # segment s: block lag + s's gate/up programs, then block s's down programs
+    tail = q - (blocks - down_lag) * segment  # past the segments: the last `down_lag` blocks' down programs
+    in_head, in_tail = p < head, tail >= 0
+    gate_up = in_head | (~in_tail & (r < gate_up_per_block))
+    block = jnp.where(in_head, p // gate_up_per_block,
+                      jnp.where(in_tail, blocks - down_lag + tail // down_per_block,
+                                jnp.where(gate_up, down_lag + s, s)))
+    index = jnp.where(in_head, p % gate_up_per_block,
+                      jnp.where(in_tail, tail % down_per_block, jnp.where(gate_up, r, r - gate_up_per_block)))
+    return gate_up, block, index
+
+
 def fits(hidden: int, down_tile_k: int, tokens: int) -> bool:
     """Whether `fused_decode_moe` takes these shapes: down weights in K steps of 64 (its activation tiles are one
     128-byte row), a hidden size in whole 64-row down tiles, at most 8 tokens."""
@@ -293,8 +316,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                      gate_up_decode_chunks: int | None = None, down_stages: int = 5,
                      down_tile_n: int | None = None,
                      down_decode_row_chunks: int = 1, down_overlap: bool | None = None,
-                     down_scales_first: bool | None = None, counters=None,
-                     compiler_params=None, stamps: bool = False):
+                     down_scales_first: bool | None = None, down_lag: int | None = None, smem_pad: int = 0,
+                     counters=None, compiler_params=None, stamps: bool = False):
     """`x [T, H]` bf16 (T <= 8), `pair_expert [T * top_k]` int32 (token t's picks from t * top_k on; an expert
     outside [0, E): skip the pair) and `pair_weight [T * top_k]` fp32, its routing weights. Each pair is a block of
     all T rows (shared rows), of which only its token's row is weighted: two pairs of one expert read its weights
@@ -305,7 +328,12 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     `decode_chunks`; the down GEMM's; `down_overlap`: a down program issues every K step's copy at once and decodes a
     step while the one before multiplies (`down_stages` then does not apply; unset: at 1-2 tokens);
     `down_scales_first` (with `down_overlap`): it stages every step's block scales before it waits for its block
-    (unset: at one token). `counters`:
+    (unset: at one token). `down_lag`: the grid's order, a block's down programs after the gate/up programs of the
+    block `down_lag` blocks later (unset: every gate/up program first); `smem_pad`: bytes of shared memory a program
+    takes beyond what it uses, which caps the programs an SM holds. Together they are meant to let the blocks
+    stream one after another, a block's down tail running while later blocks stream (not yet timed: RESULTS.md,
+    session 41).
+    `counters`:
     int32 `[slots]` from `fresh_counters()` or as the call before returned them (other values break the waits: wrong
     sums or a hang); then (output, counters) come back, for the next call. Unset, or with fewer than
     `counter_slots(pairs)` slots (returned untouched), the call zeroes its own (an XLA kernel before this one).
@@ -448,15 +476,15 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
             if stamps:
                 stamp(stamps_gmem[0], p, STAMPS.index(name), value)
 
+        gate_up, b, r = program_role(p, blocks, gu_programs_per_block, down_tiles, down_lag)
         mark("start")
-        mark("kind", (p >= gu_programs).astype(jnp.int32))
+        mark("kind", jnp.logical_not(gate_up).astype(jnp.int32))
         for phase in ("ready", "filled", "multiplied"):  # 0 until the program gets there
             mark(phase, 0)
 
-        @pl.when(p < gu_programs)
+        @pl.when(gate_up)
         def _():
-            b, rest = p // gu_programs_per_block, p % gu_programs_per_block
-            ni, si = rest // splits, rest % splits
+            ni, si = r // splits, r % splits
             expert = pair_expert_gmem[b]
 
             @pl.when((expert >= 0) & (expert < experts))
@@ -471,12 +499,11 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                     with jax.named_scope("gate_up_write"):
                         token_row(acc, sums_gmem, si, b * block_t + b // top_k, ni * gate_up_tile_n, b // top_k)
                 pl.run_scoped(scoped, plgpu.SMEM((gate_up_tile_n * gate_up_tile_k // 16,), jnp.uint32))
-                _add(counters_gmem, 2 * b, _share(rest, gu_programs_per_block), release=True)
+                _add(counters_gmem, 2 * b, _share(r, gu_programs_per_block), release=True)
 
-        @pl.when(p >= gu_programs)
+        @pl.when(jnp.logical_not(gate_up))
         def _():
-            q = p - gu_programs
-            b, ni = q // down_tiles, q % down_tiles
+            ni = r
             expert = pair_expert_gmem[b]
 
             @pl.when((expert >= 0) & (expert < experts))  # (a skipped pair's row is not written: the caller drops it)
@@ -530,6 +557,11 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
         mark("end")
 
     programs = gu_programs + down_programs
+    if smem_pad:  # shared memory that no program reads, allocated around the kernel's own
+        unpadded = kernel
+
+        def kernel(*refs):
+            pl.run_scoped(lambda pad: unpadded(*refs), plgpu.SMEM((smem_pad,), jnp.uint8))
     call = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((blocks, hidden), jnp.float32),

@@ -248,7 +248,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
               down_decode_row_chunks: int | None = None, gate_up_swiglu: bool | None = None,
               staging_buffers: int | None = None, opened_program: dict | None = None, pdl: bool | None = None,
               expert_offset: int | jax.Array | None = None, fused: bool | None = None,
-              counters: jax.Array | None = None, fused_down_overlap: bool | None = None, matmul=nm.grouped_matmul):
+              counters: jax.Array | None = None, fused_settings: dict | None = None, matmul=nm.grouped_matmul):
     """Routed experts for NVFP4 weights: `x [T, H]` bf16, `weights`/`ids [T, top_k]`. `gate_up` holds
     gate rows then up rows. Unset settings come from `default_config`. `block_builder`: "shared"
     (`_shared_blocks`; its blocks have T rows rounded up to 8, whatever `block_t` says), "sort"
@@ -268,8 +268,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     `nvfp4_fused_moe.fused_decode_moe`, with the gate/up settings above that are set (its K splits:
     `gate_up_splits`) and the down GEMM's tile, stages and row chunks; unset, the kernel's own defaults (the
     epilogue, SwiGLU, staging and `pdl` settings are the two GEMMs' and do not apply). Unset, on at 1-7 tokens
-    with shared-row blocks where the kernel takes the shapes (`nfm.fits`). `fused_down_overlap`: the fused kernel's
-    `down_overlap` (unset: its default).
+    with shared-row blocks where the kernel takes the shapes (`nfm.fits`). `fused_settings`: further keyword
+    arguments of `fused_decode_moe` (e.g. `down_overlap`, `down_lag`; unset: its defaults).
     `counters`: the fused kernel's (`nvfp4_fused_moe.fresh_counters()`), passed from call to call (e.g. layer to
     layer), which spares each fused call zeroing its own; then (output, counters) come back, the counters
     untouched where the layer is not the fused kernel.
@@ -286,9 +286,10 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
         # The fused kernel's own defaults where unset (its programs differ from the two GEMMs').
         settings = dict(splits=gate_up_splits, gate_up_stages=gate_up_stages, gate_up_tile_n=gate_up_tile_n,
                         gate_up_decode_chunks=gate_up_decode_chunks, down_stages=down_stages, down_tile_n=down_tile_n,
-                        down_decode_row_chunks=down_decode_row_chunks, down_overlap=fused_down_overlap)
+                        down_decode_row_chunks=down_decode_row_chunks)
         return _fused_layer(x, weights, ids, gate_up, down, expert_offset, matmul, counters,
-                            **{key: value for key, value in settings.items() if value is not None})
+                            **{key: value for key, value in settings.items() if value is not None},
+                            **(fused_settings or {}))
     block_t = config["block_t"] if block_t is None else block_t
     if gate_up_splits is None:  # the default, where it divides gate/up's K steps (else fewer)
         gate_up_splits = math.gcd(config["gate_up_splits"], x.shape[1] // gate_up.tile_k)

@@ -83,7 +83,9 @@ def time_triton_layer(t, repeats=4):
 
 def variant_name(settings: dict) -> str:
     """A Mosaic layer variant's name from its keyword arguments."""
-    return "mosaic[" + (",".join(f"{key}={value}" for key, value in settings.items()) or "default") + "]"
+    def text(value):  # without spaces: a name is one word of the SUMMARY lines
+        return json.dumps(value, separators=(",", ":")) if isinstance(value, dict) else value
+    return "mosaic[" + (",".join(f"{key}={text(value)}" for key, value in settings.items()) or "default") + "]"
 
 
 def layer_weights():

@@ -103,6 +103,65 @@ def test_down_scales_first_lowers_against_its_default(tokens, scales_first):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("blocks,lag", [(1, None), (8, None), (8, 0), (8, 1), (8, 2), (16, 3), (5, 5), (3, 7)])
+def test_program_role_puts_each_down_program_after_its_blocks_gate_up(blocks, lag):
+    """Every (kind, block, index) comes once in the grid, and a block's down programs after all its gate/up programs
+    (the kernel's waits rely on it); with `down_lag` a block's down programs follow the gate/up programs of the block
+    `lag` later."""
+    gate_up_per_block, down_per_block = 50, 7
+    p = jnp.arange(blocks * (gate_up_per_block + down_per_block))
+    gate_up, block, index = map(np.asarray, nfm.program_role(p, blocks, gate_up_per_block, down_per_block, lag))
+    roles = set(zip(gate_up.tolist(), block.tolist(), index.tolist()))
+    assert roles == {(True, b, i) for b in range(blocks) for i in range(gate_up_per_block)} | {
+        (False, b, i) for b in range(blocks) for i in range(down_per_block)}
+    for b in range(blocks):
+        last_gate_up, first_down = p[gate_up & (block == b)].max(), p[~gate_up & (block == b)].min()
+        assert first_down > last_gate_up
+        if lag is not None and b + lag < blocks:  # right after the gate/up programs of block b + lag
+            assert first_down == p[gate_up & (block == b + lag)].max() + 1
+
+
+def _shared_memory_bytes(op, specs) -> list[int]:
+    """The dynamic shared memory of each Mosaic GPU launch in `op`'s CUDA lowering (read from the kernel's module)."""
+    import re
+
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax._src.lib.mlir import ir
+    from jax.experimental.mosaic.gpu import dialect as mgpu_dialect
+
+    modules = []
+
+    def walk(operation):
+        for region in operation.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if inner.operation.name == "stablehlo.custom_call" and "mhlo.backend_config" in inner.attributes:
+                        config = ir.DictAttr(inner.attributes["mhlo.backend_config"])
+                        modules.append(ir.StringAttr(config["module"]).value_bytes)
+                    walk(inner.operation)
+
+    walk(jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo").operation)
+    sizes = []
+    for blob in modules:
+        with jax_mlir.make_ir_context() as context, ir.Location.unknown():
+            mgpu_dialect.register_dialect(context)
+            context.allow_unregistered_dialects = True
+            text = ir.Module.parse(blob).operation.get_asm(enable_debug_info=False)
+        for operands in re.findall(r'gpu.launch"\(([^)]*)\)', text):  # the last operand: dynamic smem bytes
+            sizes.append(int(re.search(re.escape(operands.split(", ")[-1]) + r" = [^\n]*value = (\d+)", text)[1]))
+    return sizes
+
+
+def test_smem_pad_adds_its_bytes_to_each_programs_shared_memory():
+    """`smem_pad` (with `down_lag`, the grid interleaved) lowers, and each program then takes `smem_pad` more bytes
+    of shared memory (which is what caps the programs an SM holds)."""
+    op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64)
+    specs = _specs(256, 5120, 320, 1, 8)
+    (plain,) = _shared_memory_bytes(op, specs)
+    (padded,) = _shared_memory_bytes(functools.partial(op, down_lag=1, smem_pad=16384), specs)
+    assert padded == plain + 16384
+
+
 def test_passed_counters_are_the_kernels_in_place():
     """Counters passed in are the kernel's own buffer (an input aliased to an output: no copy, no zeroing kernel);
     without them, or with too few, the call makes zeroed ones."""
@@ -221,8 +280,11 @@ def test_stamps_come_back_with_the_output(tokens, programs):
 @pytest.mark.parametrize("tokens,settings", [
     (1, {}), (1, dict(gate_up_splits=2, gate_up_tile_n=64, down_tile_n=256, down_decode_row_chunks=4)), (2, {}),
     (3, dict(gate_up_splits=1, down_tile_n=64, down_stages=2)), (5, {}), (7, {}), (8, {}),
-    (8, dict(gate_up_splits=2, down_tile_n=256, down_decode_row_chunks=4)), (1, dict(fused_down_overlap=True)),
-    (5, dict(fused_down_overlap=True, down_tile_n=256, down_decode_row_chunks=4))])
+    (8, dict(gate_up_splits=2, down_tile_n=256, down_decode_row_chunks=4)),
+    (1, dict(fused_settings=dict(down_overlap=True))),
+    (5, dict(fused_settings=dict(down_overlap=True), down_tile_n=256, down_decode_row_chunks=4)),
+    (1, dict(fused_settings=dict(down_lag=1, smem_pad=16384))), (2, dict(fused_settings=dict(down_lag=0))),
+    (5, dict(fused_settings=dict(down_lag=2, smem_pad=40960)))])
 def test_fused_layer_matches_reference_on_gpu(tokens, settings):
     """Beam's TP8 expert shape; the same call twice in one program with other inputs (the semaphores and the
     output start from zero in each call)."""
