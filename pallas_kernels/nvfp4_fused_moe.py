@@ -57,9 +57,9 @@ from pallas_kernels.mgpu_tiles import stamp
 
 _X_ROW_BYTES = 128  # the down GEMM's activation tile rows: tile_k 64 bf16, one 128-byte swizzled row
 # The columns of `fused_decode_moe(stamps=True)`: a program's `%globaltimer_lo` (ns) at its start and its end, its
-# kind (0 gate/up, 1 down), and when it got past its phases: a down program past its block's wait ("ready") and
-# with its activations filled ("filled"), any program with its K loop done ("multiplied"); 0 where it did not get
-# there (a real stamp is 0 once in 2^32 ns).
+# kind (0 gate/up, 1 down), and when it got past its phases: a down program past its block's wait ("ready"; with
+# `down_step_waits` its last step's) and with its activations filled ("filled"), any program with its K loop done
+# ("multiplied"); 0 where it did not get there (a real stamp is 0 once in 2^32 ns).
 STAMPS = ("start", "end", "kind", "ready", "filled", "multiplied")
 
 
@@ -84,15 +84,25 @@ def _async_proxy_fence():
 # counter is EPOCH past that. (Taking a ticket back to zero instead made the kernel 0.5-1.2 us slower: H200,
 # session 34 run 1.)
 EPOCH = 1 << 16  # a power of two, so that the counters' wrap-around keeps whole epochs
-# Block b's gate/up programs signal on slot 2 b, its down programs pass on slot 2 b + 1.
+# Block b's gate/up programs signal on slot 2 b, its down programs pass on slot 2 b + 1. With `down_step_waits`, in
+# slots of their own after those of MAX_BLOCKS blocks (so that calls with and without it can share counters): the
+# gate/up programs of block b's down K step kk signal on `_step_slot(b, kk)`, its down programs pass on
+# `_step_slot(b, steps)`.
+MAX_BLOCKS = 8 * 8  # the kernel's largest call: 8 tokens, top-8
+MAX_STEP_WAITS = 8  # down K steps that `down_step_waits` counts apart, at most (intermediate 512)
 
 
-def counter_slots(blocks: int) -> int:
-    """Slots of the counters for `blocks` pairs."""
-    return 2 * blocks
+def counter_slots(blocks: int, steps: int | None = None) -> int:
+    """Slots of the counters for `blocks` pairs (with `down_step_waits`: and `steps` down K steps)."""
+    return 2 * blocks if steps is None else 2 * MAX_BLOCKS + blocks * (steps + 1)
 
 
-COUNTER_SLOTS = counter_slots(8 * 8)  # enough for the kernel's largest call: 8 tokens, top-8
+def _step_slot(block, step, steps: int):
+    """Slot of block `block`'s down K step `step` (`down_step_waits`; `step` = `steps`: its waiters' slot)."""
+    return 2 * MAX_BLOCKS + block * (steps + 1) + step
+
+
+COUNTER_SLOTS = counter_slots(MAX_BLOCKS, MAX_STEP_WAITS)  # enough for every call
 
 
 def fresh_counters(slots: int = COUNTER_SLOTS) -> jax.Array:
@@ -132,14 +142,14 @@ def _add(counters, slot, amount, *, release: bool) -> None:
     add(counters, jnp.asarray(slot, jnp.int32), amount)
 
 
-def _wait_epoch(counters, slot) -> None:
+def _wait_epoch(counters, slot, waiters=None) -> None:
     """Waits until a signals' counter (`slot`) is EPOCH past this call's start, acquiring what its signals released.
-    The start is the waiters' counter (slot + 1) rounded down to a multiple of EPOCH, read before this program adds
-    to it, here by the waiting thread just before the wait (read by every thread instead: equal within 0.1 us at 1-2
-    tokens, H200 session 35 run 8; both faster than a read at the program's start, session 34 run 8); unsigned
-    differences, so a counter that wrapped still counts."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT))
-    def wait(ctx, counters, slot):
+    The start is the waiters' counter (`waiters`, unset: slot + 1) rounded down to a multiple of EPOCH, read before
+    this program adds to it, here by the waiting thread just before the wait (read by every thread instead: equal
+    within 0.1 us at 1-2 tokens, H200 session 35 run 8; both faster than a read at the program's start, session 34
+    run 8); unsigned differences, so a counter that wrapped still counts."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT, _SPLAT))
+    def wait(ctx, counters, slot, waiters):
         del ctx
         from jax._src.lib.mlir import ir
         from jax._src.lib.mlir.dialects import arith, scf
@@ -149,7 +159,7 @@ def _wait_epoch(counters, slot) -> None:
         load = lambda address: utils.inline_ptx(  # noqa: E731
             "ld.relaxed.gpu.global.b32 $0, [$1];", address, result_types=i32, has_side_effects=True)
         with utils.single_thread(scope=utils.ThreadSubset.WARPGROUP):
-            base = arith.andi(load(utils.getelementptr(ptr, [1], i32)), utils.c(-EPOCH, i32))
+            base = arith.andi(load(_slot(counters, waiters)), utils.c(-EPOCH, i32))
             loop = scf.WhileOp([], [])
             with ir.InsertionPoint(loop.before.blocks.append()):
                 scf.condition(arith.cmpi(arith.CmpIPredicate.ult, arith.subi(load(ptr), base), utils.c(EPOCH, i32)), [])
@@ -158,16 +168,17 @@ def _wait_epoch(counters, slot) -> None:
             utils.inline_ptx("fence.acquire.gpu;", has_side_effects=True)
         utils.warpgroup_barrier()
 
-    wait(counters, jnp.asarray(slot, jnp.int32))
+    wait(counters, jnp.asarray(slot, jnp.int32), jnp.asarray(slot + 1 if waiters is None else waiters, jnp.int32))
 
 
-def _swiglu_activations(splits: int, block_t: int, intermediate: int):
+def _swiglu_activations(splits: int, block_t: int, intermediate: int, first: int = 0, count: int | None = None):
     """inline_mgpu body: the block's gate/up partial sums (gmem `[splits, rows, 2 I]` fp32, the block's rows from
     `row0`) -> the down GEMM's activation tiles (smem `[I / 64, block_t, 64]` bf16, 128-byte swizzle): for the
     pair's `token` row, gate and up summed over the splits, times OUTPUT_FACTOR and their global scales, rounded
-    to bf16, and SwiGLU rounded to bf16 (as `moe_nvfp4`'s XLA pass). The other rows keep what shared memory held:
-    a row is a column of the down GEMM's output that no other column reads, and only the token's is stored
-    (without their zeroing: 14.1-14.2 / 31.3 us at 1 / 4 tokens against 14.7 / 33.3, H200 session 40)."""
+    to bf16, and SwiGLU rounded to bf16 (as `moe_nvfp4`'s XLA pass): its `count` columns from `first` (unset:
+    all). The other rows keep what shared memory held: a row is a column of the down GEMM's output that no other
+    column reads, and only the token's is stored (without their zeroing: 14.1-14.2 / 31.3 us at 1 / 4 tokens
+    against 14.7 / 33.3, H200 session 40)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref
     from jax.experimental.mosaic.gpu import utils
@@ -208,7 +219,9 @@ def _swiglu_activations(splits: int, block_t: int, intermediate: int):
         # A thread's loads for all its columns (2-3 of them, gate and up of each K split) first: one round trip to L2,
         # none waiting behind the last column's guard (no change measured: 14.1-14.2 us at one token against 14.2,
         # H200 session 40).
-        nm.for_each_index(intermediate, one, load=partial_sums)
+        column = lambda j: arith.addi(j, utils.c(first, index))  # noqa: E731
+        nm.for_each_index(intermediate - first if count is None else count, lambda j, sums: one(column(j), sums),
+                          load=lambda j: partial_sums(column(j)))
 
     return body
 
@@ -317,7 +330,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                      down_tile_n: int | None = None,
                      down_decode_row_chunks: int = 1, down_overlap: bool | None = None,
                      down_scales_first: bool | None = None, down_lag: int | None = None, smem_pad: int = 0,
-                     counters=None, compiler_params=None, stamps: bool = False):
+                     down_step_waits: bool = False, counters=None, compiler_params=None, stamps: bool = False):
     """`x [T, H]` bf16 (T <= 8), `pair_expert [T * top_k]` int32 (token t's picks from t * top_k on; an expert
     outside [0, E): skip the pair) and `pair_weight [T * top_k]` fp32, its routing weights. Each pair is a block of
     all T rows (shared rows), of which only its token's row is weighted: two pairs of one expert read its weights
@@ -332,11 +345,14 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     block `down_lag` blocks later (unset: every gate/up program first); `smem_pad`: bytes of shared memory a program
     takes beyond what it uses, which caps the programs an SM holds. Together they are meant to let the blocks
     stream one after another, a block's down tail running while later blocks stream (not yet timed: RESULTS.md,
-    session 41).
+    session 41). `down_step_waits` (with `down_overlap`, 64-row gate/up tiles): a down program waits for each K
+    step's gate/up programs (gate tile kk and up tile steps + kk, their K splits) apart, and fills and multiplies
+    that step while later ones run, not for its whole block before its first step (untimed, session 41).
     `counters`:
     int32 `[slots]` from `fresh_counters()` or as the call before returned them (other values break the waits: wrong
     sums or a hang); then (output, counters) come back, for the next call. Unset, or with fewer than
-    `counter_slots(pairs)` slots (returned untouched), the call zeroes its own (an XLA kernel before this one).
+    `counter_slots(pairs)` slots (with `down_step_waits`: `counter_slots(pairs, I / 64)`; returned untouched), the
+    call zeroes its own (an XLA kernel before this one).
     `compiler_params`: `plgpu.CompilerParams` for the kernel (e.g. Mosaic GPU's profiler, which records the named
     scopes of each program: benchmarks/moe/fused_timeline.py).
     `stamps` (a diagnostic): the kernel also writes int32 `[programs, len(STAMPS)]` (each program's `%globaltimer_lo`
@@ -384,7 +400,12 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     gu_programs_per_block = gu_rows // gate_up_tile_n * splits
     down_tiles = hidden // down_tile_n
     gu_programs, down_programs = blocks * gu_programs_per_block, blocks * down_tiles
-    slots = counter_slots(blocks)
+    if down_step_waits and not (down_overlap and gate_up_tile_n == down_tile_k
+                                and down_k_steps <= MAX_STEP_WAITS and blocks <= MAX_BLOCKS):
+        raise ValueError(f"down_step_waits needs down_overlap, gate_up_tile_n == down_tile_k ({gate_up_tile_n} and "
+                         f"{down_tile_k}), at most {MAX_STEP_WAITS} down K steps ({down_k_steps}) and "
+                         f"{MAX_BLOCKS} pairs ({blocks})")
+    slots = counter_slots(blocks, down_k_steps if down_step_waits else None)
     if counters is not None and (counters.dtype != jnp.int32 or counters.ndim != 1):
         raise ValueError(f"counters must be int32 [slots] (`fresh_counters()` or a call's), got "
                          f"{counters.dtype}{list(counters.shape)}")
@@ -401,9 +422,11 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     if down_line_box:
         down_packed = down_packed.reshape(*down_packed.shape[:2], -1, nm._LINE)
     x_transforms = down_in_specs(0, 0, 0, 0)[-1].transforms  # the down GEMM's activation tiles (swizzled)
-    fill = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(transforms=x_transforms),
-                                        *[plgpu.Layout.WG_SPLAT(())] * 4))(
-        _swiglu_activations(splits, block_t, intermediate))
+    fill_types = (plgpu.RefType(), plgpu.RefType(transforms=x_transforms), *[plgpu.Layout.WG_SPLAT(())] * 4)
+    fill = plgpu.inline_mgpu(arg_types=fill_types)(_swiglu_activations(splits, block_t, intermediate))
+    fill_step = [plgpu.inline_mgpu(arg_types=fill_types)(
+        _swiglu_activations(splits, block_t, intermediate, kk * down_tile_k, down_tile_k))
+        for kk in range(down_k_steps if down_step_waits else 0)]
     token_row = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), *[plgpu.Layout.WG_SPLAT(())] * 4))(
         _store_token_row(gate_up_tile_n))
     weighted_store = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(),
@@ -454,8 +477,11 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
             if down_scales_first:  # every step's scales staged before the block's wait, off the tail after it
                 for kk in range(down_k_steps):
                     stage_scales(kk)
-            fill_activations(x_buf)
+            if not down_step_waits:
+                fill_activations(x_buf)
             for kk in range(down_k_steps):
+                if down_step_waits:
+                    fill_activations(x_buf, kk)
                 if not down_scales_first:
                     stage_scales(kk)
                 nm.multiply_step(acc_ref, down_decodes, weight_bufs[0].at[kk], staged[kk], x_buf.at[kk],
@@ -499,7 +525,11 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                     with jax.named_scope("gate_up_write"):
                         token_row(acc, sums_gmem, si, b * block_t + b // top_k, ni * gate_up_tile_n, b // top_k)
                 pl.run_scoped(scoped, plgpu.SMEM((gate_up_tile_n * gate_up_tile_k // 16,), jnp.uint32))
-                _add(counters_gmem, 2 * b, _share(r, gu_programs_per_block), release=True)
+                if down_step_waits:  # tile ni holds gate or up rows of down step ni % steps; 2 splits programs each
+                    _add(counters_gmem, _step_slot(b, ni % down_k_steps, down_k_steps),
+                         _share(ni // down_k_steps * splits + si, 2 * splits), release=True)
+                else:
+                    _add(counters_gmem, 2 * b, _share(r, gu_programs_per_block), release=True)
 
         @pl.when(jnp.logical_not(gate_up))
         def _():
@@ -516,16 +546,28 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                     plgpu.copy_gmem_to_smem(down_global_gmem.at[expert, pl.ds(ni * down_tile_n, down_tile_n)],
                                             scale_smem, scale_barrier)
 
-                    def fill_activations(x_buf):
+                    def fill_activations(x_buf, step=None):
+                        """The activations once the block's gate/up programs are done (`step`: that down K step's
+                        only, once its programs are)."""
+                        last = step is None or step + 1 == down_k_steps
                         with jax.named_scope("down_wait"):
-                            _wait_epoch(counters_gmem, 2 * b)
-                            _add(counters_gmem, 2 * b + 1, _share(ni, down_tiles), release=False)
+                            if step is None:
+                                _wait_epoch(counters_gmem, 2 * b)
+                                _add(counters_gmem, 2 * b + 1, _share(ni, down_tiles), release=False)
+                            else:  # past its last step's wait, a program counts itself a waiter
+                                waiters = _step_slot(b, down_k_steps, down_k_steps)
+                                _wait_epoch(counters_gmem, _step_slot(b, step, down_k_steps), waiters)
+                                if last:
+                                    _add(counters_gmem, waiters, _share(ni, down_tiles), release=False)
                             _async_proxy_fence()
-                        mark("ready")
+                        if last:
+                            mark("ready")
                         with jax.named_scope("down_swiglu"):
-                            fill(sums_gmem, x_buf, b * block_t, b // top_k, gate_scale, up_scale)
+                            (fill if step is None else fill_step[step])(
+                                sums_gmem, x_buf, b * block_t, b // top_k, gate_scale, up_scale)
                             plgpu.commit_smem()
-                        mark("filled")
+                        if last:
+                            mark("filled")
 
                     body = decode_step(down_stage, down_decodes, down_tile_n, down_tile_k, down_line_box,
                                        down_decode_row_chunks, staged_smem)

@@ -162,6 +162,21 @@ def test_smem_pad_adds_its_bytes_to_each_programs_shared_memory():
     assert padded == plain + 16384
 
 
+@pytest.mark.parametrize("tokens,settings", [(1, {}), (2, dict(down_lag=1)), (4, dict(down_overlap=True))])
+def test_down_step_waits_lower_and_count_in_slots_of_their_own(tokens, settings):
+    """`down_step_waits` lowers; its counters lie past the block waits' slots, so calls with and without it can
+    pass one array on; without the overlapped down loop or with 128-row gate/up tiles it is refused."""
+    op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64, down_step_waits=True, **settings)
+    specs = _specs(256, 5120, 320, tokens, 8 * tokens)
+    text = jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    assert nfm._step_slot(0, 0, 5) == nfm.counter_slots(nfm.MAX_BLOCKS)
+    assert nfm._step_slot(nfm.MAX_BLOCKS - 1, nfm.MAX_STEP_WAITS, nfm.MAX_STEP_WAITS) == nfm.COUNTER_SLOTS - 1
+    for refused in (dict(down_overlap=False), dict(down_overlap=True, gate_up_tile_n=128)):
+        with pytest.raises(ValueError, match="down_step_waits needs"):
+            jax.jit(functools.partial(op, **refused)).trace(*specs)
+
+
 def test_passed_counters_are_the_kernels_in_place():
     """Counters passed in are the kernel's own buffer (an input aliased to an output: no copy, no zeroing kernel);
     without them, or with too few, the call makes zeroed ones."""
@@ -284,7 +299,9 @@ def test_stamps_come_back_with_the_output(tokens, programs):
     (1, dict(fused_settings=dict(down_overlap=True))),
     (5, dict(fused_settings=dict(down_overlap=True), down_tile_n=256, down_decode_row_chunks=4)),
     (1, dict(fused_settings=dict(down_lag=1, smem_pad=16384))), (2, dict(fused_settings=dict(down_lag=0))),
-    (5, dict(fused_settings=dict(down_lag=2, smem_pad=40960)))])
+    (5, dict(fused_settings=dict(down_lag=2, smem_pad=40960))), (1, dict(fused_settings=dict(down_step_waits=True))),
+    (2, dict(fused_settings=dict(down_step_waits=True, down_lag=1, smem_pad=16384))),
+    (4, dict(fused_settings=dict(down_step_waits=True, down_overlap=True)))])
 def test_fused_layer_matches_reference_on_gpu(tokens, settings):
     """Beam's TP8 expert shape; the same call twice in one program with other inputs (the semaphores and the
     output start from zero in each call)."""
@@ -298,30 +315,39 @@ def test_fused_layer_matches_reference_on_gpu(tokens, settings):
 
 @pytest.mark.gpu
 def test_counters_passed_from_call_to_call_on_gpu():
-    """The counters passed on through five calls in one program, as a model's layers pass them: 1, 5, 3 and 2 tokens
-    and 7 with every pair skipped (ids -1: no counter used), from counters one epoch below wrapping around. Each call
-    matches the reference (the skipped one is zero), and each counter comes back grown by EPOCH a call that used it:
-    its signals' and its waiters' alike."""
+    """The counters passed on through seven calls in one program, as a model's layers pass them: 1, 5, 3 and 2 tokens,
+    1 and 2 with each down K step waited for apart (`down_step_waits`: slots of their own), and 7 with every pair
+    skipped (ids -1: no counter used), from counters one epoch below wrapping around. Each call matches the
+    reference (the skipped one is zero), and each counter comes back grown by EPOCH a call that used it: its
+    signals' and its waiters' alike."""
     problem, (gate_up, down) = _layer_problem(700, 7, 5120, 320, 256, 8, tile_k=256)
     x, weights, ids = problem[:3]
-    plan = ((1, False), (5, False), (7, True), (3, False), (2, False))
+    steps = dict(down_step_waits=True)
+    plan = ((1, False, {}), (5, False, {}), (1, False, steps), (7, True, {}), (3, False, {}),
+            (2, False, dict(steps, down_lag=1)), (2, False, {}))
 
     def chain(x, weights, ids, gate_up, down, counters):
         outs = []
-        for tokens, skipped in plan:
+        for tokens, skipped, settings in plan:
             picked = jnp.full_like(ids[:tokens], -1) if skipped else ids[:tokens]
             out, counters = nmm.moe_nvfp4(x[:tokens], weights[:tokens], picked, gate_up, down, fused=True,
-                                          counters=counters)
+                                          counters=counters, fused_settings=settings)
             outs.append(out)
         return outs, counters
 
     start = jnp.full((nfm.COUNTER_SLOTS,), -nfm.EPOCH, jnp.int32)  # 2^32 - EPOCH: the first call wraps around
     outs, counters = jax.jit(chain, donate_argnums=5)(x, weights, ids, gate_up, down, start)
-    blocks = np.arange(nfm.COUNTER_SLOTS // 2)
-    uses = [sum(not skipped and 8 * tokens > b for tokens, skipped in plan) for b in blocks]
-    want = (np.repeat(np.asarray(uses, np.int64) - 1, 2) * nfm.EPOCH) % 2**32  # the start counts one epoch less
+    down_steps = 320 // 64
+    uses = np.zeros(nfm.COUNTER_SLOTS, np.int64)
+    for tokens, skipped, settings in plan:
+        for b in range(0 if skipped else 8 * tokens):
+            if settings.get("down_step_waits"):
+                uses[[nfm._step_slot(b, kk, down_steps) for kk in range(down_steps + 1)]] += 1
+            else:
+                uses[[2 * b, 2 * b + 1]] += 1
+    want = ((uses - 1) * nfm.EPOCH) % 2**32  # the start counts one epoch less
     np.testing.assert_array_equal(np.asarray(counters).view(np.uint32), want.astype(np.uint32))
-    for (tokens, skipped), out in zip(plan, outs):
+    for (tokens, skipped, _), out in zip(plan, outs):
         if skipped:
             np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
         else:
