@@ -47,6 +47,8 @@ that store their token's row from registers (not the whole tile by TMA, waiting 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -169,6 +171,38 @@ def _wait_epoch(counters, slot, waiters=None) -> None:
         utils.warpgroup_barrier()
 
     wait(counters, jnp.asarray(slot, jnp.int32), jnp.asarray(slot + 1 if waiters is None else waiters, jnp.int32))
+
+
+def _steps_done(counters, first_slot, steps: int, waiters, flag_smem):
+    """Whether the signals' counters of `steps` slots from `first_slot` are all EPOCH past this call's start (as
+    `_wait_epoch` reads it from `waiters`), read once by one thread without waiting, acquiring what their signals
+    released; an int32 (1: all done) that every thread of the warpgroup gets, through `flag_smem` (int32 [1])."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT, _SPLAT, plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct((), jnp.int32, layout=_SPLAT))
+    def done(ctx, counters, first_slot, waiters, flag_smem):
+        del ctx
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith, memref
+        from jax.experimental.mosaic.gpu import fragmented_array as fa
+        from jax.experimental.mosaic.gpu import utils
+        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+        load = lambda address: utils.inline_ptx(  # noqa: E731
+            "ld.relaxed.gpu.global.b32 $0, [$1];", address, result_types=i32, has_side_effects=True)
+        first = _slot(counters, first_slot)
+        with utils.single_thread(scope=utils.ThreadSubset.WARPGROUP):
+            base = arith.andi(load(_slot(counters, waiters)), utils.c(-EPOCH, i32))
+            all_done = utils.c(1, i32)
+            for step in range(steps):
+                behind = arith.cmpi(arith.CmpIPredicate.ult, arith.subi(load(utils.getelementptr(first, [step], i32)),
+                                                                        base), utils.c(EPOCH, i32))
+                all_done = arith.select(behind, utils.c(0, i32), all_done)
+            utils.inline_ptx("fence.acquire.gpu;", has_side_effects=True)
+            memref.store(all_done, flag_smem, [utils.c(0, index)])
+        utils.warpgroup_barrier()
+        flag = memref.load(flag_smem, [utils.c(0, index)])
+        return fa.FragmentedArray.splat(flag, (), layout=fa.WGSplatFragLayout(()), is_signed=True)
+
+    return done(counters, jnp.asarray(first_slot, jnp.int32), jnp.asarray(waiters, jnp.int32), flag_smem)
 
 
 def _swiglu_activations(splits: int, block_t: int, intermediate: int, first: int = 0, count: int | None = None):
@@ -457,10 +491,12 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
 
     down_words = down_tile_n * down_tile_k // 16  # a step's staged block scales
 
-    def resident_down_loop(acc_ref, specs, gmem_refs, fill_activations, staged_smem):
+    def resident_down_loop(acc_ref, specs, gmem_refs, fill_activations, staged_smem, steps_done):
         """A down program's K loop with every step's copy issued first: after `fill_activations`, each step's scales
         are staged into a buffer of its own and its decode runs while the step before multiplies (no wait for a
-        step's wgmma before the next step's decode, as a pipeline's step has)."""
+        step's wgmma before the next step's decode, as a pipeline's step has). With `down_step_waits`, where
+        `steps_done()` finds every step's gate/up programs done, one fill of all steps as without it; else each
+        step's fill (and wait) just before its multiply."""
         weight_specs, x_spec = specs[:-1], specs[-1]
         shape = lambda spec: tuple(d for d in spec.block_shape if not nm._squeezed(d))  # noqa: E731
 
@@ -477,11 +513,14 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
             if down_scales_first:  # every step's scales staged before the block's wait, off the tail after it
                 for kk in range(down_k_steps):
                     stage_scales(kk)
-            if not down_step_waits:
+            if down_step_waits:  # (a program that starts late finds them all done: one round trip, not one a step)
+                all_done = steps_done() != 0
+                pl.when(all_done)(lambda: fill_activations(x_buf, done=True))
+            else:
                 fill_activations(x_buf)
             for kk in range(down_k_steps):
                 if down_step_waits:
-                    fill_activations(x_buf, kk)
+                    pl.when(jnp.logical_not(all_done))(functools.partial(fill_activations, x_buf, kk))
                 if not down_scales_first:
                     stage_scales(kk)
                 nm.multiply_step(acc_ref, down_decodes, weight_bufs[0].at[kk], staged[kk], x_buf.at[kk],
@@ -542,21 +581,23 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                 token_weights = [jnp.where(b // top_k == t, weight, 0.0) for t in range(tokens)]
                 gate_scale, up_scale = gu_global_gmem[expert, 0], gu_global_gmem[expert, intermediate]
 
-                def scoped(out_smem, staged_smem, scale_smem, scale_barrier):
+                def scoped(out_smem, staged_smem, scale_smem, scale_barrier, *flag_smem):
                     plgpu.copy_gmem_to_smem(down_global_gmem.at[expert, pl.ds(ni * down_tile_n, down_tile_n)],
                                             scale_smem, scale_barrier)
 
-                    def fill_activations(x_buf, step=None):
-                        """The activations once the block's gate/up programs are done (`step`: that down K step's
-                        only, once its programs are)."""
+                    waiters = _step_slot(b, down_k_steps, down_k_steps)  # (`down_step_waits`)
+
+                    def fill_activations(x_buf, step=None, done=False):
+                        """The activations once the block's gate/up programs are done; with `down_step_waits` a
+                        down K step's (`step`) once its programs are, or (`done`) every step's, found done."""
                         last = step is None or step + 1 == down_k_steps
                         with jax.named_scope("down_wait"):
-                            if step is None:
+                            if not down_step_waits:
                                 _wait_epoch(counters_gmem, 2 * b)
                                 _add(counters_gmem, 2 * b + 1, _share(ni, down_tiles), release=False)
-                            else:  # past its last step's wait, a program counts itself a waiter
-                                waiters = _step_slot(b, down_k_steps, down_k_steps)
-                                _wait_epoch(counters_gmem, _step_slot(b, step, down_k_steps), waiters)
+                            else:  # past its last wait, a program counts itself a waiter
+                                if not done:
+                                    _wait_epoch(counters_gmem, _step_slot(b, step, down_k_steps), waiters)
                                 if last:
                                     _add(counters_gmem, waiters, _share(ni, down_tiles), release=False)
                             _async_proxy_fence()
@@ -575,8 +616,11 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                     with jax.named_scope("down_k_loop"):
                         if down_overlap:
                             def resident(acc_ref):
+                                steps_done = down_step_waits and functools.partial(
+                                    _steps_done, counters_gmem, _step_slot(b, 0, down_k_steps), down_k_steps,
+                                    waiters, *flag_smem)
                                 resident_down_loop(acc_ref, specs, (down_packed_gmem, down_scales_gmem, x_gmem),
-                                                   fill_activations, staged_smem)
+                                                   fill_activations, staged_smem, steps_done)
                                 return acc_ref[...]
                             acc = pl.run_scoped(resident, plgpu.ACC((down_tile_n, block_t)))
                         else:
@@ -594,7 +638,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
 
                 pl.run_scoped(scoped, plgpu.SMEM((block_t, down_tile_n), jnp.float32),
                               plgpu.SMEM(((down_k_steps if down_overlap else 1) * down_words,), jnp.uint32),
-                              plgpu.SMEM((down_tile_n,), jnp.float32), plgpu.Barrier())
+                              plgpu.SMEM((down_tile_n,), jnp.float32), plgpu.Barrier(),
+                              *[plgpu.SMEM((1,), jnp.int32)] * down_step_waits)  # (`_steps_done`' flag)
 
         mark("end")
 
