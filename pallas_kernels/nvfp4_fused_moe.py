@@ -144,27 +144,38 @@ def _add(counters, slot, amount, *, release: bool) -> None:
     add(counters, jnp.asarray(slot, jnp.int32), amount)
 
 
+def _epoch_reader(counters, waiters):
+    """In an inline_mgpu body, for the thread that reads the counters: `behind(slot pointer)`, whether a signals'
+    counter is short of EPOCH past this call's start (an i1), the start being the waiters' counter (`waiters`, a
+    WG_SPLAT slot) rounded down to a multiple of EPOCH; relaxed gpu-scope loads (no L1), unsigned differences (so a
+    counter that wrapped still counts)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith
+    from jax.experimental.mosaic.gpu import utils
+    i32 = ir.IntegerType.get_signless(32)
+    load = lambda address: utils.inline_ptx(  # noqa: E731
+        "ld.relaxed.gpu.global.b32 $0, [$1];", address, result_types=i32, has_side_effects=True)
+    base = arith.andi(load(_slot(counters, waiters)), utils.c(-EPOCH, i32))
+    return lambda ptr: arith.cmpi(arith.CmpIPredicate.ult, arith.subi(load(ptr), base), utils.c(EPOCH, i32))
+
+
 def _wait_epoch(counters, slot, waiters=None) -> None:
     """Waits until a signals' counter (`slot`) is EPOCH past this call's start, acquiring what its signals released.
     The start is the waiters' counter (`waiters`, unset: slot + 1) rounded down to a multiple of EPOCH, read before
     this program adds to it, here by the waiting thread just before the wait (read by every thread instead: equal
     within 0.1 us at 1-2 tokens, H200 session 35 run 8; both faster than a read at the program's start, session 34
-    run 8); unsigned differences, so a counter that wrapped still counts."""
+    run 8) (`_epoch_reader`)."""
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT, _SPLAT))
     def wait(ctx, counters, slot, waiters):
         del ctx
         from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import arith, scf
+        from jax._src.lib.mlir.dialects import scf
         from jax.experimental.mosaic.gpu import utils
-        i32 = ir.IntegerType.get_signless(32)
-        ptr = _slot(counters, slot)
-        load = lambda address: utils.inline_ptx(  # noqa: E731
-            "ld.relaxed.gpu.global.b32 $0, [$1];", address, result_types=i32, has_side_effects=True)
         with utils.single_thread(scope=utils.ThreadSubset.WARPGROUP):
-            base = arith.andi(load(_slot(counters, waiters)), utils.c(-EPOCH, i32))
+            behind = _epoch_reader(counters, waiters)
             loop = scf.WhileOp([], [])
             with ir.InsertionPoint(loop.before.blocks.append()):
-                scf.condition(arith.cmpi(arith.CmpIPredicate.ult, arith.subi(load(ptr), base), utils.c(EPOCH, i32)), [])
+                scf.condition(behind(_slot(counters, slot)), [])
             with ir.InsertionPoint(loop.after.blocks.append()):
                 scf.yield_([])
             utils.inline_ptx("fence.acquire.gpu;", has_side_effects=True)
@@ -175,8 +186,8 @@ def _wait_epoch(counters, slot, waiters=None) -> None:
 
 def _steps_done(counters, first_slot, steps: int, waiters, flag_smem):
     """Whether the signals' counters of `steps` slots from `first_slot` are all EPOCH past this call's start (as
-    `_wait_epoch` reads it from `waiters`), read once by one thread without waiting, acquiring what their signals
-    released; an int32 (1: all done) that every thread of the warpgroup gets, through `flag_smem` (int32 [1])."""
+    `_wait_epoch`), read once by one thread without waiting, acquiring what their signals released; an int32 (1:
+    all done) that every thread of the warpgroup gets, through `flag_smem` (int32 [1])."""
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT, _SPLAT, plgpu.RefType()),
                        return_type=plgpu.ShapeDtypeStruct((), jnp.int32, layout=_SPLAT))
     def done(ctx, counters, first_slot, waiters, flag_smem):
@@ -186,16 +197,12 @@ def _steps_done(counters, first_slot, steps: int, waiters, flag_smem):
         from jax.experimental.mosaic.gpu import fragmented_array as fa
         from jax.experimental.mosaic.gpu import utils
         i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-        load = lambda address: utils.inline_ptx(  # noqa: E731
-            "ld.relaxed.gpu.global.b32 $0, [$1];", address, result_types=i32, has_side_effects=True)
         first = _slot(counters, first_slot)
         with utils.single_thread(scope=utils.ThreadSubset.WARPGROUP):
-            base = arith.andi(load(_slot(counters, waiters)), utils.c(-EPOCH, i32))
+            behind = _epoch_reader(counters, waiters)
             all_done = utils.c(1, i32)
             for step in range(steps):
-                behind = arith.cmpi(arith.CmpIPredicate.ult, arith.subi(load(utils.getelementptr(first, [step], i32)),
-                                                                        base), utils.c(EPOCH, i32))
-                all_done = arith.select(behind, utils.c(0, i32), all_done)
+                all_done = arith.select(behind(utils.getelementptr(first, [step], i32)), utils.c(0, i32), all_done)
             utils.inline_ptx("fence.acquire.gpu;", has_side_effects=True)
             memref.store(all_done, flag_smem, [utils.c(0, index)])
         utils.warpgroup_barrier()
