@@ -441,6 +441,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     gu_programs_per_block = gu_rows // gate_up_tile_n * splits
     down_tiles = hidden // down_tile_n
     gu_programs, down_programs = blocks * gu_programs_per_block, blocks * down_tiles
+    if smem_pad < 0 or smem_pad % 1024:  # (whole 1024-byte units keep the kernel's swizzled tiles aligned)
+        raise ValueError(f"smem_pad={smem_pad} must be a non-negative multiple of 1024 bytes")
     if down_step_waits and not (down_overlap and gate_up_tile_n == down_tile_k
                                 and down_k_steps <= MAX_STEP_WAITS and blocks <= MAX_BLOCKS):
         raise ValueError(f"down_step_waits needs down_overlap, gate_up_tile_n == down_tile_k ({gate_up_tile_n} and "

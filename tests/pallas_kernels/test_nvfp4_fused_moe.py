@@ -160,6 +160,8 @@ def test_smem_pad_adds_its_bytes_to_each_programs_shared_memory():
     (plain,) = _shared_memory_bytes(op, specs)
     (padded,) = _shared_memory_bytes(functools.partial(op, down_lag=1, smem_pad=16384), specs)
     assert padded == plain + 16384
+    with pytest.raises(ValueError, match="smem_pad=1000"):
+        jax.jit(functools.partial(op, smem_pad=1000)).trace(*specs)
 
 
 @pytest.mark.parametrize("tokens,settings", [(1, {}), (2, dict(down_lag=1)), (4, dict(down_overlap=True))])
