@@ -48,6 +48,7 @@ that store their token's row from registers (not the whole tile by TMA, waiting 
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -685,8 +686,12 @@ def fused_decode_moe_emulated(x, pair_expert, pair_weight, gate_up_packed, gate_
                               counters=None, **settings):
     """`fused_decode_moe`'s contract in plain jnp, from the kernel layouts (for CPU tests of the code that calls
     it): both GEMMs by `nm.grouped_matmul_emulated`, then the weighted sum with the kernel's rounding in `x`'s
-    dtype; `counters` come back as they came."""
-    del settings
+    dtype; `counters` come back as they came. `settings` (the kernel's program shapes) do not change the result,
+    but each must be one that `fused_decode_moe` takes."""
+    known = inspect.signature(fused_decode_moe).parameters
+    unknown = sorted(key for key in settings if key not in known or known[key].kind != inspect.Parameter.KEYWORD_ONLY)
+    if unknown:
+        raise TypeError(f"fused_decode_moe takes no settings {unknown}")
     tokens = x.shape[0]
     block_t, blocks, experts = 8, pair_expert.shape[0], gate_up_packed.shape[0]
     computed = (pair_expert >= 0) & (pair_expert < experts)

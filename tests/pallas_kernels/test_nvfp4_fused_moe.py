@@ -26,6 +26,17 @@ def test_fused_glue_matches_reference_with_emulated_kernel(tokens, experts, top_
     _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
 
 
+def test_fused_settings_reach_the_emulated_kernel_and_unknown_ones_are_refused():
+    """`moe_nvfp4(fused_settings=)` passes the kernel's own settings: the emulation takes the kernel's (same result)
+    and names any that the kernel does not take, as the kernel's call would fail on a GPU."""
+    problem, (gate_up, down) = _layer_problem(3, 3, 256, 64, 16, 4, tile_k=128)
+    layer = functools.partial(nmm.moe_nvfp4, fused=True, matmul=nm.grouped_matmul_emulated)
+    _assert_layer_close(problem, layer(*problem[:3], gate_up, down,
+                                       fused_settings=dict(down_lag=1, smem_pad=16384, down_step_waits=True)))
+    with pytest.raises(TypeError, match=r"no settings \['down_lagg', 'tiles'\]"):
+        layer(*problem[:3], gate_up, down, fused_settings=dict(down_lagg=1, tiles=2))
+
+
 def test_fused_glue_skips_other_devices_and_padding_pairs():
     """Expert parallelism (`expert_offset`: the other half's pairs count zero) and padding tokens (id -1)."""
     from tests.pallas_kernels.test_moe_gemm import share_of_experts
