@@ -62,8 +62,8 @@ _X_ROW_BYTES = 128  # the down GEMM's activation tile rows: tile_k 64 bf16, one 
 # The columns of `fused_decode_moe(stamps=True)`: a program's `%globaltimer_lo` (ns) at its start and its end, its
 # kind (0 gate/up, 1 down), and when it got past its phases: a down program past its block's wait ("ready"; with
 # `down_step_waits` its last step's) and with its activations filled ("filled"), any program with its K loop done
-# ("multiplied"); 0 where it did not get there (a real stamp is 0 once in 2^32 ns).
-STAMPS = ("start", "end", "kind", "ready", "filled", "multiplied")
+# ("multiplied"); 0 where it did not get there (a real stamp is 0 once in 2^32 ns); and its block (pair).
+STAMPS = ("start", "end", "kind", "ready", "filled", "multiplied", "block")
 
 
 def _async_proxy_fence():
@@ -554,6 +554,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
         gate_up, b, r = program_role(p, blocks, gu_programs_per_block, down_tiles, down_lag)
         mark("start")
         mark("kind", jnp.logical_not(gate_up).astype(jnp.int32))
+        mark("block", b)
         for phase in ("ready", "filled", "multiplied"):  # 0 until the program gets there
             mark(phase, 0)
 

@@ -15,7 +15,7 @@ runs ~2 us longer, and its programs' starts mislead: at one token its trace had 
 `--stamps` runs the kernel unprofiled instead (`fused_decode_moe(stamps=True)`: each program's `%globaltimer` at its
 start and end and past its phases, the counters passed from call to call) and prints, per kind of program, where
 starts and ends fall and how long its phases take (`PHASES`: a down program's wait for its block, SwiGLU fill, K loop
-and write; since session 37).
+and write; since session 37), and per block when its last gate/up and last down program ended (since session 41).
 """
 
 from __future__ import annotations
@@ -86,10 +86,10 @@ PHASES = {"gate_up": (("k_loop", "start", "multiplied"), ("write", "multiplied",
 
 
 def stamp_summary(stamps) -> dict:
-    """One call's stamps `[programs, len(nfm.STAMPS)]` (`%globaltimer_lo`, ns modulo 2^32; the kind; 0: a phase the
-    program did not reach) -> the kernel's length and, per kind, percentiles 0 / 10 / 50 / 90 / 100 over its programs
-    of its stamps (µs from the first start) and of its phases' lengths (µs; over the programs that reached both
-    ends)."""
+    """One call's stamps `[programs, len(nfm.STAMPS)]` (`%globaltimer_lo`, ns modulo 2^32; the kind and the block;
+    0: a phase the program did not reach) -> the kernel's length; per kind, percentiles 0 / 10 / 50 / 90 / 100 over
+    its programs of its stamps (µs from the first start) and of its phases' lengths (µs; over the programs that
+    reached both ends); per block, when its last gate/up program and its last down program ended."""
     stamps = np.asarray(stamps).astype(np.int64)
     column = {name: i for i, name in enumerate(nfm.STAMPS)}
     reached = stamps != 0
@@ -106,6 +106,15 @@ def stamp_summary(stamps) -> dict:
             both = mine & reached[:, column[first]] & reached[:, column[last]]
             if both.any():
                 summary[name][phase] = percentiles(times[both, column[last]] - times[both, column[first]])
+    # Per block (pair), in block order: when its last gate/up program ended (the block ready) and its last down
+    # program ended: whether blocks finish one after another (`down_lag`) or all together.
+    kinds, blocks = stamps[:, column["kind"]], stamps[:, column["block"]]
+    def last_end(kind, block):
+        ended = (kinds == kind) & (blocks == block) & reached[:, column["end"]]
+        return round(float(times[ended, column["end"]].max()), 2) if ended.any() else None
+
+    ids = np.unique(blocks)
+    summary["blocks"] = dict(ready=[last_end(0, b) for b in ids], done=[last_end(1, b) for b in ids])
     return summary
 
 
