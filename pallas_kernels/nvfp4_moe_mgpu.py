@@ -280,6 +280,9 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     if fused is None:  # the default where nothing asks for the two GEMMs' blocks
         fused = (config["fused"] and block_builder == "shared"
                  and nfm.fits(x.shape[1], down.tile_k, tokens))
+    if fused_settings and not fused:
+        raise ValueError(f"fused_settings {sorted(fused_settings)} are the one-launch kernel's, which this layer of "
+                         f"{tokens} tokens does not run (fused=False)")
     if fused:
         if block_builder != "shared":
             raise ValueError(f"fused needs shared-row blocks (block_builder='shared'), got {block_builder!r}")

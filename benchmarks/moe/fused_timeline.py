@@ -109,6 +109,7 @@ def stamp_summary(stamps) -> dict:
     # Per block (pair), in block order: when its last gate/up program ended (the block ready) and its last down
     # program ended: whether blocks finish one after another (`down_lag`) or all together.
     kinds, blocks = stamps[:, column["kind"]], stamps[:, column["block"]]
+
     def last_end(kind, block):
         ended = (kinds == kind) & (blocks == block) & reached[:, column["end"]]
         return round(float(times[ended, column["end"]].max()), 2) if ended.any() else None

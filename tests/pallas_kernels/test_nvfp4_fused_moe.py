@@ -35,6 +35,8 @@ def test_fused_settings_reach_the_emulated_kernel_and_unknown_ones_are_refused()
                                        fused_settings=dict(down_lag=1, smem_pad=16384, down_step_waits=True)))
     with pytest.raises(TypeError, match=r"no settings \['down_lagg', 'tiles'\]"):
         layer(*problem[:3], gate_up, down, fused_settings=dict(down_lagg=1, tiles=2))
+    with pytest.raises(ValueError, match=r"fused_settings \['down_lag'\] are the one-launch kernel's"):
+        layer(*problem[:3], gate_up, down, fused=False, fused_settings=dict(down_lag=1))
 
 
 def test_fused_glue_skips_other_devices_and_padding_pairs():
