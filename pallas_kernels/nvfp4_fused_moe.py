@@ -627,9 +627,9 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                     with jax.named_scope("down_k_loop"):
                         if down_overlap:
                             def resident(acc_ref):
-                                steps_done = down_step_waits and functools.partial(
+                                steps_done = functools.partial(
                                     _steps_done, counters_gmem, _step_slot(b, 0, down_k_steps), down_k_steps,
-                                    waiters, *flag_smem)
+                                    waiters, *flag_smem) if down_step_waits else None
                                 resident_down_loop(acc_ref, specs, (down_packed_gmem, down_scales_gmem, x_gmem),
                                                    fill_activations, staged_smem, steps_done)
                                 return acc_ref[...]

@@ -96,13 +96,18 @@ def _specs(experts, hidden, intermediate, tokens, pairs, gate_up_tile_k=256, dow
             spec((experts, hidden), jnp.float32))
 
 
+def _cuda_lowering(op, specs) -> str:
+    """`op` on these shapes lowered for CUDA (on the CPU), as text."""
+    return jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.parametrize("tokens,splits,down_tile_n,row_chunks", [(1, 4, 64, 1), (3, None, 128, 1), (2, 2, 256, 4),
                                                                 (5, None, 128, 1)])
 def test_lowers_for_cuda(tokens, splits, down_tile_n, row_chunks):
     """Beam's TP8 expert shape (256 experts, hidden 5120, intermediate 320) lowers to Mosaic GPU on the CPU."""
     op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64, splits=splits,
                            down_tile_n=down_tile_n, down_decode_row_chunks=row_chunks)
-    text = jax.jit(op).trace(*_specs(256, 5120, 320, tokens, 8 * tokens)).lower(lowering_platforms=("cuda",)).as_text()
+    text = _cuda_lowering(op, _specs(256, 5120, 320, tokens, 8 * tokens))
     assert "mosaic_gpu" in text
 
 
@@ -112,7 +117,7 @@ def test_down_scales_first_lowers_against_its_default(tokens, scales_first):
     default is the other (on at one token)."""
     op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64, down_overlap=True,
                            down_scales_first=scales_first)
-    text = jax.jit(op).trace(*_specs(256, 5120, 320, tokens, 8 * tokens)).lower(lowering_platforms=("cuda",)).as_text()
+    text = _cuda_lowering(op, _specs(256, 5120, 320, tokens, 8 * tokens))
     assert "mosaic_gpu" in text
 
 
@@ -183,7 +188,7 @@ def test_down_step_waits_lower_and_count_in_slots_of_their_own(tokens, settings)
     pass one array on; without the overlapped down loop or with 128-row gate/up tiles it is refused."""
     op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64, down_step_waits=True, **settings)
     specs = _specs(256, 5120, 320, tokens, 8 * tokens)
-    text = jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    text = _cuda_lowering(op, specs)
     assert "mosaic_gpu" in text
     assert nfm._step_slot(0, 0, 5) == nfm.counter_slots(nfm.MAX_BLOCKS)
     assert nfm._step_slot(nfm.MAX_BLOCKS - 1, nfm.MAX_STEP_WAITS, nfm.MAX_STEP_WAITS) == nfm.COUNTER_SLOTS - 1
@@ -213,7 +218,7 @@ def test_passed_counters_are_the_kernels_in_place():
     passed = lowered(nfm.COUNTER_SLOTS)
     assert kernel_takes_the_passed_counters(passed) and not zeroes_counters(passed)
     assert f"tensor<{nfm.COUNTER_SLOTS}xi32> {{tf.aliasing_output = 1 : i32}}" in passed
-    assert zeroes_counters(jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text())
+    assert zeroes_counters(_cuda_lowering(op, specs))
     # Too few slots for the call's 16 pairs: it zeroes its own, and the ones passed come back untouched.
     short = lowered(nfm.counter_slots(16) - 1)
     assert not kernel_takes_the_passed_counters(short) and zeroes_counters(short)
@@ -307,7 +312,7 @@ def test_stamps_come_back_with_the_output(tokens, programs):
     (out, counters), stamps = jax.eval_shape(lambda *a: op(*a, counters=nfm.fresh_counters()), *specs)
     assert out.shape == (8, 5120) and counters.shape == (nfm.COUNTER_SLOTS,)
     assert stamps.shape == (programs, len(nfm.STAMPS)) and stamps.dtype == jnp.int32
-    assert "mosaic_gpu" in jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in _cuda_lowering(op, specs)
 
 
 @pytest.mark.gpu
