@@ -29,13 +29,16 @@ the block's values zero or flips their signs instead (`canonical_blocks`), which
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.moe_gemm import _E2M1_VALUES, _swiglu
+from pallas_kernels.moe_gemm import _swiglu
 
 # bf16 bit positions of an E2M1 code's bits (m, e0, e1, sign) in the low half of a register.
 _CODE_BIT_POSITIONS = (6, 7, 8, 15)
@@ -171,6 +174,66 @@ def decode_pair_bits(words, pair: int) -> jax.Array:
     else:
         moved = (words & _REST_MASK) * jnp.uint32(_REST_MULTIPLIER)
     return moved & jnp.uint32(_PAIR_MASK)
+
+
+def decode_values(packed, words) -> jax.Array:
+    """Kernel-layout bytes `[..., N, K/2]` and their scale words `[..., N, K/64]` -> fp32 weights `[..., N, K]`
+    (E2M1 value times block scale), decoded from the words as the PTX decodes them (which gives them times
+    2^-7: OUTPUT_FACTOR). No array constants, so that kernels in interpret mode can use it."""
+    *lead, n, half_k = packed.shape
+    k = 2 * half_k
+    words_by_thread = jax.lax.bitcast_convert_type(jnp.asarray(packed).reshape(*lead, n, k // 32, 4, 4), jnp.uint32)
+    pairs = []
+    for pair in range(4):
+        bits = decode_pair_bits(words_by_thread, pair)
+        halves = []
+        for half in range(2):
+            # The bf16 pattern is value * 2^-126, subnormal in fp32 too (XLA's CPU flushes those): read
+            # the code back from its bits (magnitude 6-8, sign 15) instead of converting.
+            pattern = (bits >> (16 * half)) & 0xFFFF
+            exponent, mantissa = ((pattern >> 7) & 3).astype(jnp.int32), ((pattern >> 6) & 1).astype(jnp.float32)
+            magnitude = jnp.where(exponent == 0, 0.5 * mantissa,
+                                  jnp.exp2((exponent - 1).astype(jnp.float32)) * (1 + 0.5 * mantissa))
+            halves.append(jnp.where((pattern >> 15) & 1 == 1, -magnitude, magnitude))
+        pairs.append(jnp.stack(halves, axis=-1))  # [..., c, thread, half]
+    # Value 32 c + 8 pair + 2 thread + half of the row.
+    values = jnp.stack(pairs, axis=-3).reshape(*lead, n, k)
+    return values * jnp.repeat(scale_values(words), 16, axis=-1)
+
+
+# Mosaic GPU's interpret mode (a simulated GPU on the CPU) runs Pallas ops but no PTX: while a kernel is traced for
+# it, each `inline_mgpu` op of these kernels is replaced by a stand-in with the same effect from Pallas ops on refs
+# and arrays (`mgpu_op`). What the interpreter then checks is the rest of the kernel: its grid, copies, barriers,
+# indexing and data flow; the PTX bodies themselves are checked on a GPU (and the decode's bit layout on the CPU
+# through `decode_pair_bits`).
+_interpreting = contextvars.ContextVar("nvfp4_mgpu_interpreting", default=False)
+
+
+@contextlib.contextmanager
+def interpreting(interpret: bool):
+    """While a kernel is traced: `mgpu_op`s take their stand-ins if `interpret`."""
+    token = _interpreting.set(interpret)
+    try:
+        yield
+    finally:
+        _interpreting.reset(token)
+
+
+def interpret_params(interpret: bool):
+    """The kernel's `interpret=` for `plgpu.kernel`: Mosaic GPU's interpret mode or none."""
+    return plgpu.InterpretGPUParams() if interpret else None
+
+
+def is_interpreting() -> bool:
+    """Whether the kernel being traced is for interpret mode (`interpreting`)."""
+    return _interpreting.get()
+
+
+def mgpu_op(body, stand_in, **inline_mgpu_settings):
+    """`plgpu.inline_mgpu(**inline_mgpu_settings)(body)`, or `stand_in` (the same arguments) where the kernel is
+    traced for interpret mode."""
+    op = plgpu.inline_mgpu(**inline_mgpu_settings)(body)
+    return lambda *args: (stand_in if _interpreting.get() else op)(*args)
 
 
 def _scale_asm(j: int) -> str:
@@ -393,6 +456,47 @@ def _swiglu_rows(block_t: int, width: int):
     return body
 
 
+# Interpret mode's stand-ins (`mgpu_op`) for the bodies above.
+def _stage_scales_stand_in(tile_n: int, tile_k: int):
+    """`_stage_scales` in interpret mode: the step's scale words as they are, at the staging buffer's start (its
+    decode stand-in reads them from there)."""
+    words = tile_n * tile_k // 64
+
+    def stand_in(scale_ref, staged_ref):
+        staged_ref[pl.ds(0, words)] = scale_ref[...].reshape(words)
+
+    return stand_in
+
+
+def _decode_tile_stand_in(tile_n: int, tile_k: int, chunk: int, chunks: int, row_chunk: int, row_chunks: int):
+    """`_decode_tile` in interpret mode: the step's bytes (loaded, or the smem lines of a line box) and the scale
+    words staged by `_stage_scales_stand_in` -> the piece's bf16 weights times 2^-7, as the PTX gives them."""
+    rows, columns = tile_n // row_chunks, tile_k // chunks
+
+    def stand_in(packed, staged_ref):
+        data = packed if isinstance(packed, jax.Array) else packed[...]
+        words = staged_ref[pl.ds(0, tile_n * tile_k // 64)].reshape(tile_n, tile_k // 64)
+        weights = (decode_values(data.reshape(tile_n, tile_k // 2), words) / OUTPUT_FACTOR).astype(jnp.bfloat16)
+        return weights[row_chunk * rows:(row_chunk + 1) * rows, chunk * columns:(chunk + 1) * columns]
+
+    return stand_in
+
+
+def _store_transposed_stand_in(acc, out_ref, scale_ref=None):
+    """`_store_transposed` in interpret mode."""
+    value = acc.T
+    if scale_ref is not None:
+        value = value * (scale_ref[...] * OUTPUT_FACTOR)[None, :]
+    out_ref[...] = value.astype(out_ref.dtype)
+
+
+def _swiglu_rows_stand_in(projections_ref, out_ref):
+    """`_swiglu_rows` in interpret mode (`exp` rather than `ex2.approx`)."""
+    width = out_ref.shape[1]
+    projections = projections_ref[...]
+    out_ref[...] = _swiglu(projections[:, :width], projections[:, width:]).astype(out_ref.dtype)
+
+
 def swiglu_value(gate, up):
     """In an inline_mgpu body: fp32 `gate / (1 + exp(-gate)) * up` (`moe_gemm._swiglu`; exp by `ex2.approx`)."""
     from jax._src.lib.mlir import ir
@@ -466,15 +570,17 @@ def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool, line_bo
                 plgpu.BlockSpec((*lead, *shapes[1]), at),
                 plgpu.BlockSpec((block_t, tile_k), lambda kk: (x_block, k0 + kk), transforms=x_transforms)]
 
-    stage = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 2)(_stage_scales(tile_n, tile_k, staging_buffers == 2))
-    decodes = [plgpu.inline_mgpu(
+    stage = mgpu_op(_stage_scales(tile_n, tile_k, staging_buffers == 2), _stage_scales_stand_in(tile_n, tile_k),
+                    arg_types=(plgpu.RefType(),) * 2)
+    decodes = [mgpu_op(
+        _decode_tile(tile_n, tile_k, line_box, chunk, chunks, row_chunk, row_chunks),
+        _decode_tile_stand_in(tile_n, tile_k, chunk, chunks, row_chunk, row_chunks),
         arg_types=(plgpu.RefType() if line_box else plgpu.Layout.WGMMA_8BIT, plgpu.RefType()),
         return_type=plgpu.ShapeDtypeStruct((tile_n // row_chunks, tile_k // chunks), jnp.bfloat16,
                                            layout=plgpu.Layout.WGMMA),
-    )(_decode_tile(tile_n, tile_k, line_box, chunk, chunks, row_chunk, row_chunks))
-        for chunk in range(chunks) for row_chunk in range(row_chunks)]
-    store_transposed = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, *[plgpu.RefType()] * (1 + scaled)))(
-        _store_transposed(tile_n, block_t, scaled))
+    ) for chunk in range(chunks) for row_chunk in range(row_chunks)]
+    store_transposed = mgpu_op(_store_transposed(tile_n, block_t, scaled), _store_transposed_stand_in,
+                               arg_types=(plgpu.Layout.WGMMA, *[plgpu.RefType()] * (1 + scaled)))
     return in_specs, stage, decodes, store_transposed
 
 
@@ -564,6 +670,25 @@ def _prefetched_k_loop(step, specs, gmem_refs, *, k_steps: int, stages: int, aft
                   plgpu.Barrier(num_arrivals=k_steps))
 
 
+def _load_bytes(w_smem):
+    """A step's weight bytes from smem into the wgmma registers (interpret mode: the array as it is)."""
+    return w_smem[...] if is_interpreting() else plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT)
+
+
+def _wgmma(acc_ref, weights, x_smem) -> None:
+    """`plgpu.wgmma` of decoded weights (registers) by activations (smem); in interpret mode, whose wgmma takes
+    shared memory operands only, through a scratch tile."""
+    if not is_interpreting():
+        plgpu.wgmma(acc_ref, weights, x_smem)
+        return
+
+    def through_smem(weights_smem):
+        weights_smem[...] = weights
+        plgpu.wgmma(acc_ref, weights_smem, x_smem)
+
+    pl.run_scoped(through_smem, plgpu.SMEM(weights.shape, weights.dtype))
+
+
 def multiply_step(acc_ref, decodes, weights, staged, x_smem, *, tile_n: int, tile_k: int, row_chunks: int,
                   drain: bool = True):
     """One K step of a program: each of `decodes` (`_tile_programs`' pieces: K chunks, each in `row_chunks` row
@@ -577,7 +702,7 @@ def multiply_step(acc_ref, decodes, weights, staged, x_smem, *, tile_n: int, til
         chunk, row_chunk = divmod(piece, row_chunks)
         x_chunk = x_smem if chunks == 1 else x_smem.at[:, pl.ds(chunk * chunk_k, chunk_k)]
         acc = acc_ref if row_chunks == 1 else acc_ref.at[pl.ds(row_chunk * chunk_n, chunk_n)]
-        plgpu.wgmma(acc, decode(weights, staged), x_chunk.transpose((1, 0)))
+        _wgmma(acc, decode(weights, staged), x_chunk.transpose((1, 0)))
         if piece + 1 < len(decodes):
             plgpu.wgmma_wait(1)
     plgpu.wgmma_wait(0 if drain else 1)
@@ -605,7 +730,7 @@ def _write_tile(store_transposed, acc, out_smem, out_gmem, b, ni, si, *, block_t
 def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: int = 256, splits: int = 1,
                    stages: int = 4, tile_n: int = 64, decode_chunks: int = 1, decode_row_chunks: int = 1,
                    shared_rows: bool = False, global_scale=None, row_destination=None, out_rows: int | None = None,
-                   swiglu: bool = False, staging_buffers: int = 1, pdl: str = "off"):
+                   swiglu: bool = False, staging_buffers: int = 1, pdl: str = "off", interpret: bool = False):
     """`xs [B*block_t, K]` bf16, `block_expert [B]` int32 (-1: skip the block),
     `packed [E, K/tile_k, N, tile_k/2]` uint8 and `scales [E, K/tile_k, N, tile_k/64]` uint32 (`pack_weights`) ->
     `[splits, B*block_t, N]` fp32 partial sums (times 2^7 / OUTPUT_FACTOR; no global scale). A program
@@ -637,7 +762,8 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
     global scales before it waits (none of these may be written by the kernel just before: in the layer they
     come from before the gate/up GEMM, which waits first thing), and the activations and row destinations
     after. Both then let the next kernel launch (`griddepcontrol.launch_dependents`), which a "prefetch" down
-    GEMM after a "wait" gate/up GEMM uses to stream its weights during the gate/up GEMM's last wave."""
+    GEMM after a "wait" gate/up GEMM uses to stream its weights during the gate/up GEMM's last wave.
+    `interpret`: Mosaic GPU's interpret mode, the PTX bodies replaced by stand-ins (`mgpu_op`; no `pdl`)."""
     scaled, scattered = _check_operands(xs, block_expert, packed, scales, block_t=block_t, tile_k=tile_k, splits=splits,
                                         tile_n=tile_n, shared_rows=shared_rows, global_scale=global_scale,
                                         row_destination=row_destination, out_rows=out_rows)
@@ -649,6 +775,8 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         raise ValueError(f"staging_buffers must be 1 or 2, got {staging_buffers}")
     if pdl not in PDL_MODES:
         raise ValueError(f"pdl must be one of {PDL_MODES}, got {pdl!r}")
+    if interpret and pdl != "off":
+        raise ValueError(f"interpret mode has no dependent launch: pdl={pdl!r}")
     if pdl == "prefetch" and xs.shape[0] < block_t:
         raise ValueError(f"pdl='prefetch' needs whole blocks of activations: {xs.shape[0]} rows, block_t {block_t}")
     k, n, blocks = xs.shape[1], packed.shape[2], block_expert.shape[0]
@@ -686,9 +814,10 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
 
         def acc_scope(acc_ref):
             def step(indices, w_smem, s_smem, x_smem):
-                if swiglu:  # [2, tile_n / 2, ...] boxes: the rows of one tile (`_tile_programs`)
+                if swiglu and not is_interpreting():  # [2, tile_n / 2, ...] boxes: the rows of one tile
+                    # (`_tile_programs`; the interpreter reads no reshaped refs, and its stand-ins take either shape)
                     w_smem, s_smem = w_smem.reshape(tile_n, tile_k // 2), s_smem.reshape(-1, _SCALE_ROW)
-                weights = w_smem if line_box else plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT)
+                weights = w_smem if line_box else _load_bytes(w_smem)
                 staged = staged_smem  # (one buffer: the ref itself, no view)
                 if staging_buffers == 2:
                     size = tile_n * tile_k // 16
@@ -730,8 +859,8 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
                     plgpu.barrier_wait(barrier)
             if swiglu:
                 store_transposed(acc, out_smem, scale_smem)
-                plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))(
-                    _swiglu_rows(block_t, half_n))(out_smem, swiglu_smem)
+                mgpu_op(_swiglu_rows(block_t, half_n), _swiglu_rows_stand_in,
+                        arg_types=(plgpu.RefType(), plgpu.RefType()))(out_smem, swiglu_smem)
                 plgpu.commit_smem()
                 columns = pl.ds(ni * half_n, half_n)
                 plgpu.copy_smem_to_gmem(swiglu_smem, out_gmem.at[0, pl.ds(b * block_t, block_t), columns])
@@ -747,8 +876,10 @@ def grouped_matmul(xs, block_expert, packed, scales, *, block_t: int, tile_k: in
         grid=(blocks, n // tile_n, splits),
         grid_names=("b", "n", "s"),
         scratch_types=_scratch(tile_n, tile_k, block_t, out_dtype, scaled, scattered, swiglu, staging_buffers),
+        interpret=interpret_params(interpret),
     )
-    return call(block_expert, xs, packed, scales, *optional)
+    with interpreting(interpret):
+        return call(block_expert, xs, packed, scales, *optional)
 
 
 def grouped_matmul_reference(xs, block_expert, w, *, block_t: int, shared_rows: bool = False):
@@ -771,20 +902,7 @@ def grouped_matmul_emulated(xs, block_expert, packed, scales, *, block_t: int, t
     del splits, stages, tile_n, decode_chunks, decode_row_chunks, staging_buffers, pdl
     e, k_steps, n, _ = packed.shape
     k = k_steps * tile_k
-    rows = jnp.moveaxis(packed, 1, 2).reshape(e, n, k // 32, 4, 4)  # back to [E, N, K/2], by 32 values and thread
-    words = jax.lax.bitcast_convert_type(rows, jnp.uint32)  # [e, n, c, thread]
-    values = jnp.zeros((e, n, k), jnp.float32)
-    for pair in range(4):
-        bits = decode_pair_bits(words, pair)
-        for half in range(2):
-            # The bf16 pattern is value * 2^-126, subnormal in fp32 too (XLA's CPU flushes those): read
-            # the code back from its bits (magnitude 6-8, sign 15) instead of converting.
-            pattern = (bits >> (16 * half)) & 0xFFFF
-            code = ((pattern >> 6) & 7) | ((pattern >> 12) & 8)
-            logical = 32 * jnp.arange(k // 32)[:, None] + 8 * pair + 2 * jnp.arange(4)[None, :] + half
-            values = values.at[:, :, logical].set(jnp.asarray(_E2M1_VALUES)[code])
-    block_scale = scale_values(jnp.moveaxis(scales, 1, 2)).reshape(e, n, k // 16)
-    w = values * jnp.repeat(block_scale, 16, axis=-1)
+    w = decode_values(jnp.moveaxis(packed, 1, 2).reshape(e, n, k // 2), jnp.moveaxis(scales, 1, 2).reshape(e, n, -1))
     out = grouped_matmul_reference(xs, jnp.maximum(block_expert, 0), w, block_t=block_t, shared_rows=shared_rows)
     out = jnp.where(jnp.repeat(block_expert >= 0, block_t)[:, None], out, jnp.nan)
     if global_scale is not None:

@@ -167,8 +167,7 @@ def test_dependent_launch_lowers_for_cuda(n, k, tile_k, tile_n, row_chunks, pdl,
     assert ("uses_pdl" in text) == (pdl != "off")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("experts,n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,chunks,row_chunks,buffers", [
+GEMM_CASES = [  # experts, n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, chunks, row_chunks, buffers
     (16, 128, 512, 3, 8, 256, 1, 64, False, 1, 1, 1), (16, 192, 320, 5, 16, 64, 1, 64, False, 1, 1, 1),
     (8, 64, 1024, 2, 8, 256, 2, 64, False, 1, 1, 1), (32, 640, 5120, 4, 8, 256, 4, 64, False, 1, 1, 1),
     (16, 384, 320, 3, 8, 64, 1, 128, False, 1, 1, 1), (16, 512, 320, 2, 8, 64, 1, 256, False, 1, 1, 1),
@@ -177,39 +176,64 @@ def test_dependent_launch_lowers_for_cuda(n, k, tile_k, tile_n, row_chunks, pdl,
     (16, 512, 320, 3, 8, 64, 1, 256, False, 1, 4, 1), (16, 384, 320, 3, 16, 64, 1, 128, True, 1, 2, 1),
     (16, 256, 768, 5, 16, 256, 1, 128, False, 2, 2, 1),
     (16, 512, 320, 3, 8, 64, 1, 256, False, 1, 4, 2), (16, 256, 1024, 5, 8, 256, 1, 64, True, 1, 1, 2),
-])
+]
+GEMM_ARGS = "experts,n,k,blocks,block_t,tile_k,splits,tile_n,shared_rows,chunks,row_chunks,buffers"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(GEMM_ARGS, GEMM_CASES)
 def test_matches_plain_jnp_on_gpu(experts, n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, chunks,
                                   row_chunks, buffers):
     """The fp32 partial sums; with one split also the finished bf16 projection (`global_scale`); steps
     decoded and multiplied whole or in K chunks (`decode_chunks`) and row chunks (`decode_row_chunks`), the
     block scales staged in one buffer or two (`staging_buffers`)."""
+    _assert_gemm_matches_plain_jnp(experts, n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, chunks,
+                                   row_chunks, buffers)
+
+
+@pytest.mark.parametrize(GEMM_ARGS, GEMM_CASES)
+def test_matches_plain_jnp_interpret(experts, n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, chunks,
+                                     row_chunks, buffers):
+    """The same in Mosaic GPU's interpret mode on the CPU: the kernel's grid, copies, barriers and data flow, with
+    stand-ins for its PTX bodies (`nm.mgpu_op`), and one block skipped (expert -1: left unwritten)."""
+    _assert_gemm_matches_plain_jnp(experts, n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, chunks,
+                                   row_chunks, buffers, interpret=True)
+
+
+def _assert_gemm_matches_plain_jnp(experts, n, k, blocks, block_t, tile_k, splits, tile_n, shared_rows, chunks,
+                                   row_chunks, buffers, interpret=False):
     rng = np.random.default_rng(n + k)
     codes = rng.integers(0, 16, (experts, n, k), dtype=np.uint8)
     scale = e4m3_scales(rng, (experts, n, k // 16), signed=True)
     x = rng.standard_normal((_shared_x_rows(block_t) if shared_rows else blocks * block_t, k))
     x = x.astype(ml_dtypes.bfloat16)
     block_expert = rng.integers(0, experts, blocks).astype(np.int32)
+    if interpret:
+        block_expert[1] = -1
+    computed = np.repeat(block_expert >= 0, block_t)
     operands = (jnp.asarray(x), jnp.asarray(block_expert),
                 *nm.pack_weights(codes, scale, tile_k))
     settings = dict(block_t=block_t, tile_k=tile_k, tile_n=tile_n, decode_chunks=chunks, decode_row_chunks=row_chunks,
-                    shared_rows=shared_rows, staging_buffers=buffers)
+                    shared_rows=shared_rows, staging_buffers=buffers, interpret=interpret)
+    def assert_close(got, want, rtol):  # on the computed blocks' rows (the skipped one's are left unwritten)
+        got, want = np.asarray(got, np.float32)[computed], want[computed]
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=1e-5 * np.abs(want).max())
+
     got = np.asarray(nm.grouped_matmul(*operands, splits=splits, **settings)).sum(0) * nm.OUTPUT_FACTOR
     w = jnp.asarray(E2M1[codes] * np.repeat(scale.astype(np.float32), 16, axis=-1))
-    want = np.asarray(nm.grouped_matmul_reference(jnp.asarray(x), jnp.asarray(block_expert), w, block_t=block_t,
-                                                  shared_rows=shared_rows))
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    want = np.asarray(nm.grouped_matmul_reference(jnp.asarray(x), jnp.asarray(np.maximum(block_expert, 0)), w,
+                                                  block_t=block_t, shared_rows=shared_rows))
+    assert_close(got, want, 0)
     if splits == 1:
         global_scale = rng.uniform(0.5, 2, (experts, n)).astype(np.float32)
         scaled = nm.grouped_matmul(*operands, global_scale=jnp.asarray(global_scale), **settings)
-        want = want * np.repeat(global_scale[block_expert], block_t, axis=0)
-        np.testing.assert_allclose(np.asarray(scaled[0], np.float32), want, rtol=2.0**-8,
-                                   atol=1e-5 * np.abs(want).max())
+        want = want * np.repeat(global_scale[np.maximum(block_expert, 0)], block_t, axis=0)
+        assert_close(scaled[0], want, 2.0**-8)
         if tile_n <= 128 and tile_k == 256 and n % tile_n == 0:  # gate rows then up rows: the SwiGLU epilogue
             activated = nm.grouped_matmul(*operands, global_scale=jnp.asarray(global_scale), swiglu=True, **settings)
             rounded = np.asarray(scaled[0], np.float32)
-            want = np.asarray(mg._swiglu(rounded[:, :n // 2], rounded[:, n // 2:]), np.float32)
-            np.testing.assert_allclose(np.asarray(activated[0], np.float32), want, rtol=2.0**-7,
-                                       atol=1e-5 * np.abs(want).max())
+            assert_close(activated[0], np.asarray(mg._swiglu(rounded[:, :n // 2], rounded[:, n // 2:]), np.float32),
+                         2.0**-7)
 
 
 def _layer_problem(seed, tokens, hidden, intermediate, experts, top_k, tile_k):
