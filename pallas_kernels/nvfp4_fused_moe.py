@@ -59,6 +59,7 @@ from pallas_kernels import nvfp4_mgpu as nm
 from pallas_kernels.mgpu_tiles import stamp
 
 _X_ROW_BYTES = 128  # the down GEMM's activation tile rows: tile_k 64 bf16, one 128-byte swizzled row
+_X_TILE_K = _X_ROW_BYTES // 2  # (their bf16 columns)
 # The columns of `fused_decode_moe(stamps=True)`: a program's `%globaltimer_lo` (ns) at its start and its end, its
 # kind (0 gate/up, 1 down), and when it got past its phases: a down program past its block's wait ("ready"; with
 # `down_step_waits` its last step's) and with its activations filled ("filled"), any program with its K loop done
@@ -69,13 +70,12 @@ STAMPS = ("start", "end", "kind", "ready", "filled", "multiplied", "block")
 def _async_proxy_fence():
     """Orders this thread's global accesses of the generic proxy (loads, the counters' atomics) with those
     of the async proxy (TMA copies and reductions) across the release / acquire of a counter."""
-    @plgpu.inline_mgpu()
     def fence(ctx):
         del ctx
         from jax.experimental.mosaic.gpu import utils
         utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
 
-    fence()
+    nm.mgpu_op(fence, lambda: None)()  # (interpret mode: one memory, nothing to order)
 
 
 # The kernel's counters: int32 slots that a caller can pass from call to call (`fused_decode_moe(counters=)`, e.g.
@@ -133,7 +133,6 @@ _SPLAT = plgpu.Layout.WG_SPLAT(())
 def _add(counters, slot, amount, *, release: bool) -> None:
     """Adds `amount` to a counter from one thread; `release`: after every thread of the warpgroup, releasing their
     writes (after `_async_proxy_fence` for TMA writes)."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT, _SPLAT))
     def add(ctx, counters, slot, amount):
         del ctx
         from jax.experimental.mosaic.gpu import utils
@@ -142,7 +141,11 @@ def _add(counters, slot, amount, *, release: bool) -> None:
         utils.SemaphoreRef(_slot(counters, slot)).signal(amount.registers.item(), relaxed=not release,
                                                          memory_scope="gpu")
 
-    add(counters, jnp.asarray(slot, jnp.int32), amount)
+    def stand_in(counters, slot, amount):  # (interpret mode: one program at a time)
+        counters[slot] = counters[slot] + amount
+
+    nm.mgpu_op(add, stand_in, arg_types=(plgpu.RefType(), _SPLAT, _SPLAT))(counters, jnp.asarray(slot, jnp.int32),
+                                                                           amount)
 
 
 def _epoch_reader(counters, waiters):
@@ -165,8 +168,9 @@ def _wait_epoch(counters, slot, waiters=None) -> None:
     The start is the waiters' counter (`waiters`, unset: slot + 1) rounded down to a multiple of EPOCH, read before
     this program adds to it, here by the waiting thread just before the wait (read by every thread instead: equal
     within 0.1 us at 1-2 tokens, H200 session 35 run 8; both faster than a read at the program's start, session 34
-    run 8) (`_epoch_reader`)."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT, _SPLAT))
+    run 8) (`_epoch_reader`). Interpret mode runs the programs one at a time in the grid's order, so a wait that would
+    not pass at once would never pass: there it does not wait, and what the program then reads was not written
+    (the interpreter's fresh buffers: NaN in its output)."""
     def wait(ctx, counters, slot, waiters):
         del ctx
         from jax._src.lib.mlir import ir
@@ -182,15 +186,16 @@ def _wait_epoch(counters, slot, waiters=None) -> None:
             utils.inline_ptx("fence.acquire.gpu;", has_side_effects=True)
         utils.warpgroup_barrier()
 
-    wait(counters, jnp.asarray(slot, jnp.int32), jnp.asarray(slot + 1 if waiters is None else waiters, jnp.int32))
+    nm.mgpu_op(wait, lambda *refs: None, arg_types=(plgpu.RefType(), _SPLAT, _SPLAT))(
+        counters, jnp.asarray(slot, jnp.int32), jnp.asarray(slot + 1 if waiters is None else waiters, jnp.int32))
 
 
 def _steps_done(counters, first_slot, steps: int, waiters, flag_smem):
     """Whether the signals' counters of `steps` slots from `first_slot` are all EPOCH past this call's start (as
     `_wait_epoch`), read once by one thread without waiting, acquiring what their signals released; an int32 (1:
-    all done) that every thread of the warpgroup gets, through `flag_smem` (int32 [1])."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT, _SPLAT, plgpu.RefType()),
-                       return_type=plgpu.ShapeDtypeStruct((), jnp.int32, layout=_SPLAT))
+    all done) that every thread of the warpgroup gets, through `flag_smem` (int32 [1]). In interpret mode, where
+    every step is done by the time a down program runs (programs one at a time, in the grid's order), every other
+    block's programs find them not done, so that both paths run on the CPU."""
     def done(ctx, counters, first_slot, waiters, flag_smem):
         del ctx
         from jax._src.lib.mlir import ir
@@ -210,7 +215,18 @@ def _steps_done(counters, first_slot, steps: int, waiters, flag_smem):
         flag = memref.load(flag_smem, [utils.c(0, index)])
         return fa.FragmentedArray.splat(flag, (), layout=fa.WGSplatFragLayout(()), is_signed=True)
 
-    return done(counters, jnp.asarray(first_slot, jnp.int32), jnp.asarray(waiters, jnp.int32), flag_smem)
+    def stand_in(counters, first_slot, waiters, flag_smem):
+        del flag_smem
+        base = counters[waiters] & -EPOCH
+        past = [jax.lax.bitcast_convert_type(counters[first_slot + step] - base, jnp.uint32) >= EPOCH
+                for step in range(steps)]
+        done = functools.reduce(jnp.logical_and, past)
+        every_other_block = (first_slot - _step_slot(0, 0, steps)) // (steps + 1) % 2 == 0
+        return (done & every_other_block).astype(jnp.int32)
+
+    return nm.mgpu_op(done, stand_in, arg_types=(plgpu.RefType(), _SPLAT, _SPLAT, plgpu.RefType()),
+                      return_type=plgpu.ShapeDtypeStruct((), jnp.int32, layout=_SPLAT))(
+        counters, jnp.asarray(first_slot, jnp.int32), jnp.asarray(waiters, jnp.int32), flag_smem)
 
 
 def _swiglu_activations(splits: int, block_t: int, intermediate: int, first: int = 0, count: int | None = None):
@@ -336,6 +352,46 @@ def _store_weighted_transposed(tile_n: int, block_t: int, tokens: int):
     return body
 
 
+# Interpret mode's stand-ins (`nm.mgpu_op`) for the three bodies above.
+def _swiglu_activations_stand_in(splits: int, intermediate: int, first: int = 0, count: int | None = None):
+    """`_swiglu_activations` in interpret mode (`exp` rather than `ex2.approx`)."""
+    count = intermediate - first if count is None else count
+
+    def stand_in(sums_ref, x_ref, row0, token, gate_scale, up_scale):
+        row = row0 + token
+
+        def projection(start, scale):
+            total = sums_ref[0, row, pl.ds(start, count)]
+            for split in range(1, splits):
+                total = total + sums_ref[split, row, pl.ds(start, count)]
+            return (total * (scale * nm.OUTPUT_FACTOR)).astype(jnp.bfloat16)
+
+        values = nm._swiglu(projection(first, gate_scale), projection(intermediate + first, up_scale))
+        values = values.astype(jnp.bfloat16)
+        for step in range(count // _X_TILE_K):
+            x_ref[first // _X_TILE_K + step, token, :] = values[step * _X_TILE_K:(step + 1) * _X_TILE_K]
+
+    return stand_in
+
+
+def _store_token_row_stand_in(tile_n: int):
+    """`_store_token_row` in interpret mode."""
+    def stand_in(acc, sums_ref, split, row, col0, token):
+        sums_ref[split, row, pl.ds(col0, tile_n)] = jax.lax.dynamic_slice_in_dim(acc, token, 1, axis=1)[:, 0]
+
+    return stand_in
+
+
+def _store_weighted_transposed_stand_in(block_t: int, tokens: int):
+    """`_store_weighted_transposed` in interpret mode."""
+    def stand_in(acc, out_ref, scale_ref, *token_weights):
+        expert_out = (acc.T * (scale_ref[...] * nm.OUTPUT_FACTOR)[None, :]).astype(jnp.bfloat16).astype(jnp.float32)
+        weights = jnp.stack([*token_weights, *[jnp.float32(0)] * (block_t - tokens)])
+        out_ref[...] = (expert_out * weights[:, None]).astype(jnp.bfloat16).astype(jnp.float32)
+
+    return stand_in
+
+
 def program_role(p, blocks: int, gate_up_per_block: int, down_per_block: int, down_lag: int | None):
     """Program p's kind (True: gate/up), block and index among that block's programs of its kind, in the grid's
     order: every gate/up program first (`down_lag` None), or a block's down programs after the gate/up programs of
@@ -372,7 +428,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                      down_tile_n: int | None = None,
                      down_decode_row_chunks: int = 1, down_overlap: bool | None = None,
                      down_scales_first: bool | None = None, down_lag: int | None = None, smem_pad: int = 0,
-                     down_step_waits: bool = False, counters=None, compiler_params=None, stamps: bool = False):
+                     down_step_waits: bool = False, counters=None, compiler_params=None, stamps: bool = False,
+                     interpret: bool = False):
     """`x [T, H]` bf16 (T <= 8), `pair_expert [T * top_k]` int32 (token t's picks from t * top_k on; an expert
     outside [0, E): skip the pair) and `pair_weight [T * top_k]` fp32, its routing weights. Each pair is a block of
     all T rows (shared rows), of which only its token's row is weighted: two pairs of one expert read its weights
@@ -399,7 +456,9 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     scopes of each program: benchmarks/moe/fused_timeline.py).
     `stamps` (a diagnostic): the kernel also writes int32 `[programs, len(STAMPS)]` (each program's `%globaltimer_lo`
     at its start, its end and past its phases, and its kind), and the call returns (what it returns otherwise,
-    stamps)."""
+    stamps).
+    `interpret`: Mosaic GPU's interpret mode on the CPU, the PTX bodies replaced by stand-ins (`nm.mgpu_op`), the
+    programs run one at a time in the grid's order (so no wait waits; no `stamps`)."""
     tokens, hidden = x.shape
     experts, gu_steps, gu_rows, _ = gate_up_packed.shape
     if gate_up_decode_chunks is None:  # 4 K chunks at 4-7 tokens (75 registers instead of 102: the gate/up grid in
@@ -442,6 +501,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     gu_programs_per_block = gu_rows // gate_up_tile_n * splits
     down_tiles = hidden // down_tile_n
     gu_programs, down_programs = blocks * gu_programs_per_block, blocks * down_tiles
+    if interpret and stamps:
+        raise ValueError("stamps read the GPU's clock: not in interpret mode")
     if smem_pad < 0 or smem_pad % 1024:  # (whole 1024-byte units keep the kernel's swizzled tiles aligned)
         raise ValueError(f"smem_pad={smem_pad} must be a non-negative multiple of 1024 bytes")
     if down_step_waits and not (down_overlap and gate_up_tile_n == down_tile_k
@@ -467,15 +528,17 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
         down_packed = down_packed.reshape(*down_packed.shape[:2], -1, nm._LINE)
     x_transforms = down_in_specs(0, 0, 0, 0)[-1].transforms  # the down GEMM's activation tiles (swizzled)
     fill_types = (plgpu.RefType(), plgpu.RefType(transforms=x_transforms), *[plgpu.Layout.WG_SPLAT(())] * 4)
-    fill = plgpu.inline_mgpu(arg_types=fill_types)(_swiglu_activations(splits, block_t, intermediate))
-    fill_step = [plgpu.inline_mgpu(arg_types=fill_types)(
-        _swiglu_activations(splits, block_t, intermediate, kk * down_tile_k, down_tile_k))
-        for kk in range(down_k_steps if down_step_waits else 0)]
-    token_row = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), *[plgpu.Layout.WG_SPLAT(())] * 4))(
-        _store_token_row(gate_up_tile_n))
-    weighted_store = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(),
-                                                  *[plgpu.Layout.WG_SPLAT(())] * tokens))(
-        _store_weighted_transposed(down_tile_n, block_t, tokens))
+    fill = nm.mgpu_op(_swiglu_activations(splits, block_t, intermediate),
+                      _swiglu_activations_stand_in(splits, intermediate), arg_types=fill_types)
+    fill_step = [nm.mgpu_op(_swiglu_activations(splits, block_t, intermediate, kk * down_tile_k, down_tile_k),
+                            _swiglu_activations_stand_in(splits, intermediate, kk * down_tile_k, down_tile_k),
+                            arg_types=fill_types)
+                 for kk in range(down_k_steps if down_step_waits else 0)]
+    token_row = nm.mgpu_op(_store_token_row(gate_up_tile_n), _store_token_row_stand_in(gate_up_tile_n),
+                           arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), *[_SPLAT] * 4))
+    weighted_store = nm.mgpu_op(_store_weighted_transposed(down_tile_n, block_t, tokens),
+                                _store_weighted_transposed_stand_in(block_t, tokens),
+                                arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(), *[_SPLAT] * tokens))
 
     def run_k_loop(step_body, tile_n, specs, gmem_refs, k_steps, stages, fill_activations=None):
         """The program's K loop into a fresh accumulator [tile_n, block_t], returned in registers."""
@@ -493,7 +556,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     def decode_step(stage, decodes, tile_n, tile_k, line_box, row_chunks, staged_smem, drain=True):
         def body(acc_ref, indices, w_smem, s_smem, x_smem):
             del indices
-            weights = w_smem if line_box else plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_8BIT)
+            weights = w_smem if line_box else nm._load_bytes(w_smem)
             stage(s_smem, staged_smem)
             nm.multiply_step(acc_ref, decodes, weights, staged_smem, x_smem, tile_n=tile_n, tile_k=tile_k,
                              row_chunks=row_chunks, drain=drain)
@@ -668,11 +731,13 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
         grid=(programs,),
         grid_names=("p",),
         compiler_params=compiler_params,
+        interpret=nm.interpret_params(interpret),
     )
     counters_ref = jax.new_ref(fresh_counters(slots) if own else counters)
-    pair_out, _, *stamped = call(pair_expert.astype(jnp.int32), pair_weight.astype(jnp.float32), x, gate_up_packed,
-                                 gu_scales, gate_up_global_scale, down_packed, down_scales, down_global_scale,
-                                 counters_ref)
+    with nm.interpreting(interpret):
+        pair_out, _, *stamped = call(pair_expert.astype(jnp.int32), pair_weight.astype(jnp.float32), x,
+                                     gate_up_packed, gu_scales, gate_up_global_scale, down_packed, down_scales,
+                                     down_global_scale, counters_ref)
     # A token's pairs added by XLA (in the kernel that converts the output for the caller); skipped pairs' rows were
     # not written.
     computed = (pair_expert >= 0) & (pair_expert < experts)

@@ -315,6 +315,9 @@ def test_stamps_come_back_with_the_output(tokens, programs):
     assert "mosaic_gpu" in _cuda_lowering(op, specs)
 
 
+SMALL = (512, 128, 16, 4)  # hidden, intermediate, experts, top_k
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,settings", [
     (1, {}), (1, dict(gate_up_splits=2, gate_up_tile_n=64, down_tile_n=256, down_decode_row_chunks=4)), (2, {}),
@@ -329,7 +332,29 @@ def test_stamps_come_back_with_the_output(tokens, programs):
 def test_fused_layer_matches_reference_on_gpu(tokens, settings):
     """Beam's TP8 expert shape; the same call twice in one program with other inputs (the semaphores and the
     output start from zero in each call)."""
-    problem, (gate_up, down) = _layer_problem(tokens + 300, tokens, 5120, 320, 256, 8, tile_k=256)
+    _assert_fused_layer_close(tokens, settings, 5120, 320, 256, 8)
+
+
+@pytest.mark.parametrize("tokens,settings,shape", [
+    (1, {}, SMALL), (2, {}, SMALL), (3, dict(gate_up_splits=1, down_tile_n=64, down_stages=2), SMALL),
+    (5, {}, (512, 128, 6, 3)), (8, dict(gate_up_splits=2, down_tile_n=256, down_decode_row_chunks=4), SMALL),
+    (1, dict(fused_settings=dict(down_lag=1, smem_pad=16384)), SMALL), (2, dict(fused_settings=dict(down_lag=0)), SMALL),
+    (5, dict(fused_settings=dict(down_lag=2)), (512, 192, 16, 3)),
+    (1, dict(fused_settings=dict(down_step_waits=True)), (512, 192, 16, 4)),
+    (2, dict(fused_settings=dict(down_step_waits=True, down_lag=1)), SMALL),
+    (4, dict(fused_settings=dict(down_step_waits=True, down_overlap=True, down_scales_first=True)), SMALL),
+    pytest.param(1, {}, (5120, 320, 256, 8), marks=pytest.mark.slow)])  # (~2 minutes)
+def test_fused_layer_matches_reference_interpret(tokens, settings, shape):
+    """The kernel in Mosaic GPU's interpret mode on the CPU (`interpret=True`: its grid roles, copies, barriers,
+    counters and indexing, with stand-ins for the PTX bodies; the programs one at a time in the grid's order), at
+    small shapes with pairs of one expert in several blocks (6 or 16 experts), and once at Beam's TP8 shape. With
+    `down_step_waits` every other block's down programs take the per-step fills (`_steps_done`' stand-in)."""
+    settings = dict(settings, fused_settings=dict(settings.get("fused_settings", {}), interpret=True))
+    _assert_fused_layer_close(tokens, settings, *shape)
+
+
+def _assert_fused_layer_close(tokens, settings, hidden, intermediate, experts, top_k):
+    problem, (gate_up, down) = _layer_problem(tokens + 300, tokens, hidden, intermediate, experts, top_k, tile_k=256)
     layer = functools.partial(nmm.moe_nvfp4, fused=True, **settings)
     twice = jax.jit(lambda *args: (layer(*args), layer(args[0] * 2, *args[1:])))
     once, doubled = twice(*problem[:3], gate_up, down)
@@ -344,7 +369,16 @@ def test_counters_passed_from_call_to_call_on_gpu():
     skipped (ids -1: no counter used), from counters one epoch below wrapping around. Each call matches the
     reference (the skipped one is zero), and each counter comes back grown by EPOCH a call that used it: its
     signals' and its waiters' alike."""
-    problem, (gate_up, down) = _layer_problem(700, 7, 5120, 320, 256, 8, tile_k=256)
+    _assert_counters_passed(5120, 320, 256, 8, interpret=False)
+
+
+def test_counters_passed_from_call_to_call_interpret():
+    """The same in interpret mode at a small shape (4 pairs a token, 16 experts)."""
+    _assert_counters_passed(*SMALL, interpret=True)
+
+
+def _assert_counters_passed(hidden, intermediate, experts, top_k, interpret):
+    problem, (gate_up, down) = _layer_problem(700, 7, hidden, intermediate, experts, top_k, tile_k=256)
     x, weights, ids = problem[:3]
     steps = dict(down_step_waits=True)
     plan = ((1, False, {}), (5, False, {}), (1, False, steps), (7, True, {}), (3, False, {}),
@@ -355,16 +389,16 @@ def test_counters_passed_from_call_to_call_on_gpu():
         for tokens, skipped, settings in plan:
             picked = jnp.full_like(ids[:tokens], -1) if skipped else ids[:tokens]
             out, counters = nmm.moe_nvfp4(x[:tokens], weights[:tokens], picked, gate_up, down, fused=True,
-                                          counters=counters, fused_settings=settings)
+                                          counters=counters, fused_settings=dict(settings, interpret=interpret))
             outs.append(out)
         return outs, counters
 
     start = jnp.full((nfm.COUNTER_SLOTS,), -nfm.EPOCH, jnp.int32)  # 2^32 - EPOCH: the first call wraps around
     outs, counters = jax.jit(chain, donate_argnums=5)(x, weights, ids, gate_up, down, start)
-    down_steps = 320 // 64
+    down_steps = intermediate // 64
     uses = np.zeros(nfm.COUNTER_SLOTS, np.int64)
     for tokens, skipped, settings in plan:
-        for b in range(0 if skipped else 8 * tokens):
+        for b in range(0 if skipped else top_k * tokens):
             if settings.get("down_step_waits"):
                 uses[[nfm._step_slot(b, kk, down_steps) for kk in range(down_steps + 1)]] += 1
             else:
