@@ -285,6 +285,18 @@ def test_layer_glue_matches_reference_with_emulated_gemm(tokens, block_t, splits
     _assert_layer_close(problem, jax.jit(layer)(*problem[:3], gate_up, down))
 
 
+@pytest.mark.parametrize("tokens,block_t,splits,builder,epilogue", [
+    (1, 8, 2, "sort", "none"), (5, None, 1, "shared", "both"), (13, None, 2, None, "none"),
+    (30, None, 1, "opened", "swiglu"), (45, None, 1, None, "both"), (70, None, None, "sort", "down")])
+def test_layer_matches_reference_on_interpreted_gemm(tokens, block_t, splits, builder, epilogue):
+    """The two-GEMM layer with the kernel in Mosaic GPU's interpret mode (no dependent launch there)."""
+    problem, (gate_up, down) = _layer_problem(tokens, tokens, 512, 64, 16, 4, tile_k=256)
+    layer = functools.partial(nmm.moe_nvfp4, block_t=block_t, gate_up_splits=splits, **_builder(builder),
+                              **_epilogues(epilogue), fused=False, pdl=False,
+                              matmul=functools.partial(nm.grouped_matmul, interpret=True))
+    _assert_layer_close(problem, layer(*problem[:3], gate_up, down))
+
+
 def test_signed_and_zero_block_scales_give_the_reference_with_emulated_gemm():
     """Block scales over e4m3's whole range, negative and zero ones too (`canonical_blocks` folds them into
     the codes): the converted experts (`kernel_experts`, the emulated GEMM) against the reference."""
