@@ -99,13 +99,14 @@ def _timer(spans: bool):
     return (bench.time_spans, "span") if spans else (bench.time_calls, "cupti")
 
 
-def time_layers(t, variants, weights, repeats=4, spans=False, real=None):
+def time_layers(t, variants, weights, repeats=4, spans=False, real=None, progress=False):
     """The whole NVFP4 MoE layer, Triton kernels against the Mosaic GEMMs, same weights and tokens:
     CUPTI total per call (`bench.time_calls`; with `spans` the span of a call's kernels instead,
     `bench.time_spans`) and one call's kernels; plus each layer's error against the reference. `real`: only the
     first `real` tokens are routed, the others padding (id -1, as the model masks an engine bucket's padding).
     A variant with `"counters_passed": true` passes the fused kernel's counters from call to call, as the model
-    passes them from layer to layer (spans only: `bench.time_spans(carry=)`)."""
+    passes them from layer to layer (spans only: `bench.time_spans(carry=)`). `progress`: a PROGRESS line as each
+    layer is timed (what a run cut short by a hang or a timeout still shows)."""
     from pallas_kernels import nvfp4_fused_moe as nfm
     from pallas_kernels import nvfp4_moe_mgpu as nmm
 
@@ -129,7 +130,8 @@ def time_layers(t, variants, weights, repeats=4, spans=False, real=None):
     checked = min(real, 64)
     want = np.asarray(jax.jit(mg.moe_gemm_reference)(x[0, :checked], w[0, :checked], ids[0, :checked], gate, up,
                                                      down), np.float32)
-    row = dict(kind="layers", t=t, real=real)
+    floor_bytes = bench.expert_bytes(gate, up, down) * len(np.unique(np.asarray(ids[0, :real])))
+    row = dict(kind="layers", t=t, real=real, floor_us=floor_bytes / HBM_BYTES_PER_S * 1e6)
     timer, timer_name = _timer(spans)
     for name, (layer, carry) in layers.items():
         t0 = time.time()
@@ -137,14 +139,29 @@ def time_layers(t, variants, weights, repeats=4, spans=False, real=None):
             total, kernels, got = timer(layer, (x, w, ids), weights, **({} if carry is None else dict(carry=carry)))
         except Exception as e:  # noqa: BLE001 - report and go on with the other variants
             row[name] = dict(error=repr(e)[:1000])
-            continue
-        got = np.asarray(got if carry is None else got[0], np.float32)[:checked]
-        row[name] = dict(us=total, kernels=kernels, timer=timer_name,
-                         max_err=float(np.abs(got - want).max()), max_ref=float(np.abs(want).max()),
-                         seconds=round(time.time() - t0, 1))
-    floor_bytes = bench.expert_bytes(gate, up, down) * len(np.unique(np.asarray(ids[0, :real])))
-    row["floor_us"] = floor_bytes / HBM_BYTES_PER_S * 1e6
+        else:
+            got = np.asarray(got if carry is None else got[0], np.float32)[:checked]
+            row[name] = dict(us=total, kernels=kernels, timer=timer_name,
+                             max_err=float(np.abs(got - want).max()), max_ref=float(np.abs(want).max()),
+                             seconds=round(time.time() - t0, 1))
+        if progress:
+            print(layer_line("PROGRESS", row, name), flush=True)
     return row
+
+
+def layer_line(tag, row, name, bf16_us=None, kernels=False):
+    """A layer's line of a `time_layers` row: T, real tokens, µs, % of the floor, (bf16's µs over it), error,
+    (timer and kernels), or its error."""
+    layer, head = row[name], f"{tag} T={row['t']} real={row['real']} {name}"
+    if "error" in layer:
+        return f"{head} ERROR {layer['error'][:300]}"
+    ratio = f" bf16/this {bf16_us / layer['us']:.2f}" if bf16_us else ""
+    line = (f"{head} {layer['us']:.1f} us ({100 * row['floor_us'] / layer['us']:.1f} % of {row['floor_us']:.1f})"
+            f"{ratio} err {layer['max_err']:.4f}")
+    if kernels:
+        line += f" {layer['timer']} kernels " + str([(kernel[:10], *[round(v, 1) for v in times])
+                                                    for kernel, *times in layer["kernels"]])
+    return line
 
 
 def time_bf16_layers(t, variants, weights, repeats=2, spans=False):
@@ -246,7 +263,7 @@ def compare_variants(variants, tokens, with_bf16, record, spans=False, real=None
     bf16 = bench.make_weights("bf16", jax.random.key(0)) if with_bf16 else None
     shapes = [(t, r) for t in tokens for r in ([t] if real is None else [r for r in real if r < t])]
     for t, r in shapes:
-        row = time_layers(t, variants, nvfp4, spans=spans, real=r)
+        row = time_layers(t, variants, nvfp4, spans=spans, real=r, progress=True)
         record(row)
         bf16_us = None
         if with_bf16 and t > 1 and r == t:
@@ -255,16 +272,8 @@ def compare_variants(variants, tokens, with_bf16, record, spans=False, real=None
             bf16_us = bf16_row["moe_gemm"].get("us")
             print(f"SUMMARY T={t} bf16 moe_gemm {bf16_us} us", flush=True)
         for name, layer in row.items():
-            if not isinstance(layer, dict):
-                continue
-            if "error" in layer:
-                print(f"SUMMARY T={t} real={r} {name} ERROR {layer['error'][:300]}", flush=True)
-                continue
-            ratio = f" bf16/this {bf16_us / layer['us']:.2f}" if bf16_us else ""
-            kernels = [(kernel[:10], *[round(v, 1) for v in times]) for kernel, *times in layer["kernels"]]
-            print(f"SUMMARY T={t} real={r} {name} {layer['us']:.1f} us ({100 * row['floor_us'] / layer['us']:.1f} % of "
-                  f"{row['floor_us']:.1f}){ratio} err {layer['max_err']:.4f} {layer['timer']} kernels {kernels}",
-                  flush=True)
+            if isinstance(layer, dict):
+                print(layer_line("SUMMARY", row, name, bf16_us, kernels=True), flush=True)
 
 
 def main():

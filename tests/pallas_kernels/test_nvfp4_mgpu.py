@@ -560,7 +560,7 @@ def test_probe_variants_summarize_every_layer(monkeypatch, capsys):
     layer = dict(us=50.0, kernels=[("kernel_mosaic_gpu_kernel", 40.0)], max_err=0.002, timer="cupti")
     monkeypatch.setattr(probe, "layer_weights", lambda: None)
     monkeypatch.setattr(probe.bench, "make_weights", lambda *args: None)
-    monkeypatch.setattr(probe, "time_layers", lambda t, variants, weights, spans, real: {
+    monkeypatch.setattr(probe, "time_layers", lambda t, variants, weights, spans, real, progress: {
         "kind": "layers", "t": t, "real": real, "floor_us": 25.0, "mosaic[default]": layer,
         "mosaic[x=1]": dict(error="boom")})
     monkeypatch.setattr(probe, "time_bf16_layers", lambda t, variants, weights, spans: {"moe_gemm": dict(us=150.0)})
@@ -570,6 +570,9 @@ def test_probe_variants_summarize_every_layer(monkeypatch, capsys):
     assert "T=8 real=8 mosaic[default] 50.0 us (50.0 % of 25.0) bf16/this 3.00" in out
     assert "T=1 real=1 mosaic[default] 50.0 us (50.0 % of 25.0) err" in out and "T=1 bf16" not in out
     assert out.count("mosaic[x=1] ERROR boom") == 2 and len(rows) == 3
+    progress = probe.layer_line("PROGRESS", {"t": 8, "real": 8, "floor_us": 25.0, "mosaic[default]": layer},
+                                "mosaic[default]")  # (a line as each layer is timed: no bf16 ratio, no kernels)
+    assert progress == "PROGRESS T=8 real=8 mosaic[default] 50.0 us (50.0 % of 25.0) err 0.0020"
     rows.clear()
     probe.compare_variants([{}], [1, 8], True, rows.append, real=[5, 8])
     out = capsys.readouterr().out
