@@ -353,6 +353,21 @@ def test_fused_layer_matches_reference_interpret(tokens, settings, shape):
     _assert_fused_layer_close(tokens, settings, *shape)
 
 
+@pytest.mark.parametrize("tokens,real", [(3, 2), (5, 5)])
+def test_fused_layer_skips_other_devices_and_padding_interpret(tokens, real):
+    """Interpret mode: half the experts on this device (`expert_offset`: the other half's pairs are skipped by the
+    kernel) and a bucket's padding tokens (ids -1: their rows zero)."""
+    from tests.pallas_kernels.test_moe_gemm import share_of_experts
+
+    problem, _ = _layer_problem(tokens + 40, tokens, 512, 128, 16, 4, tile_k=256)
+    x, weights, ids, gate, up, down = problem
+    share = [share_of_experts(w, 8, 16) for w in (gate, up, down)]
+    got = nmm.moe_nvfp4(x, weights, ids.at[real:].set(-1), *nmm.kernel_experts(*share, gate_up_tile_k=256),
+                        expert_offset=8, fused=True, fused_settings=dict(interpret=True))
+    np.testing.assert_array_equal(np.asarray(got[real:], np.float32), 0.0)
+    _assert_layer_close((x[:real], weights[:real], ids[:real], *share), got[:real], expert_offset=8)
+
+
 def _assert_fused_layer_close(tokens, settings, hidden, intermediate, experts, top_k):
     problem, (gate_up, down) = _layer_problem(tokens + 300, tokens, hidden, intermediate, experts, top_k, tile_k=256)
     layer = functools.partial(nmm.moe_nvfp4, fused=True, **settings)
