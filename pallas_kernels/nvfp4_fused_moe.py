@@ -392,6 +392,19 @@ def _store_weighted_transposed_stand_in(block_t: int, tokens: int):
     return stand_in
 
 
+def expert_groups(pair_expert, tokens: int, experts: int) -> jax.Array:
+    """`fused_decode_moe(dedup_experts=True)`'s groups: int32 `[pairs, tokens]`, for the first pair of each expert
+    (in pair order) the pair of each token that picked that expert (-1: that token did not; a token picks an expert
+    once), and -1 rows for the other pairs and for skipped ones (experts outside [0, E))."""
+    pairs = pair_expert.shape[0]
+    valid = (pair_expert >= 0) & (pair_expert < experts)
+    same = (pair_expert[:, None] == pair_expert[None, :]) & valid[:, None] & valid[None, :]
+    first = valid & ~jnp.any(jnp.tril(same, k=-1), axis=1)  # no earlier pair of its expert
+    pair_index = jnp.arange(pairs).reshape(tokens, pairs // tokens)
+    group = jnp.max(jnp.where(same.reshape(pairs, tokens, -1), pair_index, -1), axis=2)
+    return jnp.where(first[:, None], group, -1).astype(jnp.int32)
+
+
 def program_role(p, blocks: int, gate_up_per_block: int, down_per_block: int, down_lag: int | None):
     """Program p's kind (True: gate/up), block and index among that block's programs of its kind, in the grid's
     order: every gate/up program first (`down_lag` None), or a block's down programs after the gate/up programs of
@@ -428,8 +441,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                      down_tile_n: int | None = None,
                      down_decode_row_chunks: int = 1, down_overlap: bool | None = None,
                      down_scales_first: bool | None = None, down_lag: int | None = None, smem_pad: int = 0,
-                     down_step_waits: bool = False, counters=None, compiler_params=None, stamps: bool = False,
-                     interpret: bool = False):
+                     down_step_waits: bool = False, dedup_experts: bool = False, counters=None,
+                     compiler_params=None, stamps: bool = False, interpret: bool = False):
     """`x [T, H]` bf16 (T <= 8), `pair_expert [T * top_k]` int32 (token t's picks from t * top_k on; an expert
     outside [0, E): skip the pair) and `pair_weight [T * top_k]` fp32, its routing weights. Each pair is a block of
     all T rows (shared rows), of which only its token's row is weighted: two pairs of one expert read its weights
@@ -447,6 +460,9 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     session 41). `down_step_waits` (with `down_overlap`, 64-row gate/up tiles): a down program waits for each K
     step's gate/up programs (gate tile kk and up tile steps + kk, their K splits) apart, and fills and multiplies
     that step while later ones run, not for its whole block before its first step (untimed, session 41).
+    `dedup_experts`: the pairs that picked one expert (at 8 tokens ~7 of the 64 pairs share an expert with another)
+    are computed once, by the programs of the first of them, which read its weights once for all its tokens' rows
+    (`expert_groups`, an XLA kernel before this one); the others' programs do nothing (untimed, session 42).
     `counters`:
     int32 `[slots]` from `fresh_counters()` or as the call before returned them (other values break the waits: wrong
     sums or a hang); then (output, counters) come back, for the next call. Unset, or with fewer than
@@ -607,7 +623,9 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                       plgpu.Barrier(num_arrivals=len(weight_specs), num_barriers=down_k_steps))
 
     def kernel(pair_expert_gmem, pair_weight_gmem, x_gmem, gu_packed_gmem, gu_scales_gmem, gu_global_gmem,
-               down_packed_gmem, down_scales_gmem, down_global_gmem, counters_gmem, out_gmem, sums_gmem, *stamps_gmem):
+               down_packed_gmem, down_scales_gmem, down_global_gmem, counters_gmem, *refs):
+        groups_gmem, refs = (refs[0], refs[1:]) if dedup_experts else (None, refs)
+        out_gmem, sums_gmem, *stamps_gmem = refs
         p = jax.lax.axis_index("p")
 
         def mark(name, value=None):  # a stamp (`stamps`)
@@ -615,6 +633,20 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                 stamp(stamps_gmem[0], p, STAMPS.index(name), value)
 
         gate_up, b, r = program_role(p, blocks, gu_programs_per_block, down_tiles, down_lag)
+
+        def each_member(body):
+            """`body(token, pair)` for the pairs whose rows block b computes: its own, or with `dedup_experts` those
+            of its expert's group (none where it is not the group's first pair)."""
+            if not dedup_experts:
+                body(b // top_k, b)
+                return
+            for t in range(tokens):
+                q = groups_gmem[b, t]
+                pl.when(q >= 0)(functools.partial(body, t, q))
+
+        # A block's programs compute (`dedup_experts`: the first pair of its expert's group; a skipped pair's
+        # group is empty).
+        computes = (groups_gmem[b, b // top_k] == b) if dedup_experts else True
         mark("start")
         mark("kind", jnp.logical_not(gate_up).astype(jnp.int32))
         mark("block", b)
@@ -626,7 +658,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
             ni, si = r // splits, r % splits
             expert = pair_expert_gmem[b]
 
-            @pl.when((expert >= 0) & (expert < experts))
+            @pl.when((expert >= 0) & (expert < experts) & computes)
             def _():
                 def scoped(staged_smem):
                     body = decode_step(gu_stage, gu_decodes, gate_up_tile_n, gate_up_tile_k, False, 1, staged_smem)
@@ -636,7 +668,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                                          gu_k_steps, gate_up_stages)
                     mark("multiplied")
                     with jax.named_scope("gate_up_write"):
-                        token_row(acc, sums_gmem, si, b * block_t + b // top_k, ni * gate_up_tile_n, b // top_k)
+                        each_member(lambda t, q: token_row(acc, sums_gmem, si, b * block_t + t, ni * gate_up_tile_n,
+                                                           t))
                 pl.run_scoped(scoped, plgpu.SMEM((gate_up_tile_n * gate_up_tile_k // 16,), jnp.uint32))
                 if down_step_waits:  # tile ni holds gate or up rows of down step ni % steps; 2 splits programs each
                     _add(counters_gmem, _step_slot(b, ni % down_k_steps, down_k_steps),
@@ -649,10 +682,14 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
             ni = r
             expert = pair_expert_gmem[b]
 
-            @pl.when((expert >= 0) & (expert < experts))  # (a skipped pair's row is not written: the caller drops it)
-            def _():
-                weight = pair_weight_gmem[b]  # its token's row gets it, the other rows none
-                token_weights = [jnp.where(b // top_k == t, weight, 0.0) for t in range(tokens)]
+            @pl.when((expert >= 0) & (expert < experts) & computes)  # (a skipped pair's row is not written: the
+            def _():  # caller drops it)
+                if dedup_experts:  # a token's row gets its pair's weight (none: no pair of this expert)
+                    pair_of = [groups_gmem[b, t] for t in range(tokens)]
+                    token_weights = [jnp.where(q >= 0, pair_weight_gmem[jnp.maximum(q, 0)], 0.0) for q in pair_of]
+                else:
+                    weight = pair_weight_gmem[b]  # its token's row gets it, the other rows none
+                    token_weights = [jnp.where(b // top_k == t, weight, 0.0) for t in range(tokens)]
                 gate_scale, up_scale = gu_global_gmem[expert, 0], gu_global_gmem[expert, intermediate]
 
                 def scoped(out_smem, staged_smem, scale_smem, scale_barrier, *flag_smem):
@@ -678,8 +715,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                         if last:
                             mark("ready")
                         with jax.named_scope("down_swiglu"):
-                            (fill if step is None else fill_step[step])(
-                                sums_gmem, x_buf, b * block_t, b // top_k, gate_scale, up_scale)
+                            each_member(lambda t, q: (fill if step is None else fill_step[step])(
+                                sums_gmem, x_buf, b * block_t, t, gate_scale, up_scale))
                             plgpu.commit_smem()
                         if last:
                             mark("filled")
@@ -706,8 +743,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                         weighted_store(acc, out_smem, scale_smem, *token_weights)
                         plgpu.commit_smem()
                         # The pair's row (its token's row of the tile): rows of its own, no zeroing or reduction.
-                        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(b // top_k, 1)],
-                                                out_gmem.at[pl.ds(b, 1), pl.ds(ni * down_tile_n, down_tile_n)])
+                        each_member(lambda t, q: plgpu.copy_smem_to_gmem(
+                            out_smem.at[pl.ds(t, 1)], out_gmem.at[pl.ds(q, 1), pl.ds(ni * down_tile_n, down_tile_n)]))
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
                 pl.run_scoped(scoped, plgpu.SMEM((block_t, down_tile_n), jnp.float32),
@@ -734,10 +771,12 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
         interpret=nm.interpret_params(interpret),
     )
     counters_ref = jax.new_ref(fresh_counters(slots) if own else counters)
+    pair_expert = pair_expert.astype(jnp.int32)
+    groups = [expert_groups(pair_expert, tokens, experts)] if dedup_experts else []
     with nm.interpreting(interpret):
-        pair_out, _, *stamped = call(pair_expert.astype(jnp.int32), pair_weight.astype(jnp.float32), x,
-                                     gate_up_packed, gu_scales, gate_up_global_scale, down_packed, down_scales,
-                                     down_global_scale, counters_ref)
+        pair_out, _, *stamped = call(pair_expert, pair_weight.astype(jnp.float32), x, gate_up_packed, gu_scales,
+                                     gate_up_global_scale, down_packed, down_scales, down_global_scale, counters_ref,
+                                     *groups)
     # A token's pairs added by XLA (in the kernel that converts the output for the caller); skipped pairs' rows were
     # not written.
     computed = (pair_expert >= 0) & (pair_expert < experts)

@@ -111,6 +111,12 @@ def test_lowers_for_cuda(tokens, splits, down_tile_n, row_chunks):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("tokens,settings", [(8, dict(down_lag=1)), (2, dict(down_step_waits=True))])
+def test_dedup_experts_lowers_for_cuda(tokens, settings):
+    op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64, dedup_experts=True, **settings)
+    assert "mosaic_gpu" in _cuda_lowering(op, _specs(256, 5120, 320, tokens, 8 * tokens))
+
+
 @pytest.mark.parametrize("tokens,scales_first", [(1, False), (2, True)])
 def test_down_scales_first_lowers_against_its_default(tokens, scales_first):
     """The overlapped down loop with its step scales staged before or after the block's wait, each where the
@@ -328,7 +334,8 @@ SMALL = (512, 128, 16, 4)  # hidden, intermediate, experts, top_k
     (1, dict(fused_settings=dict(down_lag=1, smem_pad=16384))), (2, dict(fused_settings=dict(down_lag=0))),
     (5, dict(fused_settings=dict(down_lag=2, smem_pad=40960))), (1, dict(fused_settings=dict(down_step_waits=True))),
     (2, dict(fused_settings=dict(down_step_waits=True, down_lag=1, smem_pad=16384))),
-    (4, dict(fused_settings=dict(down_step_waits=True, down_overlap=True)))])
+    (4, dict(fused_settings=dict(down_step_waits=True, down_overlap=True))),
+    (4, dict(fused_settings=dict(dedup_experts=True))), (8, dict(fused_settings=dict(dedup_experts=True, down_lag=1)))])
 def test_fused_layer_matches_reference_on_gpu(tokens, settings):
     """Beam's TP8 expert shape; the same call twice in one program with other inputs (the semaphores and the
     output start from zero in each call)."""
@@ -338,34 +345,45 @@ def test_fused_layer_matches_reference_on_gpu(tokens, settings):
 @pytest.mark.parametrize("tokens,settings,shape", [
     (1, {}, SMALL), (2, {}, SMALL), (3, dict(gate_up_splits=1, down_tile_n=64, down_stages=2), SMALL),
     (5, {}, (512, 128, 6, 3)), (8, dict(gate_up_splits=2, down_tile_n=256, down_decode_row_chunks=4), SMALL),
-    (1, dict(fused_settings=dict(down_lag=1, smem_pad=16384)), SMALL), (2, dict(fused_settings=dict(down_lag=0)), SMALL),
+    (1, dict(fused_settings=dict(down_lag=1, smem_pad=16384)), SMALL),
+    (2, dict(fused_settings=dict(down_lag=0)), SMALL),
     (5, dict(fused_settings=dict(down_lag=2)), (512, 192, 16, 3)),
     (1, dict(fused_settings=dict(down_step_waits=True)), (512, 192, 16, 4)),
     (2, dict(fused_settings=dict(down_step_waits=True, down_lag=1)), SMALL),
     (4, dict(fused_settings=dict(down_step_waits=True, down_overlap=True, down_scales_first=True)), SMALL),
+    (5, dict(fused_settings=dict(dedup_experts=True)), (512, 128, 6, 3)),
+    (8, dict(fused_settings=dict(dedup_experts=True, down_lag=1)), (512, 128, 12, 4)),
+    (2, dict(fused_settings=dict(dedup_experts=True, down_step_waits=True)), (512, 192, 4, 4)),
     pytest.param(1, {}, (5120, 320, 256, 8), marks=pytest.mark.slow)])  # (~2 minutes)
 def test_fused_layer_matches_reference_interpret(tokens, settings, shape):
     """The kernel in Mosaic GPU's interpret mode on the CPU (`interpret=True`: its grid roles, copies, barriers,
     counters and indexing, with stand-ins for the PTX bodies; the programs one at a time in the grid's order), at
-    small shapes with pairs of one expert in several blocks (6 or 16 experts), and once at Beam's TP8 shape. With
-    `down_step_waits` every other block's down programs take the per-step fills (`_steps_done`' stand-in)."""
+    small shapes with pairs of one expert in several blocks (4 to 16 experts), and once at Beam's TP8 shape. With
+    `down_step_waits` every other block's down programs take the per-step fills (`_steps_done`' stand-in); with
+    `dedup_experts` an expert's first pair computes the rows of all its pairs."""
     settings = dict(settings, fused_settings=dict(settings.get("fused_settings", {}), interpret=True))
     _assert_fused_layer_close(tokens, settings, *shape)
 
 
-@pytest.mark.parametrize("tokens,real", [(3, 2), (5, 5)])
-def test_fused_layer_skips_other_devices_and_padding_interpret(tokens, real):
+@pytest.mark.parametrize("tokens,real,dedup", [(3, 2, False), (5, 5, False), (5, 4, True)])
+def test_fused_layer_skips_other_devices_and_padding_interpret(tokens, real, dedup):
     """Interpret mode: half the experts on this device (`expert_offset`: the other half's pairs are skipped by the
-    kernel) and a bucket's padding tokens (ids -1: their rows zero)."""
+    kernel) and a bucket's padding tokens (ids -1: their rows zero); with `dedup_experts` too."""
     from tests.pallas_kernels.test_moe_gemm import share_of_experts
 
     problem, _ = _layer_problem(tokens + 40, tokens, 512, 128, 16, 4, tile_k=256)
     x, weights, ids, gate, up, down = problem
     share = [share_of_experts(w, 8, 16) for w in (gate, up, down)]
     got = nmm.moe_nvfp4(x, weights, ids.at[real:].set(-1), *nmm.kernel_experts(*share, gate_up_tile_k=256),
-                        expert_offset=8, fused=True, fused_settings=dict(interpret=True))
+                        expert_offset=8, fused=True, fused_settings=dict(interpret=True, dedup_experts=dedup))
     np.testing.assert_array_equal(np.asarray(got[real:], np.float32), 0.0)
     _assert_layer_close((x[:real], weights[:real], ids[:real], *share), got[:real], expert_offset=8)
+
+
+def test_expert_groups_give_an_experts_first_pair_its_tokens_pairs():
+    ids = jnp.asarray([1, 2, 2, 5, 1, -1, 16, 16], jnp.int32)  # 4 tokens, top-2; 16 is outside the 16 experts
+    want = [[0, -1, 4, -1], [1, 2, -1, -1], [-1] * 4, [-1, 3, -1, -1], [-1] * 4, [-1] * 4, [-1] * 4, [-1] * 4]
+    np.testing.assert_array_equal(np.asarray(nfm.expert_groups(ids, 4, 16)), want)
 
 
 def _assert_fused_layer_close(tokens, settings, hidden, intermediate, experts, top_k):
@@ -379,9 +397,10 @@ def _assert_fused_layer_close(tokens, settings, hidden, intermediate, experts, t
 
 @pytest.mark.gpu
 def test_counters_passed_from_call_to_call_on_gpu():
-    """The counters passed on through seven calls in one program, as a model's layers pass them: 1, 5, 3 and 2 tokens,
-    1 and 2 with each down K step waited for apart (`down_step_waits`: slots of their own), and 7 with every pair
-    skipped (ids -1: no counter used), from counters one epoch below wrapping around. Each call matches the
+    """The counters passed on through eight calls in one program, as a model's layers pass them: 1, 5, 3 and 2 tokens,
+    1 and 2 with each down K step waited for apart (`down_step_waits`: slots of their own), 7 with every pair
+    skipped (ids -1: no counter used) and 6 with an expert's pairs computed once (`dedup_experts`: the first pair's
+    counters only), from counters one epoch below wrapping around. Each call matches the
     reference (the skipped one is zero), and each counter comes back grown by EPOCH a call that used it: its
     signals' and its waiters' alike."""
     _assert_counters_passed(5120, 320, 256, 8, interpret=False)
@@ -397,7 +416,7 @@ def _assert_counters_passed(hidden, intermediate, experts, top_k, interpret):
     x, weights, ids = problem[:3]
     steps = dict(down_step_waits=True)
     plan = ((1, False, {}), (5, False, {}), (1, False, steps), (7, True, {}), (3, False, {}),
-            (2, False, dict(steps, down_lag=1)), (2, False, {}))
+            (2, False, dict(steps, down_lag=1)), (2, False, {}), (6, False, dict(dedup_experts=True)))
 
     def chain(x, weights, ids, gate_up, down, counters):
         outs = []
@@ -413,7 +432,12 @@ def _assert_counters_passed(hidden, intermediate, experts, top_k, interpret):
     down_steps = intermediate // 64
     uses = np.zeros(nfm.COUNTER_SLOTS, np.int64)
     for tokens, skipped, settings in plan:
-        for b in range(0 if skipped else top_k * tokens):
+        if settings.get("dedup_experts"):  # an expert's first pair's counters only
+            groups = np.asarray(nfm.expert_groups(ids[:tokens].reshape(-1), tokens, experts))
+            computed = [b for b in range(top_k * tokens) if groups[b, b // top_k] == b]
+        else:
+            computed = range(0 if skipped else top_k * tokens)
+        for b in computed:
             if settings.get("down_step_waits"):
                 uses[[nfm._step_slot(b, kk, down_steps) for kk in range(down_steps + 1)]] += 1
             else:
