@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The one-launch NVFP4 layer's untimed settings (RESULTS.md, "Session 41 note"), in one device call of ~560 s:
+# The one-launch NVFP4 layer's untimed settings (RESULTS.md, "Session 41 note" and "Session 42 note"; each passed
+# its interpret-mode tests on the CPU, none has run on a GPU), in one device call of ~560 s:
 # spans with counters passed (each row with its error against the reference), then the kernel's GPU tests.
 #     OUT=dir bash benchmarks/moe/fused_settings_ab.sh
 # The probe prints a PROGRESS line as each variant is timed, so a process cut short (a hang: this kernel's waits
@@ -14,7 +15,10 @@ V1="[{$C}, {$C, \"fused_settings\": {\"down_lag\": 1}},
  {$C, \"fused_settings\": {\"smem_pad\": 16384}}]"
 V8="[{$C}, {$C, \"fused\": true}, {$C, \"fused\": true, \"fused_settings\": {\"down_lag\": 1}},
  {$C, \"fused\": true, \"fused_settings\": {\"down_lag\": 4}},
- {$C, \"fused\": true, \"fused_settings\": {\"down_lag\": 1, \"smem_pad\": 24576}}]"
+ {$C, \"fused\": true, \"fused_settings\": {\"down_lag\": 1, \"smem_pad\": 24576}},
+ {$C, \"fused\": true, \"fused_settings\": {\"dedup_experts\": true}},
+ {$C, \"fused\": true, \"fused_settings\": {\"dedup_experts\": true, \"down_lag\": 1}}]"
+DEDUP="[{$C}, {$C, \"fused_settings\": {\"dedup_experts\": true}}]"
 STEPS="[{$C}, {$C, \"fused_settings\": {\"down_step_waits\": true}},
  {$C, \"fused_settings\": {\"down_step_waits\": true, \"down_lag\": 1}}]"
 STEPS8="[{$C, \"fused\": true}, {$C, \"fused\": true,
@@ -27,10 +31,11 @@ probe() {  # name variants tokens seconds
   # T, variant, us, % of the floor, error (ERROR: the variant failed)
   grep ^PROGRESS $OUT/ab-$1.txt | grep -v triton | cut -d' ' -f2- | cut -c1-200
 }
-probe t1-a "$V1" 1,2,4,7 150
-probe t8-a "$V8" 8 100
+probe t1-a "$V1" 1,2,4,7 140
+probe t8-a "$V8" 8 130
 probe steps "$STEPS" 1,2 80
 probe steps8 "$STEPS8" 8 50
+probe dedup "$DEDUP" 4,7 50
 if [ $(left) -gt 260 ]; then probe t1-b "$V1" 1,2 80; fi
 echo "== tests at $(( $(date +%s) - start )) s"
 timeout $(left) python3 -m pytest tests/pallas_kernels/test_nvfp4_fused_moe.py -m gpu -q -x \
