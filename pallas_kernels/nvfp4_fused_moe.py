@@ -634,19 +634,20 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
 
         gate_up, b, r = program_role(p, blocks, gu_programs_per_block, down_tiles, down_lag)
 
+        # `dedup_experts`: block b's group, each token's pair of its expert (read at the start, where the loads' latency
+        # overlaps the program's copies); its programs compute where b is the group's first pair (else the group is
+        # empty, as a skipped pair's).
+        members = [groups_gmem[b, t] for t in range(tokens)] if dedup_experts else None
+        computes = functools.reduce(jnp.logical_or, [q == b for q in members]) if dedup_experts else True
+
         def each_member(body):
             """`body(token, pair)` for the pairs whose rows block b computes: its own, or with `dedup_experts` those
-            of its expert's group (none where it is not the group's first pair)."""
+            of its group."""
             if not dedup_experts:
                 body(b // top_k, b)
                 return
-            for t in range(tokens):
-                q = groups_gmem[b, t]
+            for t, q in enumerate(members):
                 pl.when(q >= 0)(functools.partial(body, t, q))
-
-        # A block's programs compute (`dedup_experts`: the first pair of its expert's group; a skipped pair's
-        # group is empty).
-        computes = (groups_gmem[b, b // top_k] == b) if dedup_experts else True
         mark("start")
         mark("kind", jnp.logical_not(gate_up).astype(jnp.int32))
         mark("block", b)
@@ -685,8 +686,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
             @pl.when((expert >= 0) & (expert < experts) & computes)  # (a skipped pair's row is not written: the
             def _():  # caller drops it)
                 if dedup_experts:  # a token's row gets its pair's weight (none: no pair of this expert)
-                    pair_of = [groups_gmem[b, t] for t in range(tokens)]
-                    token_weights = [jnp.where(q >= 0, pair_weight_gmem[jnp.maximum(q, 0)], 0.0) for q in pair_of]
+                    token_weights = [jnp.where(q >= 0, pair_weight_gmem[jnp.maximum(q, 0)], 0.0) for q in members]
                 else:
                     weight = pair_weight_gmem[b]  # its token's row gets it, the other rows none
                     token_weights = [jnp.where(b // top_k == t, weight, 0.0) for t in range(tokens)]
