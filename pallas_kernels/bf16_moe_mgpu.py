@@ -26,7 +26,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import moe_gemm as mg
 from pallas_kernels import row_gather as rg
-from pallas_kernels.mgpu_tiles import num_sms, smem_transforms
+from pallas_kernels.mgpu_tiles import interpret_params, num_sms, smem_transforms
 from pallas_kernels.nvfp4_moe_mgpu import pair_blocks, row_tokens
 
 
@@ -48,11 +48,6 @@ def fits(hidden: int, intermediate: int, *, tile_k: int = 64) -> bool:
     tiles = default_tiles(persistent=True)
     return not (intermediate % tiles["tile_n"] or hidden % tiles["down_tile_n"] or hidden % tile_k
                 or intermediate % tile_k)
-
-
-def _interpret_params(interpret: bool):
-    """Mosaic GPU's interpret mode (a simulated GPU on the CPU: shared memory, TMA, barriers) or none."""
-    return plgpu.InterpretGPUParams() if interpret else None
 
 
 def grouped_matmul(xs, block_expert, w, *, block_t: int = 128, tile_n: int = 128, tile_k: int = 64,
@@ -105,7 +100,7 @@ def grouped_matmul(xs, block_expert, w, *, block_t: int = 128, tile_n: int = 128
         grid_names=("b", "n"),
         scratch_types=dict(out_smem=plgpu.SMEM((block_t, tile_n), xs.dtype,
                                                transforms=smem_transforms(tile_n, xs.dtype))),
-        interpret=_interpret_params(interpret),
+        interpret=interpret_params(interpret),
     )
     return call(block_expert, xs, w)
 
@@ -191,7 +186,7 @@ def persistent_matmul(xs, block_expert, w, *, block_t: int = 128, tile_n: int = 
         out_type=jax.ShapeDtypeStruct((rows, n_out), xs.dtype),
         grid=(num_programs or num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=_interpret_params(interpret),
+        interpret=interpret_params(interpret),
     )
     return call(block_expert, xs, w)
 

@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mgpu_tiles import smem_transforms, stamp
+from pallas_kernels.mgpu_tiles import interpret_params, smem_transforms, stamp
 
 _M_INIT = -1e30  # as the Triton kernel's: exp(-inf - _M_INIT) = 0, never inf - inf
 _WGMMA_ROWS = 64
@@ -220,7 +220,7 @@ def split_decode(queries, k_pages, v_pages, row_token, seq_lens, page_table, *, 
                   *[jax.ShapeDtypeStruct((batch * kv_heads * num_splits, len(STAMPS)), jnp.int32)] * stamps),
         grid=(batch, kv_heads, num_splits), grid_names=("b", "h", "s"),
         scratch_types=dict(q_smem=plgpu.SMEM((_WGMMA_ROWS, head_dim), dtype), q_barrier=plgpu.Barrier()),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        interpret=interpret_params(interpret),
     )
     return call(row_token.astype(jnp.int32), seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), q_flat,
                 k_flat, v_flat)

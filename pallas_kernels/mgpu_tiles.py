@@ -20,6 +20,12 @@ def num_sms() -> int:
     return device.core_count if device.platform == "gpu" else 132
 
 
+def interpret_params(interpret: bool):
+    """A kernel's `interpret=`: Mosaic GPU's interpret mode (a simulated GPU on the CPU: shared memory, TMA,
+    barriers) or none."""
+    return plgpu.InterpretGPUParams() if interpret else None
+
+
 def smem_transforms(cols: int, dtype) -> tuple:
     """TMA/wgmma tiling and swizzle of a shared-memory tile whose rows hold `cols` values."""
     swizzle = plgpu.find_swizzle(cols * jnp.dtype(dtype).itemsize * 8)

@@ -56,7 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import nvfp4_mgpu as nm
-from pallas_kernels.mgpu_tiles import stamp
+from pallas_kernels.mgpu_tiles import interpret_params, stamp
 
 _X_ROW_BYTES = 128  # the down GEMM's activation tile rows: tile_k 64 bf16, one 128-byte swizzled row
 _X_TILE_K = _X_ROW_BYTES // 2  # (their bf16 columns)
@@ -768,7 +768,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
         grid=(programs,),
         grid_names=("p",),
         compiler_params=compiler_params,
-        interpret=nm.interpret_params(interpret),
+        interpret=interpret_params(interpret),
     )
     counters_ref = jax.new_ref(fresh_counters(slots) if own else counters)
     pair_expert = pair_expert.astype(jnp.int32)

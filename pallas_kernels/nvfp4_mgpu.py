@@ -38,6 +38,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.mgpu_tiles import interpret_params
 from pallas_kernels.moe_gemm import _swiglu
 
 # bf16 bit positions of an E2M1 code's bits (m, e0, e1, sign) in the low half of a register.
@@ -219,11 +220,6 @@ def interpreting(interpret: bool):
         _interpreting.reset(token)
 
 
-def interpret_params(interpret: bool):
-    """The kernel's `interpret=` for `plgpu.kernel`: Mosaic GPU's interpret mode or none."""
-    return plgpu.InterpretGPUParams() if interpret else None
-
-
 def is_interpreting() -> bool:
     """Whether the kernel being traced is for interpret mode (`interpreting`)."""
     return _interpreting.get()
@@ -233,7 +229,7 @@ def mgpu_op(body, stand_in, **inline_mgpu_settings):
     """`plgpu.inline_mgpu(**inline_mgpu_settings)(body)`, or `stand_in` (the same arguments) where the kernel is
     traced for interpret mode."""
     op = plgpu.inline_mgpu(**inline_mgpu_settings)(body)
-    return lambda *args: (stand_in if _interpreting.get() else op)(*args)
+    return lambda *args: (stand_in if is_interpreting() else op)(*args)
 
 
 def _scale_asm(j: int) -> str:
