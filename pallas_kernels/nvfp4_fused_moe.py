@@ -648,6 +648,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                 return
             for t, q in enumerate(members):
                 pl.when(q >= 0)(functools.partial(body, t, q))
+
         mark("start")
         mark("kind", jnp.logical_not(gate_up).astype(jnp.int32))
         mark("block", b)
