@@ -31,11 +31,11 @@ probe() {  # name variants tokens seconds
   # T, variant, us, % of the floor, error (ERROR: the variant failed)
   grep ^PROGRESS $OUT/ab-$1.txt | grep -v triton | cut -d' ' -f2- | cut -c1-200
 }
-probe t1-a "$V1" 1,2,4,7 140
+probe t1-a "$V1" 1,2,4,7 130
 probe t8-a "$V8" 8 130
 probe steps "$STEPS" 1,2 80
 probe steps8 "$STEPS8" 8 50
-probe dedup "$DEDUP" 4,7 50
+probe dedup "$DEDUP" 4,7 70
 if [ $(left) -gt 260 ]; then probe t1-b "$V1" 1,2 80; fi
 echo "== tests at $(( $(date +%s) - start )) s"
 timeout $(left) python3 -m pytest tests/pallas_kernels/test_nvfp4_fused_moe.py -m gpu -q -x \
