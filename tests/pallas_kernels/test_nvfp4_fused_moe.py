@@ -1,5 +1,6 @@
 """The one-launch NVFP4 decode layer (`nvfp4_fused_moe`): its glue through `moe_nvfp4(fused=True)` on the CPU
-with the kernel emulated, its lowering for sm_90, and the kernel against the reference on a GPU."""
+with the kernel emulated, its lowering for sm_90, and the kernel against the reference in Mosaic GPU's interpret
+mode on the CPU (stand-ins for its PTX bodies) and on a GPU."""
 
 from __future__ import annotations
 

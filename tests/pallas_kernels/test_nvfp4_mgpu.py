@@ -1,6 +1,7 @@
 """The Mosaic GPU NVFP4 grouped GEMM: its load-time layouts (checked on the CPU through
-`decode_pair_bits`, the PTX decode's plain-jnp twin), its lowering for sm_90, its output on a GPU, and
-the MoE layer built on it (its glue on the CPU with the GEMM emulated; the whole layer on a GPU)."""
+`decode_pair_bits`, the PTX decode's plain-jnp twin), its lowering for sm_90, its output in Mosaic GPU's
+interpret mode on the CPU (stand-ins for its PTX bodies) and on a GPU, and the MoE layer built on it (its
+glue on the CPU with the GEMM emulated or interpreted; the whole layer on a GPU)."""
 
 from __future__ import annotations
 
