@@ -543,7 +543,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     if down_line_box:
         down_packed = down_packed.reshape(*down_packed.shape[:2], -1, nm._LINE)
     x_transforms = down_in_specs(0, 0, 0, 0)[-1].transforms  # the down GEMM's activation tiles (swizzled)
-    fill_types = (plgpu.RefType(), plgpu.RefType(transforms=x_transforms), *[plgpu.Layout.WG_SPLAT(())] * 4)
+    fill_types = (plgpu.RefType(), plgpu.RefType(transforms=x_transforms), *[_SPLAT] * 4)
     fill = nm.mgpu_op(_swiglu_activations(splits, block_t, intermediate),
                       _swiglu_activations_stand_in(splits, intermediate), arg_types=fill_types)
     fill_step = [nm.mgpu_op(_swiglu_activations(splits, block_t, intermediate, kk * down_tile_k, down_tile_k),
