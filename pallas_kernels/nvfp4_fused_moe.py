@@ -47,7 +47,6 @@ that store their token's row from registers (not the whole tile by TMA, waiting 
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import jax
@@ -61,9 +60,9 @@ from pallas_kernels.mgpu_tiles import interpret_params, stamp
 _X_ROW_BYTES = 128  # the down GEMM's activation tile rows: tile_k 64 bf16, one 128-byte swizzled row
 _X_TILE_K = _X_ROW_BYTES // 2  # (their bf16 columns)
 # The columns of `fused_decode_moe(stamps=True)`: a program's `%globaltimer_lo` (ns) at its start and its end, its
-# kind (0 gate/up, 1 down), and when it got past its phases: a down program past its block's wait ("ready"; with
-# `down_step_waits` its last step's) and with its activations filled ("filled"), any program with its K loop done
-# ("multiplied"); 0 where it did not get there (a real stamp is 0 once in 2^32 ns); and its block (pair).
+# kind (0 gate/up, 1 down), and when it got past its phases: a down program past its block's wait ("ready") and
+# with its activations filled ("filled"), any program with its K loop done ("multiplied"); 0 where it did not get
+# there (a real stamp is 0 once in 2^32 ns); and its block (pair).
 STAMPS = ("start", "end", "kind", "ready", "filled", "multiplied", "block")
 
 
@@ -87,25 +86,16 @@ def _async_proxy_fence():
 # counter is EPOCH past that. (Taking a ticket back to zero instead made the kernel 0.5-1.2 us slower: H200,
 # session 34 run 1.)
 EPOCH = 1 << 16  # a power of two, so that the counters' wrap-around keeps whole epochs
-# Block b's gate/up programs signal on slot 2 b, its down programs pass on slot 2 b + 1. With `down_step_waits`, in
-# slots of their own after those of MAX_BLOCKS blocks (so that calls with and without it can share counters): the
-# gate/up programs of block b's down K step kk signal on `_step_slot(b, kk)`, its down programs pass on
-# `_step_slot(b, steps)`.
 MAX_BLOCKS = 8 * 8  # the kernel's largest call: 8 tokens, top-8
-MAX_STEP_WAITS = 8  # down K steps that `down_step_waits` counts apart, at most (intermediate 512)
 
 
-def counter_slots(blocks: int, steps: int | None = None) -> int:
-    """Slots of the counters for `blocks` pairs (with `down_step_waits`: and `steps` down K steps)."""
-    return 2 * blocks if steps is None else 2 * MAX_BLOCKS + blocks * (steps + 1)
+def counter_slots(blocks: int) -> int:
+    """Slots of the counters for `blocks` pairs: block b's gate/up programs signal on slot 2 b, its down programs
+    pass on slot 2 b + 1."""
+    return 2 * blocks
 
 
-def _step_slot(block, step, steps: int):
-    """Slot of block `block`'s down K step `step` (`down_step_waits`; `step` = `steps`: its waiters' slot)."""
-    return 2 * MAX_BLOCKS + block * (steps + 1) + step
-
-
-COUNTER_SLOTS = counter_slots(MAX_BLOCKS, MAX_STEP_WAITS)  # enough for every call
+COUNTER_SLOTS = counter_slots(MAX_BLOCKS)  # enough for every call
 
 
 def fresh_counters(slots: int = COUNTER_SLOTS) -> jax.Array:
@@ -148,95 +138,43 @@ def _add(counters, slot, amount, *, release: bool) -> None:
                                                                            amount)
 
 
-def _epoch_reader(counters, waiters):
-    """In an inline_mgpu body, for the thread that reads the counters: `behind(slot pointer)`, whether a signals'
-    counter is short of EPOCH past this call's start (an i1), the start being the waiters' counter (`waiters`, a
-    WG_SPLAT slot) rounded down to a multiple of EPOCH; relaxed gpu-scope loads (no L1), unsigned differences (so a
-    counter that wrapped still counts)."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith
-    from jax.experimental.mosaic.gpu import utils
-    i32 = ir.IntegerType.get_signless(32)
-    load = lambda address: utils.inline_ptx(  # noqa: E731
-        "ld.relaxed.gpu.global.b32 $0, [$1];", address, result_types=i32, has_side_effects=True)
-    base = arith.andi(load(_slot(counters, waiters)), utils.c(-EPOCH, i32))
-    return lambda ptr: arith.cmpi(arith.CmpIPredicate.ult, arith.subi(load(ptr), base), utils.c(EPOCH, i32))
-
-
-def _wait_epoch(counters, slot, waiters=None) -> None:
+def _wait_epoch(counters, slot) -> None:
     """Waits until a signals' counter (`slot`) is EPOCH past this call's start, acquiring what its signals released.
-    The start is the waiters' counter (`waiters`, unset: slot + 1) rounded down to a multiple of EPOCH, read before
-    this program adds to it, here by the waiting thread just before the wait (read by every thread instead: equal
-    within 0.1 us at 1-2 tokens, H200 session 35 run 8; both faster than a read at the program's start, session 34
-    run 8) (`_epoch_reader`). Interpret mode runs the programs one at a time in the grid's order, so a wait that would
-    not pass at once would never pass: there it does not wait, and what the program then reads was not written
-    (the interpreter's fresh buffers: NaN in its output)."""
-    def wait(ctx, counters, slot, waiters):
+    The start is the waiters' counter (slot + 1) rounded down to a multiple of EPOCH, read before this program adds
+    to it, here by the waiting thread just before the wait (read by every thread instead: equal within 0.1 us at 1-2
+    tokens, H200 session 35 run 8; both faster than a read at the program's start, session 34 run 8); unsigned
+    differences, so a counter that wrapped still counts. Interpret mode runs the programs one at a time in the grid's
+    order, so a wait that would not pass at once would never pass: there it does not wait, and what the program then
+    reads was not written (the interpreter's fresh buffers: NaN in its output)."""
+    def wait(ctx, counters, slot):
         del ctx
         from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import scf
+        from jax._src.lib.mlir.dialects import arith, scf
         from jax.experimental.mosaic.gpu import utils
+        i32 = ir.IntegerType.get_signless(32)
+        ptr = _slot(counters, slot)
+        load = lambda address: utils.inline_ptx(  # noqa: E731
+            "ld.relaxed.gpu.global.b32 $0, [$1];", address, result_types=i32, has_side_effects=True)
         with utils.single_thread(scope=utils.ThreadSubset.WARPGROUP):
-            behind = _epoch_reader(counters, waiters)
+            base = arith.andi(load(utils.getelementptr(ptr, [1], i32)), utils.c(-EPOCH, i32))
             loop = scf.WhileOp([], [])
             with ir.InsertionPoint(loop.before.blocks.append()):
-                scf.condition(behind(_slot(counters, slot)), [])
+                scf.condition(arith.cmpi(arith.CmpIPredicate.ult, arith.subi(load(ptr), base), utils.c(EPOCH, i32)), [])
             with ir.InsertionPoint(loop.after.blocks.append()):
                 scf.yield_([])
             utils.inline_ptx("fence.acquire.gpu;", has_side_effects=True)
         utils.warpgroup_barrier()
 
-    nm.mgpu_op(wait, lambda *refs: None, arg_types=(plgpu.RefType(), _SPLAT, _SPLAT))(
-        counters, jnp.asarray(slot, jnp.int32), jnp.asarray(slot + 1 if waiters is None else waiters, jnp.int32))
+    nm.mgpu_op(wait, lambda *refs: None, arg_types=(plgpu.RefType(), _SPLAT))(counters, jnp.asarray(slot, jnp.int32))
 
 
-def _steps_done(counters, first_slot, steps: int, waiters, flag_smem):
-    """Whether the signals' counters of `steps` slots from `first_slot` are all EPOCH past this call's start (as
-    `_wait_epoch`), read once by one thread without waiting, acquiring what their signals released; an int32 (1:
-    all done) that every thread of the warpgroup gets, through `flag_smem` (int32 [1]). In interpret mode, where
-    every step is done by the time a down program runs (programs one at a time, in the grid's order), every other
-    block's programs find them not done, so that both paths run on the CPU."""
-    def done(ctx, counters, first_slot, waiters, flag_smem):
-        del ctx
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import arith, memref
-        from jax.experimental.mosaic.gpu import fragmented_array as fa
-        from jax.experimental.mosaic.gpu import utils
-        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-        first = _slot(counters, first_slot)
-        with utils.single_thread(scope=utils.ThreadSubset.WARPGROUP):
-            behind = _epoch_reader(counters, waiters)
-            all_done = utils.c(1, i32)
-            for step in range(steps):
-                all_done = arith.select(behind(utils.getelementptr(first, [step], i32)), utils.c(0, i32), all_done)
-            utils.inline_ptx("fence.acquire.gpu;", has_side_effects=True)
-            memref.store(all_done, flag_smem, [utils.c(0, index)])
-        utils.warpgroup_barrier()
-        flag = memref.load(flag_smem, [utils.c(0, index)])
-        return fa.FragmentedArray.splat(flag, (), layout=fa.WGSplatFragLayout(()), is_signed=True)
-
-    def stand_in(counters, first_slot, waiters, flag_smem):
-        del flag_smem
-        base = counters[waiters] & -EPOCH
-        past = [jax.lax.bitcast_convert_type(counters[first_slot + step] - base, jnp.uint32) >= EPOCH
-                for step in range(steps)]
-        done = functools.reduce(jnp.logical_and, past)
-        every_other_block = (first_slot - _step_slot(0, 0, steps)) // (steps + 1) % 2 == 0
-        return (done & every_other_block).astype(jnp.int32)
-
-    return nm.mgpu_op(done, stand_in, arg_types=(plgpu.RefType(), _SPLAT, _SPLAT, plgpu.RefType()),
-                      return_type=plgpu.ShapeDtypeStruct((), jnp.int32, layout=_SPLAT))(
-        counters, jnp.asarray(first_slot, jnp.int32), jnp.asarray(waiters, jnp.int32), flag_smem)
-
-
-def _swiglu_activations(splits: int, block_t: int, intermediate: int, first: int = 0, count: int | None = None):
+def _swiglu_activations(splits: int, block_t: int, intermediate: int):
     """inline_mgpu body: the block's gate/up partial sums (gmem `[splits, rows, 2 I]` fp32, the block's rows from
     `row0`) -> the down GEMM's activation tiles (smem `[I / 64, block_t, 64]` bf16, 128-byte swizzle): for the
     pair's `token` row, gate and up summed over the splits, times OUTPUT_FACTOR and their global scales, rounded
-    to bf16, and SwiGLU rounded to bf16 (as `moe_nvfp4`'s XLA pass): its `count` columns from `first` (unset:
-    all). The other rows keep what shared memory held: a row is a column of the down GEMM's output that no other
-    column reads, and only the token's is stored (without their zeroing: 14.1-14.2 / 31.3 us at 1 / 4 tokens
-    against 14.7 / 33.3, H200 session 40)."""
+    to bf16, and SwiGLU rounded to bf16 (as `moe_nvfp4`'s XLA pass). The other rows keep what shared memory held:
+    a row is a column of the down GEMM's output that no other column reads, and only the token's is stored
+    (without their zeroing: 14.1-14.2 / 31.3 us at 1 / 4 tokens against 14.7 / 33.3, H200 session 40)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref
     from jax.experimental.mosaic.gpu import utils
@@ -277,9 +215,7 @@ def _swiglu_activations(splits: int, block_t: int, intermediate: int, first: int
         # A thread's loads for all its columns (2-3 of them, gate and up of each K split) first: one round trip to L2,
         # none waiting behind the last column's guard (no change measured: 14.1-14.2 us at one token against 14.2,
         # H200 session 40).
-        column = lambda j: arith.addi(j, utils.c(first, index))  # noqa: E731
-        nm.for_each_index(intermediate - first if count is None else count, lambda j, sums: one(column(j), sums),
-                          load=lambda j: partial_sums(column(j)))
+        nm.for_each_index(intermediate, one, load=partial_sums)
 
     return body
 
@@ -353,23 +289,22 @@ def _store_weighted_transposed(tile_n: int, block_t: int, tokens: int):
 
 
 # Interpret mode's stand-ins (`nm.mgpu_op`) for the three bodies above.
-def _swiglu_activations_stand_in(splits: int, intermediate: int, first: int = 0, count: int | None = None):
+def _swiglu_activations_stand_in(splits: int, intermediate: int):
     """`_swiglu_activations` in interpret mode (`exp` rather than `ex2.approx`)."""
-    count = intermediate - first if count is None else count
 
     def stand_in(sums_ref, x_ref, row0, token, gate_scale, up_scale):
         row = row0 + token
 
         def projection(start, scale):
-            total = sums_ref[0, row, pl.ds(start, count)]
+            total = sums_ref[0, row, pl.ds(start, intermediate)]
             for split in range(1, splits):
-                total = total + sums_ref[split, row, pl.ds(start, count)]
+                total = total + sums_ref[split, row, pl.ds(start, intermediate)]
             return (total * (scale * nm.OUTPUT_FACTOR)).astype(jnp.bfloat16)
 
-        values = nm._swiglu(projection(first, gate_scale), projection(intermediate + first, up_scale))
+        values = nm._swiglu(projection(0, gate_scale), projection(intermediate, up_scale))
         values = values.astype(jnp.bfloat16)
-        for step in range(count // _X_TILE_K):
-            x_ref[first // _X_TILE_K + step, token, :] = values[step * _X_TILE_K:(step + 1) * _X_TILE_K]
+        for step in range(intermediate // _X_TILE_K):
+            x_ref[step, token, :] = values[step * _X_TILE_K:(step + 1) * _X_TILE_K]
 
     return stand_in
 
@@ -392,42 +327,6 @@ def _store_weighted_transposed_stand_in(block_t: int, tokens: int):
     return stand_in
 
 
-def expert_groups(pair_expert, tokens: int, experts: int) -> jax.Array:
-    """`fused_decode_moe(dedup_experts=True)`'s groups: int32 `[pairs, tokens]`, for the first pair of each expert
-    (in pair order) the pair of each token that picked that expert (-1: that token did not; a token picks an expert
-    once), and -1 rows for the other pairs and for skipped ones (experts outside [0, E))."""
-    pairs = pair_expert.shape[0]
-    valid = (pair_expert >= 0) & (pair_expert < experts)
-    same = (pair_expert[:, None] == pair_expert[None, :]) & valid[:, None] & valid[None, :]
-    first = valid & ~jnp.any(jnp.tril(same, k=-1), axis=1)  # no earlier pair of its expert
-    pair_index = jnp.arange(pairs).reshape(tokens, pairs // tokens)
-    group = jnp.max(jnp.where(same.reshape(pairs, tokens, -1), pair_index, -1), axis=2)
-    return jnp.where(first[:, None], group, -1).astype(jnp.int32)
-
-
-def program_role(p, blocks: int, gate_up_per_block: int, down_per_block: int, down_lag: int | None):
-    """Program p's kind (True: gate/up), block and index among that block's programs of its kind, in the grid's
-    order: every gate/up program first (`down_lag` None), or a block's down programs after the gate/up programs of
-    the block `down_lag` later. A down program always comes after its block's gate/up programs, which the GPU
-    starts first, so its wait cannot keep them from running."""
-    if down_lag is None or down_lag >= blocks:
-        gate_up, q = p < blocks * gate_up_per_block, p - blocks * gate_up_per_block
-        return (gate_up, jnp.where(gate_up, p // gate_up_per_block, q // down_per_block),
-                jnp.where(gate_up, p % gate_up_per_block, q % down_per_block))
-    head, segment = down_lag * gate_up_per_block, gate_up_per_block + down_per_block
-    q = p - head
-    s, r = q // segment, q % segment  # segment s: block lag + s's gate/up programs, then block s's down programs
-    tail = q - (blocks - down_lag) * segment  # past the segments: the last `down_lag` blocks' down programs
-    in_head, in_tail = p < head, tail >= 0
-    gate_up = in_head | (~in_tail & (r < gate_up_per_block))
-    block = jnp.where(in_head, p // gate_up_per_block,
-                      jnp.where(in_tail, blocks - down_lag + tail // down_per_block,
-                                jnp.where(gate_up, down_lag + s, s)))
-    index = jnp.where(in_head, p % gate_up_per_block,
-                      jnp.where(in_tail, tail % down_per_block, jnp.where(gate_up, r, r - gate_up_per_block)))
-    return gate_up, block, index
-
-
 def fits(hidden: int, down_tile_k: int, tokens: int) -> bool:
     """Whether `fused_decode_moe` takes these shapes: down weights in K steps of 64 (its activation tiles are one
     128-byte row), a hidden size in whole 64-row down tiles, at most 8 tokens."""
@@ -440,8 +339,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                      gate_up_decode_chunks: int | None = None, down_stages: int = 5,
                      down_tile_n: int | None = None,
                      down_decode_row_chunks: int = 1, down_overlap: bool | None = None,
-                     down_scales_first: bool | None = None, down_lag: int | None = None, smem_pad: int = 0,
-                     down_step_waits: bool = False, dedup_experts: bool = False, counters=None,
+                     down_scales_first: bool | None = None, counters=None,
                      compiler_params=None, stamps: bool = False, interpret: bool = False):
     """`x [T, H]` bf16 (T <= 8), `pair_expert [T * top_k]` int32 (token t's picks from t * top_k on; an expert
     outside [0, E): skip the pair) and `pair_weight [T * top_k]` fp32, its routing weights. Each pair is a block of
@@ -453,21 +351,13 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     `decode_chunks`; the down GEMM's; `down_overlap`: a down program issues every K step's copy at once and decodes a
     step while the one before multiplies (`down_stages` then does not apply; unset: at 1-2 tokens);
     `down_scales_first` (with `down_overlap`): it stages every step's block scales before it waits for its block
-    (unset: at one token). `down_lag`: the grid's order, a block's down programs after the gate/up programs of the
-    block `down_lag` blocks later (unset: every gate/up program first); `smem_pad`: bytes of shared memory a program
-    takes beyond what it uses, which caps the programs an SM holds. Together they are meant to let the blocks
-    stream one after another, a block's down tail running while later blocks stream (not yet timed: RESULTS.md,
-    session 41). `down_step_waits` (with `down_overlap`, 64-row gate/up tiles): a down program waits for each K
-    step's gate/up programs (gate tile kk and up tile steps + kk, their K splits) apart, and fills and multiplies
-    that step while later ones run, not for its whole block before its first step (untimed, session 41).
-    `dedup_experts`: the pairs that picked one expert (at 8 tokens ~7 of the 64 pairs share an expert with another)
-    are computed once, by the programs of the first of them, which read its weights once for all its tokens' rows
-    (`expert_groups`, an XLA kernel before this one); the others' programs do nothing (untimed, session 42).
+    (unset: at one token). (Settings that lost everywhere they were timed were removed: a grid of blocks one after
+    another with padded shared memory, a down program's wait per K step, an expert's pairs computed once; RESULTS.md,
+    session 43.)
     `counters`:
     int32 `[slots]` from `fresh_counters()` or as the call before returned them (other values break the waits: wrong
     sums or a hang); then (output, counters) come back, for the next call. Unset, or with fewer than
-    `counter_slots(pairs)` slots (with `down_step_waits`: `counter_slots(pairs, I / 64)`; returned untouched), the
-    call zeroes its own (an XLA kernel before this one).
+    `counter_slots(pairs)` slots (returned untouched), the call zeroes its own (an XLA kernel before this one).
     `compiler_params`: `plgpu.CompilerParams` for the kernel (e.g. Mosaic GPU's profiler, which records the named
     scopes of each program: benchmarks/moe/fused_timeline.py).
     `stamps` (a diagnostic): the kernel also writes int32 `[programs, len(STAMPS)]` (each program's `%globaltimer_lo`
@@ -519,14 +409,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     gu_programs, down_programs = blocks * gu_programs_per_block, blocks * down_tiles
     if interpret and stamps:
         raise ValueError("stamps read the GPU's clock: not in interpret mode")
-    if smem_pad < 0 or smem_pad % 1024:  # (whole 1024-byte units keep the kernel's swizzled tiles aligned)
-        raise ValueError(f"smem_pad={smem_pad} must be a non-negative multiple of 1024 bytes")
-    if down_step_waits and not (down_overlap and gate_up_tile_n == down_tile_k
-                                and down_k_steps <= MAX_STEP_WAITS and blocks <= MAX_BLOCKS):
-        raise ValueError(f"down_step_waits needs down_overlap, gate_up_tile_n == down_tile_k ({gate_up_tile_n} and "
-                         f"{down_tile_k}), at most {MAX_STEP_WAITS} down K steps ({down_k_steps}) and "
-                         f"{MAX_BLOCKS} pairs ({blocks})")
-    slots = counter_slots(blocks, down_k_steps if down_step_waits else None)
+    slots = counter_slots(blocks)
     if counters is not None and (counters.dtype != jnp.int32 or counters.ndim != 1):
         raise ValueError(f"counters must be int32 [slots] (`fresh_counters()` or a call's), got "
                          f"{counters.dtype}{list(counters.shape)}")
@@ -546,10 +429,6 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     fill_types = (plgpu.RefType(), plgpu.RefType(transforms=x_transforms), *[_SPLAT] * 4)
     fill = nm.mgpu_op(_swiglu_activations(splits, block_t, intermediate),
                       _swiglu_activations_stand_in(splits, intermediate), arg_types=fill_types)
-    fill_step = [nm.mgpu_op(_swiglu_activations(splits, block_t, intermediate, kk * down_tile_k, down_tile_k),
-                            _swiglu_activations_stand_in(splits, intermediate, kk * down_tile_k, down_tile_k),
-                            arg_types=fill_types)
-                 for kk in range(down_k_steps if down_step_waits else 0)]
     token_row = nm.mgpu_op(_store_token_row(gate_up_tile_n), _store_token_row_stand_in(gate_up_tile_n),
                            arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), *[_SPLAT] * 4))
     weighted_store = nm.mgpu_op(_store_weighted_transposed(down_tile_n, block_t, tokens),
@@ -580,12 +459,10 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
 
     down_words = down_tile_n * down_tile_k // 16  # a step's staged block scales
 
-    def resident_down_loop(acc_ref, specs, gmem_refs, fill_activations, staged_smem, steps_done):
+    def resident_down_loop(acc_ref, specs, gmem_refs, fill_activations, staged_smem):
         """A down program's K loop with every step's copy issued first: after `fill_activations`, each step's scales
         are staged into a buffer of its own and its decode runs while the step before multiplies (no wait for a
-        step's wgmma before the next step's decode, as a pipeline's step has). With `down_step_waits`, where
-        `steps_done()` finds every step's gate/up programs done, one fill of all steps as without it; else each
-        step's fill (and wait) just before its multiply."""
+        step's wgmma before the next step's decode, as a pipeline's step has)."""
         weight_specs, x_spec = specs[:-1], specs[-1]
         shape = lambda spec: tuple(d for d in spec.block_shape if not nm._squeezed(d))  # noqa: E731
 
@@ -602,14 +479,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
             if down_scales_first:  # every step's scales staged before the block's wait, off the tail after it
                 for kk in range(down_k_steps):
                     stage_scales(kk)
-            if down_step_waits:  # (a program that starts late finds them all done: one round trip, not one a step)
-                all_done = steps_done() != 0
-                pl.when(all_done)(lambda: fill_activations(x_buf, done=True))
-            else:
-                fill_activations(x_buf)
+            fill_activations(x_buf)
             for kk in range(down_k_steps):
-                if down_step_waits:
-                    pl.when(jnp.logical_not(all_done))(functools.partial(fill_activations, x_buf, kk))
                 if not down_scales_first:
                     stage_scales(kk)
                 nm.multiply_step(acc_ref, down_decodes, weight_bufs[0].at[kk], staged[kk], x_buf.at[kk],
@@ -623,31 +494,20 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                       plgpu.Barrier(num_arrivals=len(weight_specs), num_barriers=down_k_steps))
 
     def kernel(pair_expert_gmem, pair_weight_gmem, x_gmem, gu_packed_gmem, gu_scales_gmem, gu_global_gmem,
-               down_packed_gmem, down_scales_gmem, down_global_gmem, counters_gmem, *refs):
-        groups_gmem, refs = (refs[0], refs[1:]) if dedup_experts else (None, refs)
-        out_gmem, sums_gmem, *stamps_gmem = refs
+               down_packed_gmem, down_scales_gmem, down_global_gmem, counters_gmem, out_gmem, sums_gmem, *stamps_gmem):
         p = jax.lax.axis_index("p")
 
         def mark(name, value=None):  # a stamp (`stamps`)
             if stamps:
                 stamp(stamps_gmem[0], p, STAMPS.index(name), value)
 
-        gate_up, b, r = program_role(p, blocks, gu_programs_per_block, down_tiles, down_lag)
-
-        # `dedup_experts`: block b's group, each token's pair of its expert (read at the start, where the loads' latency
-        # overlaps the program's copies); its programs compute where b is the group's first pair (else the group is
-        # empty, as a skipped pair's).
-        members = [groups_gmem[b, t] for t in range(tokens)] if dedup_experts else None
-        computes = functools.reduce(jnp.logical_or, [q == b for q in members]) if dedup_experts else True
-
-        def each_member(body):
-            """`body(token, pair)` for the pairs whose rows block b computes: its own, or with `dedup_experts` those
-            of its group."""
-            if not dedup_experts:
-                body(b // top_k, b)
-                return
-            for t, q in enumerate(members):
-                pl.when(q >= 0)(functools.partial(body, t, q))
+        # Every gate/up program first in the grid, then the down programs: a down program waits only on programs
+        # that the GPU started before it, so its wait cannot keep them from running.
+        gate_up = p < gu_programs
+        q = p - gu_programs
+        b = jnp.where(gate_up, p // gu_programs_per_block, q // down_tiles)  # the block (pair)
+        r = jnp.where(gate_up, p % gu_programs_per_block, q % down_tiles)  # the program among its block's of its kind
+        token = b // top_k
 
         mark("start")
         mark("kind", jnp.logical_not(gate_up).astype(jnp.int32))
@@ -660,7 +520,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
             ni, si = r // splits, r % splits
             expert = pair_expert_gmem[b]
 
-            @pl.when((expert >= 0) & (expert < experts) & computes)
+            @pl.when((expert >= 0) & (expert < experts))
             def _():
                 def scoped(staged_smem):
                     body = decode_step(gu_stage, gu_decodes, gate_up_tile_n, gate_up_tile_k, False, 1, staged_smem)
@@ -670,57 +530,36 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                                          gu_k_steps, gate_up_stages)
                     mark("multiplied")
                     with jax.named_scope("gate_up_write"):
-                        each_member(lambda t, q: token_row(acc, sums_gmem, si, b * block_t + t, ni * gate_up_tile_n,
-                                                           t))
+                        token_row(acc, sums_gmem, si, b * block_t + token, ni * gate_up_tile_n, token)
                 pl.run_scoped(scoped, plgpu.SMEM((gate_up_tile_n * gate_up_tile_k // 16,), jnp.uint32))
-                if down_step_waits:  # tile ni holds gate or up rows of down step ni % steps; 2 splits programs each
-                    _add(counters_gmem, _step_slot(b, ni % down_k_steps, down_k_steps),
-                         _share(ni // down_k_steps * splits + si, 2 * splits), release=True)
-                else:
-                    _add(counters_gmem, 2 * b, _share(r, gu_programs_per_block), release=True)
+                _add(counters_gmem, 2 * b, _share(r, gu_programs_per_block), release=True)
 
         @pl.when(jnp.logical_not(gate_up))
         def _():
             ni = r
             expert = pair_expert_gmem[b]
 
-            @pl.when((expert >= 0) & (expert < experts) & computes)  # (a skipped pair's row is not written: the
-            def _():  # caller drops it)
-                if dedup_experts:  # a token's row gets its pair's weight (none: no pair of this expert)
-                    token_weights = [jnp.where(q >= 0, pair_weight_gmem[jnp.maximum(q, 0)], 0.0) for q in members]
-                else:
-                    weight = pair_weight_gmem[b]  # its token's row gets it, the other rows none
-                    token_weights = [jnp.where(b // top_k == t, weight, 0.0) for t in range(tokens)]
+            @pl.when((expert >= 0) & (expert < experts))  # (a skipped pair's row is not written: the caller drops
+            def _():  # it)
+                weight = pair_weight_gmem[b]  # its token's row gets it, the other rows none
+                token_weights = [jnp.where(token == t, weight, 0.0) for t in range(tokens)]
                 gate_scale, up_scale = gu_global_gmem[expert, 0], gu_global_gmem[expert, intermediate]
 
-                def scoped(out_smem, staged_smem, scale_smem, scale_barrier, *flag_smem):
+                def scoped(out_smem, staged_smem, scale_smem, scale_barrier):
                     plgpu.copy_gmem_to_smem(down_global_gmem.at[expert, pl.ds(ni * down_tile_n, down_tile_n)],
                                             scale_smem, scale_barrier)
 
-                    waiters = _step_slot(b, down_k_steps, down_k_steps)  # (`down_step_waits`)
-
-                    def fill_activations(x_buf, step=None, done=False):
-                        """The activations once the block's gate/up programs are done; with `down_step_waits` a
-                        down K step's (`step`) once its programs are, or (`done`) every step's, found done."""
-                        last = step is None or step + 1 == down_k_steps
+                    def fill_activations(x_buf):
+                        """The activations, once the block's gate/up programs are done."""
                         with jax.named_scope("down_wait"):
-                            if not down_step_waits:
-                                _wait_epoch(counters_gmem, 2 * b)
-                                _add(counters_gmem, 2 * b + 1, _share(ni, down_tiles), release=False)
-                            else:  # past its last wait, a program counts itself a waiter
-                                if not done:
-                                    _wait_epoch(counters_gmem, _step_slot(b, step, down_k_steps), waiters)
-                                if last:
-                                    _add(counters_gmem, waiters, _share(ni, down_tiles), release=False)
+                            _wait_epoch(counters_gmem, 2 * b)
+                            _add(counters_gmem, 2 * b + 1, _share(ni, down_tiles), release=False)
                             _async_proxy_fence()
-                        if last:
-                            mark("ready")
+                        mark("ready")
                         with jax.named_scope("down_swiglu"):
-                            each_member(lambda t, q: (fill if step is None else fill_step[step])(
-                                sums_gmem, x_buf, b * block_t, t, gate_scale, up_scale))
+                            fill(sums_gmem, x_buf, b * block_t, token, gate_scale, up_scale)
                             plgpu.commit_smem()
-                        if last:
-                            mark("filled")
+                        mark("filled")
 
                     body = decode_step(down_stage, down_decodes, down_tile_n, down_tile_k, down_line_box,
                                        down_decode_row_chunks, staged_smem)
@@ -728,11 +567,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                     with jax.named_scope("down_k_loop"):
                         if down_overlap:
                             def resident(acc_ref):
-                                steps_done = functools.partial(
-                                    _steps_done, counters_gmem, _step_slot(b, 0, down_k_steps), down_k_steps,
-                                    waiters, *flag_smem) if down_step_waits else None
                                 resident_down_loop(acc_ref, specs, (down_packed_gmem, down_scales_gmem, x_gmem),
-                                                   fill_activations, staged_smem, steps_done)
+                                                   fill_activations, staged_smem)
                                 return acc_ref[...]
                             acc = pl.run_scoped(resident, plgpu.ACC((down_tile_n, block_t)))
                         else:
@@ -744,23 +580,17 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                         weighted_store(acc, out_smem, scale_smem, *token_weights)
                         plgpu.commit_smem()
                         # The pair's row (its token's row of the tile): rows of its own, no zeroing or reduction.
-                        each_member(lambda t, q: plgpu.copy_smem_to_gmem(
-                            out_smem.at[pl.ds(t, 1)], out_gmem.at[pl.ds(q, 1), pl.ds(ni * down_tile_n, down_tile_n)]))
+                        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(token, 1)],
+                                                out_gmem.at[pl.ds(b, 1), pl.ds(ni * down_tile_n, down_tile_n)])
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
                 pl.run_scoped(scoped, plgpu.SMEM((block_t, down_tile_n), jnp.float32),
                               plgpu.SMEM(((down_k_steps if down_overlap else 1) * down_words,), jnp.uint32),
-                              plgpu.SMEM((down_tile_n,), jnp.float32), plgpu.Barrier(),
-                              *[plgpu.SMEM((1,), jnp.int32)] * down_step_waits)  # (`_steps_done`' flag)
+                              plgpu.SMEM((down_tile_n,), jnp.float32), plgpu.Barrier())
 
         mark("end")
 
     programs = gu_programs + down_programs
-    if smem_pad:  # shared memory that no program reads, allocated around the kernel's own
-        unpadded = kernel
-
-        def kernel(*refs):
-            pl.run_scoped(lambda pad: unpadded(*refs), plgpu.SMEM((smem_pad,), jnp.uint8))
     call = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((blocks, hidden), jnp.float32),
@@ -773,11 +603,9 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     )
     counters_ref = jax.new_ref(fresh_counters(slots) if own else counters)
     pair_expert = pair_expert.astype(jnp.int32)
-    groups = [expert_groups(pair_expert, tokens, experts)] if dedup_experts else []
     with nm.interpreting(interpret):
         pair_out, _, *stamped = call(pair_expert, pair_weight.astype(jnp.float32), x, gate_up_packed, gu_scales,
-                                     gate_up_global_scale, down_packed, down_scales, down_global_scale, counters_ref,
-                                     *groups)
+                                     gate_up_global_scale, down_packed, down_scales, down_global_scale, counters_ref)
     # A token's pairs added by XLA (in the kernel that converts the output for the caller); skipped pairs' rows were
     # not written.
     computed = (pair_expert >= 0) & (pair_expert < experts)

@@ -269,7 +269,7 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     `gate_up_splits`) and the down GEMM's tile, stages and row chunks; unset, the kernel's own defaults (the
     epilogue, SwiGLU, staging and `pdl` settings are the two GEMMs' and do not apply). Unset, on at 1-7 tokens
     with shared-row blocks where the kernel takes the shapes (`nfm.fits`). `fused_settings`: further keyword
-    arguments of `fused_decode_moe` (e.g. `down_overlap`, `down_lag`; unset: its defaults).
+    arguments of `fused_decode_moe` (e.g. `down_overlap`; unset: its defaults).
     `counters`: the fused kernel's (`nvfp4_fused_moe.fresh_counters()`), passed from call to call (e.g. layer to
     layer), which spares each fused call zeroing its own; then (output, counters) come back, the counters
     untouched where the layer is not the fused kernel.

@@ -107,7 +107,7 @@ def stamp_summary(stamps) -> dict:
             if both.any():
                 summary[name][phase] = percentiles(times[both, column[last]] - times[both, column[first]])
     # Per block (pair), in block order: when its last gate/up program ended (the block ready) and its last down
-    # program ended: whether blocks finish one after another (`down_lag`) or all together.
+    # program ended: whether blocks finish one after another or all together.
     kinds, blocks = stamps[:, column["kind"]], stamps[:, column["block"]]
 
     def last_end(kind, block):

@@ -33,11 +33,11 @@ def test_fused_settings_reach_the_emulated_kernel_and_unknown_ones_are_refused()
     problem, (gate_up, down) = _layer_problem(3, 3, 256, 64, 16, 4, tile_k=128)
     layer = functools.partial(nmm.moe_nvfp4, fused=True, matmul=nm.grouped_matmul_emulated)
     _assert_layer_close(problem, layer(*problem[:3], gate_up, down,
-                                       fused_settings=dict(down_lag=1, smem_pad=16384, down_step_waits=True)))
-    with pytest.raises(TypeError, match=r"no settings \['down_lagg', 'tiles'\]"):
-        layer(*problem[:3], gate_up, down, fused_settings=dict(down_lagg=1, tiles=2))
-    with pytest.raises(ValueError, match=r"fused_settings \['down_lag'\] are the one-launch kernel's"):
-        layer(*problem[:3], gate_up, down, fused=False, fused_settings=dict(down_lag=1))
+                                       fused_settings=dict(down_overlap=True, down_scales_first=False)))
+    with pytest.raises(TypeError, match=r"no settings \['down_lag', 'tiles'\]"):
+        layer(*problem[:3], gate_up, down, fused_settings=dict(down_lag=1, tiles=2))
+    with pytest.raises(ValueError, match=r"fused_settings \['down_overlap'\] are the one-launch kernel's"):
+        layer(*problem[:3], gate_up, down, fused=False, fused_settings=dict(down_overlap=True))
 
 
 def test_fused_glue_skips_other_devices_and_padding_pairs():
@@ -112,12 +112,6 @@ def test_lowers_for_cuda(tokens, splits, down_tile_n, row_chunks):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("tokens,settings", [(8, dict(down_lag=1)), (2, dict(down_step_waits=True))])
-def test_dedup_experts_lowers_for_cuda(tokens, settings):
-    op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64, dedup_experts=True, **settings)
-    assert "mosaic_gpu" in _cuda_lowering(op, _specs(256, 5120, 320, tokens, 8 * tokens))
-
-
 @pytest.mark.parametrize("tokens,scales_first", [(1, False), (2, True)])
 def test_down_scales_first_lowers_against_its_default(tokens, scales_first):
     """The overlapped down loop with its step scales staged before or after the block's wait, each where the
@@ -126,82 +120,6 @@ def test_down_scales_first_lowers_against_its_default(tokens, scales_first):
                            down_scales_first=scales_first)
     text = _cuda_lowering(op, _specs(256, 5120, 320, tokens, 8 * tokens))
     assert "mosaic_gpu" in text
-
-
-@pytest.mark.parametrize("blocks,lag", [(1, None), (8, None), (8, 0), (8, 1), (8, 2), (16, 3), (5, 5), (3, 7)])
-def test_program_role_puts_each_down_program_after_its_blocks_gate_up(blocks, lag):
-    """Every (kind, block, index) comes once in the grid, and a block's down programs after all its gate/up programs
-    (the kernel's waits rely on it); with `down_lag` a block's down programs follow the gate/up programs of the block
-    `lag` later."""
-    gate_up_per_block, down_per_block = 50, 7
-    p = jnp.arange(blocks * (gate_up_per_block + down_per_block))
-    gate_up, block, index = map(np.asarray, nfm.program_role(p, blocks, gate_up_per_block, down_per_block, lag))
-    roles = set(zip(gate_up.tolist(), block.tolist(), index.tolist()))
-    assert roles == {(True, b, i) for b in range(blocks) for i in range(gate_up_per_block)} | {
-        (False, b, i) for b in range(blocks) for i in range(down_per_block)}
-    for b in range(blocks):
-        last_gate_up, first_down = p[gate_up & (block == b)].max(), p[~gate_up & (block == b)].min()
-        assert first_down > last_gate_up
-        if lag is not None and b + lag < blocks:  # right after the gate/up programs of block b + lag
-            assert first_down == p[gate_up & (block == b + lag)].max() + 1
-
-
-def _shared_memory_bytes(op, specs) -> list[int]:
-    """The dynamic shared memory of each Mosaic GPU launch in `op`'s CUDA lowering (read from the kernel's module)."""
-    import re
-
-    from jax._src.interpreters import mlir as jax_mlir
-    from jax._src.lib.mlir import ir
-    from jax.experimental.mosaic.gpu import dialect as mgpu_dialect
-
-    modules = []
-
-    def walk(operation):
-        for region in operation.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    if inner.operation.name == "stablehlo.custom_call" and "mhlo.backend_config" in inner.attributes:
-                        config = ir.DictAttr(inner.attributes["mhlo.backend_config"])
-                        modules.append(ir.StringAttr(config["module"]).value_bytes)
-                    walk(inner.operation)
-
-    walk(jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo").operation)
-    sizes = []
-    for blob in modules:
-        with jax_mlir.make_ir_context() as context, ir.Location.unknown():
-            mgpu_dialect.register_dialect(context)
-            context.allow_unregistered_dialects = True
-            text = ir.Module.parse(blob).operation.get_asm(enable_debug_info=False)
-        for operands in re.findall(r'gpu.launch"\(([^)]*)\)', text):  # the last operand: dynamic smem bytes
-            sizes.append(int(re.search(re.escape(operands.split(", ")[-1]) + r" = [^\n]*value = (\d+)", text)[1]))
-    return sizes
-
-
-def test_smem_pad_adds_its_bytes_to_each_programs_shared_memory():
-    """`smem_pad` (with `down_lag`, the grid interleaved) lowers, and each program then takes `smem_pad` more bytes
-    of shared memory (which is what caps the programs an SM holds)."""
-    op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64)
-    specs = _specs(256, 5120, 320, 1, 8)
-    (plain,) = _shared_memory_bytes(op, specs)
-    (padded,) = _shared_memory_bytes(functools.partial(op, down_lag=1, smem_pad=16384), specs)
-    assert padded == plain + 16384
-    with pytest.raises(ValueError, match="smem_pad=1000"):
-        jax.jit(functools.partial(op, smem_pad=1000)).trace(*specs)
-
-
-@pytest.mark.parametrize("tokens,settings", [(1, {}), (2, dict(down_lag=1)), (4, dict(down_overlap=True))])
-def test_down_step_waits_lower_and_count_in_slots_of_their_own(tokens, settings):
-    """`down_step_waits` lowers; its counters lie past the block waits' slots, so calls with and without it can
-    pass one array on; without the overlapped down loop or with 128-row gate/up tiles it is refused."""
-    op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64, down_step_waits=True, **settings)
-    specs = _specs(256, 5120, 320, tokens, 8 * tokens)
-    text = _cuda_lowering(op, specs)
-    assert "mosaic_gpu" in text
-    assert nfm._step_slot(0, 0, 5) == nfm.counter_slots(nfm.MAX_BLOCKS)
-    assert nfm._step_slot(nfm.MAX_BLOCKS - 1, nfm.MAX_STEP_WAITS, nfm.MAX_STEP_WAITS) == nfm.COUNTER_SLOTS - 1
-    for refused in (dict(down_overlap=False), dict(down_overlap=True, gate_up_tile_n=128)):
-        with pytest.raises(ValueError, match="down_step_waits needs"):
-            jax.jit(functools.partial(op, **refused)).trace(*specs)
 
 
 def test_passed_counters_are_the_kernels_in_place():
@@ -331,12 +249,7 @@ SMALL = (512, 128, 16, 4)  # hidden, intermediate, experts, top_k
     (3, dict(gate_up_splits=1, down_tile_n=64, down_stages=2)), (5, {}), (7, {}), (8, {}),
     (8, dict(gate_up_splits=2, down_tile_n=256, down_decode_row_chunks=4)),
     (1, dict(fused_settings=dict(down_overlap=True))),
-    (5, dict(fused_settings=dict(down_overlap=True), down_tile_n=256, down_decode_row_chunks=4)),
-    (1, dict(fused_settings=dict(down_lag=1, smem_pad=16384))), (2, dict(fused_settings=dict(down_lag=0))),
-    (5, dict(fused_settings=dict(down_lag=2, smem_pad=40960))), (1, dict(fused_settings=dict(down_step_waits=True))),
-    (2, dict(fused_settings=dict(down_step_waits=True, down_lag=1, smem_pad=16384))),
-    (4, dict(fused_settings=dict(down_step_waits=True, down_overlap=True))),
-    (4, dict(fused_settings=dict(dedup_experts=True))), (8, dict(fused_settings=dict(dedup_experts=True, down_lag=1)))])
+    (5, dict(fused_settings=dict(down_overlap=True), down_tile_n=256, down_decode_row_chunks=4))])
 def test_fused_layer_matches_reference_on_gpu(tokens, settings):
     """Beam's TP8 expert shape; the same call twice in one program with other inputs (the semaphores and the
     output start from zero in each call)."""
@@ -346,45 +259,30 @@ def test_fused_layer_matches_reference_on_gpu(tokens, settings):
 @pytest.mark.parametrize("tokens,settings,shape", [
     (1, {}, SMALL), (2, {}, SMALL), (3, dict(gate_up_splits=1, down_tile_n=64, down_stages=2), SMALL),
     (5, {}, (512, 128, 6, 3)), (8, dict(gate_up_splits=2, down_tile_n=256, down_decode_row_chunks=4), SMALL),
-    (1, dict(fused_settings=dict(down_lag=1, smem_pad=16384)), SMALL),
-    (2, dict(fused_settings=dict(down_lag=0)), SMALL),
-    (5, dict(fused_settings=dict(down_lag=2)), (512, 192, 16, 3)),
-    (1, dict(fused_settings=dict(down_step_waits=True)), (512, 192, 16, 4)),
-    (2, dict(fused_settings=dict(down_step_waits=True, down_lag=1)), SMALL),
-    (4, dict(fused_settings=dict(down_step_waits=True, down_overlap=True, down_scales_first=True)), SMALL),
-    (5, dict(fused_settings=dict(dedup_experts=True)), (512, 128, 6, 3)),
-    (8, dict(fused_settings=dict(dedup_experts=True, down_lag=1)), (512, 128, 12, 4)),
-    (2, dict(fused_settings=dict(dedup_experts=True, down_step_waits=True)), (512, 192, 4, 4)),
+    (1, dict(fused_settings=dict(down_overlap=False)), (512, 192, 16, 4)),
+    (4, dict(fused_settings=dict(down_overlap=True, down_scales_first=True)), SMALL),
     pytest.param(1, {}, (5120, 320, 256, 8), marks=pytest.mark.slow)])  # (~2 minutes)
 def test_fused_layer_matches_reference_interpret(tokens, settings, shape):
     """The kernel in Mosaic GPU's interpret mode on the CPU (`interpret=True`: its grid roles, copies, barriers,
     counters and indexing, with stand-ins for the PTX bodies; the programs one at a time in the grid's order), at
-    small shapes with pairs of one expert in several blocks (4 to 16 experts), and once at Beam's TP8 shape. With
-    `down_step_waits` every other block's down programs take the per-step fills (`_steps_done`' stand-in); with
-    `dedup_experts` an expert's first pair computes the rows of all its pairs."""
+    small shapes with pairs of one expert in several blocks (6 to 16 experts), and once at Beam's TP8 shape."""
     settings = dict(settings, fused_settings=dict(settings.get("fused_settings", {}), interpret=True))
     _assert_fused_layer_close(tokens, settings, *shape)
 
 
-@pytest.mark.parametrize("tokens,real,dedup", [(3, 2, False), (5, 5, False), (5, 4, True)])
-def test_fused_layer_skips_other_devices_and_padding_interpret(tokens, real, dedup):
+@pytest.mark.parametrize("tokens,real", [(3, 2), (5, 5), (5, 4)])
+def test_fused_layer_skips_other_devices_and_padding_interpret(tokens, real):
     """Interpret mode: half the experts on this device (`expert_offset`: the other half's pairs are skipped by the
-    kernel) and a bucket's padding tokens (ids -1: their rows zero); with `dedup_experts` too."""
+    kernel) and a bucket's padding tokens (ids -1: their rows zero)."""
     from tests.pallas_kernels.test_moe_gemm import share_of_experts
 
     problem, _ = _layer_problem(tokens + 40, tokens, 512, 128, 16, 4, tile_k=256)
     x, weights, ids, gate, up, down = problem
     share = [share_of_experts(w, 8, 16) for w in (gate, up, down)]
     got = nmm.moe_nvfp4(x, weights, ids.at[real:].set(-1), *nmm.kernel_experts(*share, gate_up_tile_k=256),
-                        expert_offset=8, fused=True, fused_settings=dict(interpret=True, dedup_experts=dedup))
+                        expert_offset=8, fused=True, fused_settings=dict(interpret=True))
     np.testing.assert_array_equal(np.asarray(got[real:], np.float32), 0.0)
     _assert_layer_close((x[:real], weights[:real], ids[:real], *share), got[:real], expert_offset=8)
-
-
-def test_expert_groups_give_an_experts_first_pair_its_tokens_pairs():
-    ids = jnp.asarray([1, 2, 2, 5, 1, -1, 16, 16], jnp.int32)  # 4 tokens, top-2; 16 is outside the 16 experts
-    want = [[0, -1, 4, -1], [1, 2, -1, -1], [-1] * 4, [-1, 3, -1, -1], [-1] * 4, [-1] * 4, [-1] * 4, [-1] * 4]
-    np.testing.assert_array_equal(np.asarray(nfm.expert_groups(ids, 4, 16)), want)
 
 
 def _assert_fused_layer_close(tokens, settings, hidden, intermediate, experts, top_k):
@@ -398,11 +296,10 @@ def _assert_fused_layer_close(tokens, settings, hidden, intermediate, experts, t
 
 @pytest.mark.gpu
 def test_counters_passed_from_call_to_call_on_gpu():
-    """The counters passed on through eight calls in one program, as a model's layers pass them: 1, 5, 3 and 2 tokens,
-    1 and 2 with each down K step waited for apart (`down_step_waits`: slots of their own), 7 with every pair
-    skipped (ids -1: no counter used) and 6 with an expert's pairs computed once (`dedup_experts`: the first pair's
-    counters only), from counters one epoch below wrapping around. Each call matches the
-    reference (the skipped one is zero), and each counter comes back grown by EPOCH a call that used it: its
+    """The counters passed on through eight calls in one program, as a model's layers pass them: 1, 5, 1, 3, 2, 2
+    and 6 tokens (the second 1 and 2 with the down K steps overlapped the other way from their defaults) and 7 with
+    every pair skipped (ids -1: no counter used), from counters one epoch below wrapping around. Each call matches
+    the reference (the skipped one is zero), and each counter comes back grown by EPOCH a call that used it: its
     signals' and its waiters' alike."""
     _assert_counters_passed(5120, 320, 256, 8, interpret=False)
 
@@ -415,9 +312,8 @@ def test_counters_passed_from_call_to_call_interpret():
 def _assert_counters_passed(hidden, intermediate, experts, top_k, interpret):
     problem, (gate_up, down) = _layer_problem(700, 7, hidden, intermediate, experts, top_k, tile_k=256)
     x, weights, ids = problem[:3]
-    steps = dict(down_step_waits=True)
-    plan = ((1, False, {}), (5, False, {}), (1, False, steps), (7, True, {}), (3, False, {}),
-            (2, False, dict(steps, down_lag=1)), (2, False, {}), (6, False, dict(dedup_experts=True)))
+    plan = ((1, False, {}), (5, False, {}), (1, False, dict(down_overlap=False)), (7, True, {}), (3, False, {}),
+            (2, False, dict(down_overlap=False)), (2, False, {}), (6, False, {}))
 
     def chain(x, weights, ids, gate_up, down, counters):
         outs = []
@@ -430,19 +326,10 @@ def _assert_counters_passed(hidden, intermediate, experts, top_k, interpret):
 
     start = jnp.full((nfm.COUNTER_SLOTS,), -nfm.EPOCH, jnp.int32)  # 2^32 - EPOCH: the first call wraps around
     outs, counters = jax.jit(chain, donate_argnums=5)(x, weights, ids, gate_up, down, start)
-    down_steps = intermediate // 64
     uses = np.zeros(nfm.COUNTER_SLOTS, np.int64)
-    for tokens, skipped, settings in plan:
-        if settings.get("dedup_experts"):  # an expert's first pair's counters only
-            groups = np.asarray(nfm.expert_groups(ids[:tokens].reshape(-1), tokens, experts))
-            computed = [b for b in range(top_k * tokens) if groups[b, b // top_k] == b]
-        else:
-            computed = range(0 if skipped else top_k * tokens)
-        for b in computed:
-            if settings.get("down_step_waits"):
-                uses[[nfm._step_slot(b, kk, down_steps) for kk in range(down_steps + 1)]] += 1
-            else:
-                uses[[2 * b, 2 * b + 1]] += 1
+    for tokens, skipped, _ in plan:
+        for b in range(0 if skipped else top_k * tokens):
+            uses[[2 * b, 2 * b + 1]] += 1
     want = ((uses - 1) * nfm.EPOCH) % 2**32  # the start counts one epoch less
     np.testing.assert_array_equal(np.asarray(counters).view(np.uint32), want.astype(np.uint32))
     for (tokens, skipped, _), out in zip(plan, outs):
