@@ -47,7 +47,6 @@ that store their token's row from registers (not the whole tile by TMA, waiting 
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import jax
@@ -88,23 +87,15 @@ def _async_proxy_fence():
 # session 34 run 1.)
 EPOCH = 1 << 16  # a power of two, so that the counters' wrap-around keeps whole epochs
 MAX_BLOCKS = 8 * 8  # the kernel's largest call: 8 tokens, top-8
-MAX_TOKENS = 8
-MAX_SUM_TILES = 256  # `pair_sum`'s down tiles a row, at most (hidden 16384 in 64-row tiles)
 
 
-def counter_slots(blocks: int, sum_tiles: int | None = None) -> int:
+def counter_slots(blocks: int) -> int:
     """Slots of the counters for `blocks` pairs: block b's gate/up programs signal on slot 2 b, its down programs
-    pass on slot 2 b + 1; with `pair_sum` (`sum_tiles` down tiles a row), after those of MAX_BLOCKS blocks (so that
-    calls with and without it can share counters), the pairs of token t count their tile n done on
-    `_sum_slot(t, n)`."""
-    return 2 * blocks if sum_tiles is None else _sum_slot(MAX_TOKENS - 1, sum_tiles - 1, sum_tiles) + 1
+    pass on slot 2 b + 1."""
+    return 2 * blocks
 
 
-def _sum_slot(token, tile, sum_tiles: int):
-    return 2 * MAX_BLOCKS + token * sum_tiles + tile
-
-
-COUNTER_SLOTS = counter_slots(MAX_BLOCKS, MAX_SUM_TILES)  # enough for every call
+COUNTER_SLOTS = counter_slots(MAX_BLOCKS)  # enough for every call
 
 
 def fresh_counters(slots: int = COUNTER_SLOTS) -> jax.Array:
@@ -112,9 +103,9 @@ def fresh_counters(slots: int = COUNTER_SLOTS) -> jax.Array:
     return jnp.zeros((slots,), jnp.int32)
 
 
-def _share(index, count):
+def _share(index, count: int):
     """What program `index` of `count` adds to a counter so that the `count` of them add EPOCH in all."""
-    if isinstance(count, int) and count >= EPOCH:
+    if count >= EPOCH:
         raise ValueError(f"{count} programs count on one counter, more than EPOCH={EPOCH}")
     return jnp.where(index == 0, 1 + EPOCH - count, 1).astype(jnp.int32)
 
@@ -175,83 +166,6 @@ def _wait_epoch(counters, slot) -> None:
         utils.warpgroup_barrier()
 
     nm.mgpu_op(wait, lambda *refs: None, arg_types=(plgpu.RefType(), _SPLAT))(counters, jnp.asarray(slot, jnp.int32))
-
-
-def _arrive(counters, slot, amount, flag_smem):
-    """Adds `amount` to a counter (`_share`'s) after every thread of the warpgroup, releasing their writes, and
-    returns whether this program's was the last share of the call (the counter a multiple of EPOCH after it: an
-    int32 SPLAT, 1 for the last), acquiring the others' writes then; through `flag_smem` (int32 [1])."""
-    def arrive(ctx, counters, slot, amount, flag_smem):
-        del ctx
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import arith, memref
-        from jax.experimental.mosaic.gpu import fragmented_array as fa
-        from jax.experimental.mosaic.gpu import utils
-        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-        utils.warpgroup_barrier()
-        with utils.single_thread(scope=utils.ThreadSubset.WARPGROUP):
-            amount = amount.registers.item()
-            old = utils.inline_ptx("atom.acq_rel.gpu.global.add.u32 $0, [$1], $2;", _slot(counters, slot), amount,
-                                   result_types=i32, has_side_effects=True)
-            past = arith.andi(arith.addi(old, amount), utils.c(EPOCH - 1, i32))
-            last = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.eq, past, utils.c(0, i32)))
-            memref.store(last, flag_smem, [utils.c(0, index)])
-        utils.warpgroup_barrier()
-        flag = memref.load(flag_smem, [utils.c(0, index)])
-        return fa.FragmentedArray.splat(flag, (), layout=fa.WGSplatFragLayout(()), is_signed=True)
-
-    def stand_in(counters, slot, amount, flag_smem):  # (interpret mode: one program at a time)
-        del flag_smem
-        counters[slot] = counters[slot] + amount
-        return (counters[slot] & (EPOCH - 1) == 0).astype(jnp.int32)
-
-    return nm.mgpu_op(arrive, stand_in, arg_types=(plgpu.RefType(), _SPLAT, _SPLAT, plgpu.RefType()),
-                      return_type=plgpu.ShapeDtypeStruct((), jnp.int32, layout=_SPLAT))(
-        counters, jnp.asarray(slot, jnp.int32), amount, flag_smem)
-
-
-def _sum_pair_rows(top_k: int, tile_n: int):
-    """inline_mgpu body (`pair_sum`): token `token`'s pairs' rows of the output tile from `col0` (gmem `[pairs, H]`
-    fp32, pair t top_k + j's where bit j of `mask` is set) added in fp32 in pair order and rounded once into its
-    row of gmem `[T, H]` (bf16); with no bit set, zeros."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, memref
-    from jax.experimental.mosaic.gpu import utils
-
-    def body(ctx, pairs_ref, out_ref, token, col0, mask):
-        del ctx
-        index, i32, f32 = ir.IndexType.get(), ir.IntegerType.get_signless(32), ir.F32Type.get()
-        token, col0 = (arith.index_cast(index, v.registers.item()) for v in (token, col0))
-        mask = mask.registers.item()
-        first = arith.muli(token, utils.c(top_k, index))
-        zero = arith.constant(f32, 0.0)
-
-        def rows(i):
-            return [memref.load(pairs_ref, [arith.addi(first, utils.c(j, index)), arith.addi(col0, i)])
-                    for j in range(top_k)]
-
-        def one(i, values):
-            total = zero
-            for j, value in enumerate(values):  # (an unset bit's row was not written: selected away, not added)
-                on = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(mask, utils.c(1 << j, i32)), utils.c(0, i32))
-                total = arith.addf(total, arith.select(on, value, zero))
-            memref.store(arith.truncf(ir.MemRefType(out_ref.type).element_type, total), out_ref,
-                         [token, arith.addi(col0, i)])
-
-        nm.for_each_index(tile_n, one, load=rows)
-
-    return body
-
-
-def _sum_pair_rows_stand_in(top_k: int, tile_n: int):
-    """`_sum_pair_rows` in interpret mode."""
-    def stand_in(pairs_ref, out_ref, token, col0, mask):
-        total = jnp.zeros((tile_n,), jnp.float32)
-        for j in range(top_k):
-            total = total + jnp.where((mask >> j) & 1 == 1, pairs_ref[token * top_k + j, pl.ds(col0, tile_n)], 0.0)
-        out_ref[token, pl.ds(col0, tile_n)] = total.astype(out_ref.dtype)
-
-    return stand_in
 
 
 def _swiglu_activations(splits: int, block_t: int, intermediate: int):
@@ -425,7 +339,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                      gate_up_decode_chunks: int | None = None, down_stages: int = 5,
                      down_tile_n: int | None = None,
                      down_decode_row_chunks: int = 1, down_overlap: bool | None = None,
-                     down_scales_first: bool | None = None, pair_sum: bool = False, counters=None,
+                     down_scales_first: bool | None = None, counters=None,
                      compiler_params=None, stamps: bool = False, interpret: bool = False):
     """`x [T, H]` bf16 (T <= 8), `pair_expert [T * top_k]` int32 (token t's picks from t * top_k on; an expert
     outside [0, E): skip the pair) and `pair_weight [T * top_k]` fp32, its routing weights. Each pair is a block of
@@ -437,16 +351,13 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     `decode_chunks`; the down GEMM's; `down_overlap`: a down program issues every K step's copy at once and decodes a
     step while the one before multiplies (`down_stages` then does not apply; unset: at 1-2 tokens);
     `down_scales_first` (with `down_overlap`): it stages every step's block scales before it waits for its block
-    (unset: at one token). `pair_sum`: the kernel adds a token's pairs itself, the last of its pairs' down programs
-    to write a tile (a counter) adding their rows of it, and returns `[T, H]` in x's dtype (no XLA kernel after
-    it; untimed, session 43). (Settings that lost everywhere they were timed were removed: a grid of blocks one after
+    (unset: at one token). (Settings that lost everywhere they were timed were removed: a grid of blocks one after
     another with padded shared memory, a down program's wait per K step, an expert's pairs computed once; RESULTS.md,
     session 43.)
     `counters`:
     int32 `[slots]` from `fresh_counters()` or as the call before returned them (other values break the waits: wrong
     sums or a hang); then (output, counters) come back, for the next call. Unset, or with fewer than
-    `counter_slots(pairs)` slots (with `pair_sum`: `counter_slots(pairs, H / down_tile_n)`; returned untouched), the
-    call zeroes its own (an XLA kernel before this one).
+    `counter_slots(pairs)` slots (returned untouched), the call zeroes its own (an XLA kernel before this one).
     `compiler_params`: `plgpu.CompilerParams` for the kernel (e.g. Mosaic GPU's profiler, which records the named
     scopes of each program: benchmarks/moe/fused_timeline.py).
     `stamps` (a diagnostic): the kernel also writes int32 `[programs, len(STAMPS)]` (each program's `%globaltimer_lo`
@@ -498,10 +409,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     gu_programs, down_programs = blocks * gu_programs_per_block, blocks * down_tiles
     if interpret and stamps:
         raise ValueError("stamps read the GPU's clock: not in interpret mode")
-    if pair_sum and down_tiles > MAX_SUM_TILES:
-        raise ValueError(f"pair_sum counts at most {MAX_SUM_TILES} down tiles a row, got {down_tiles} "
-                         f"(hidden {hidden} / down_tile_n {down_tile_n})")
-    slots = counter_slots(blocks, down_tiles if pair_sum else None)
+    slots = counter_slots(blocks)
     if counters is not None and (counters.dtype != jnp.int32 or counters.ndim != 1):
         raise ValueError(f"counters must be int32 [slots] (`fresh_counters()` or a call's), got "
                          f"{counters.dtype}{list(counters.shape)}")
@@ -526,8 +434,6 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     weighted_store = nm.mgpu_op(_store_weighted_transposed(down_tile_n, block_t, tokens),
                                 _store_weighted_transposed_stand_in(block_t, tokens),
                                 arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(), *[_SPLAT] * tokens))
-    sum_rows = nm.mgpu_op(_sum_pair_rows(top_k, down_tile_n), _sum_pair_rows_stand_in(top_k, down_tile_n),
-                          arg_types=(plgpu.RefType(), plgpu.RefType(), *[_SPLAT] * 3))
 
     def run_k_loop(step_body, tile_n, specs, gmem_refs, k_steps, stages, fill_activations=None):
         """The program's K loop into a fresh accumulator [tile_n, block_t], returned in registers."""
@@ -588,8 +494,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                       plgpu.Barrier(num_arrivals=len(weight_specs), num_barriers=down_k_steps))
 
     def kernel(pair_expert_gmem, pair_weight_gmem, x_gmem, gu_packed_gmem, gu_scales_gmem, gu_global_gmem,
-               down_packed_gmem, down_scales_gmem, down_global_gmem, counters_gmem, out_gmem, sums_gmem, *refs):
-        summed_gmem, stamps_gmem = (refs[0] if pair_sum else None), refs[pair_sum:]
+               down_packed_gmem, down_scales_gmem, down_global_gmem, counters_gmem, out_gmem, sums_gmem, *stamps_gmem):
         p = jax.lax.axis_index("p")
 
         def mark(name, value=None):  # a stamp (`stamps`)
@@ -633,25 +538,14 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
         def _():
             ni = r
             expert = pair_expert_gmem[b]
-            if pair_sum:  # which of the token's pairs are computed: their count, and this pair's place among them
-                first_pair = token * top_k
-                computed = [(e >= 0) & (e < experts) for e in (pair_expert_gmem[first_pair + j] for j in range(top_k))]
-                mask = functools.reduce(jnp.bitwise_or, [c.astype(jnp.int32) << j for j, c in enumerate(computed)])
-                count = functools.reduce(jnp.add, [c.astype(jnp.int32) for c in computed])
-                rank = functools.reduce(jnp.add, [(c & (first_pair + j < b)).astype(jnp.int32)
-                                                  for j, c in enumerate(computed)])
-
-                @pl.when((b == first_pair) & (mask == 0))  # a token with no pair computed: its first pair's
-                def _():  # programs write its zero row
-                    sum_rows(out_gmem, summed_gmem, token, ni * down_tile_n, mask)
 
             @pl.when((expert >= 0) & (expert < experts))  # (a skipped pair's row is not written: the caller drops
-            def _():  # it, or `pair_sum` leaves it out)
+            def _():  # it)
                 weight = pair_weight_gmem[b]  # its token's row gets it, the other rows none
                 token_weights = [jnp.where(token == t, weight, 0.0) for t in range(tokens)]
                 gate_scale, up_scale = gu_global_gmem[expert, 0], gu_global_gmem[expert, intermediate]
 
-                def scoped(out_smem, staged_smem, scale_smem, scale_barrier, *flag_smem):
+                def scoped(out_smem, staged_smem, scale_smem, scale_barrier):
                     plgpu.copy_gmem_to_smem(down_global_gmem.at[expert, pl.ds(ni * down_tile_n, down_tile_n)],
                                             scale_smem, scale_barrier)
 
@@ -688,18 +582,11 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                         # The pair's row (its token's row of the tile): rows of its own, no zeroing or reduction.
                         plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(token, 1)],
                                                 out_gmem.at[pl.ds(b, 1), pl.ds(ni * down_tile_n, down_tile_n)])
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=not pair_sum)
-                    if pair_sum:  # the last of the token's pairs to write this tile adds their rows of it
-                        with jax.named_scope("pair_sum"):
-                            _async_proxy_fence()
-                            last = _arrive(counters_gmem, _sum_slot(token, ni, down_tiles), _share(rank, count),
-                                           *flag_smem)
-                            pl.when(last != 0)(lambda: sum_rows(out_gmem, summed_gmem, token, ni * down_tile_n, mask))
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
                 pl.run_scoped(scoped, plgpu.SMEM((block_t, down_tile_n), jnp.float32),
                               plgpu.SMEM(((down_k_steps if down_overlap else 1) * down_words,), jnp.uint32),
-                              plgpu.SMEM((down_tile_n,), jnp.float32), plgpu.Barrier(),
-                              *[plgpu.SMEM((1,), jnp.int32)] * pair_sum)  # (`_arrive`'s flag)
+                              plgpu.SMEM((down_tile_n,), jnp.float32), plgpu.Barrier())
 
         mark("end")
 
@@ -708,7 +595,6 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
         kernel,
         out_type=(jax.ShapeDtypeStruct((blocks, hidden), jnp.float32),
                   jax.ShapeDtypeStruct((splits, blocks * block_t, gu_rows), jnp.float32),
-                  *[jax.ShapeDtypeStruct((tokens, hidden), x.dtype)] * pair_sum,
                   *[jax.ShapeDtypeStruct((programs, len(STAMPS)), jnp.int32)] * stamps),
         grid=(programs,),
         grid_names=("p",),
@@ -720,13 +606,11 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     with nm.interpreting(interpret):
         pair_out, _, *stamped = call(pair_expert, pair_weight.astype(jnp.float32), x, gate_up_packed, gu_scales,
                                      gate_up_global_scale, down_packed, down_scales, down_global_scale, counters_ref)
-    if pair_sum:
-        out, *stamped = stamped
-    else:  # a token's pairs added by XLA (in the kernel that converts the output for the caller); skipped pairs'
-        # rows were not written
-        computed = (pair_expert >= 0) & (pair_expert < experts)
-        out = jnp.where(computed[:, None], pair_out, 0.0).reshape(tokens, top_k, hidden).sum(1)
-        out = jnp.pad(out, ((0, block_t - tokens), (0, 0)))
+    # A token's pairs added by XLA (in the kernel that converts the output for the caller); skipped pairs' rows were
+    # not written.
+    computed = (pair_expert >= 0) & (pair_expert < experts)
+    out = jnp.where(computed[:, None], pair_out, 0.0).reshape(tokens, top_k, hidden).sum(1)
+    out = jnp.pad(out, ((0, block_t - tokens), (0, 0)))
     result = out if counters is None else (out, counters if own else jax.freeze(counters_ref))
     return (result, *stamped) if stamps else result
 
@@ -736,8 +620,8 @@ def fused_decode_moe_emulated(x, pair_expert, pair_weight, gate_up_packed, gate_
                               counters=None, **settings):
     """`fused_decode_moe`'s contract in plain jnp, from the kernel layouts (for CPU tests of the code that calls
     it): both GEMMs by `nm.grouped_matmul_emulated`, then the weighted sum with the kernel's rounding in `x`'s
-    dtype; `counters` come back as they came. `settings` (the kernel's program shapes) do not change the result
-    (`pair_sum` its shape and dtype, as the kernel's), but each must be one that `fused_decode_moe` takes."""
+    dtype; `counters` come back as they came. `settings` (the kernel's program shapes) do not change the result,
+    but each must be one that `fused_decode_moe` takes."""
     known = inspect.signature(fused_decode_moe).parameters
     unknown = sorted(key for key in settings if key not in known or known[key].kind != inspect.Parameter.KEYWORD_ONLY)
     if unknown:
@@ -756,6 +640,5 @@ def fused_decode_moe_emulated(x, pair_expert, pair_weight, gate_up_packed, gate_
     pair_out = down.reshape(blocks, block_t, -1)[:, :tokens].astype(jnp.float32) * token_weight[:, :, None]
     # Rounded to the activations' dtype (the kernel's bf16; the model's fp32 on a CPU), as the two GEMMs' glue.
     pair_out = jnp.where(computed[:, None, None], pair_out.astype(x.dtype).astype(jnp.float32), 0.0)
-    out = pair_out.sum(0)
-    out = out.astype(x.dtype) if settings.get("pair_sum") else jnp.pad(out, ((0, block_t - tokens), (0, 0)))
+    out = jnp.pad(pair_out.sum(0), ((0, block_t - tokens), (0, 0)))
     return out if counters is None else (out, counters)

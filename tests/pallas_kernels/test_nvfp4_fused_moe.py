@@ -34,9 +34,6 @@ def test_fused_settings_reach_the_emulated_kernel_and_unknown_ones_are_refused()
     layer = functools.partial(nmm.moe_nvfp4, fused=True, matmul=nm.grouped_matmul_emulated)
     _assert_layer_close(problem, layer(*problem[:3], gate_up, down,
                                        fused_settings=dict(down_overlap=True, down_scales_first=False)))
-    summed = layer(*problem[:3], gate_up, down, fused_settings=dict(pair_sum=True))
-    assert summed.shape == (3, 256) and summed.dtype == problem[0].dtype
-    _assert_layer_close(problem, summed)
     with pytest.raises(TypeError, match=r"no settings \['down_lag', 'tiles'\]"):
         layer(*problem[:3], gate_up, down, fused_settings=dict(down_lag=1, tiles=2))
     with pytest.raises(ValueError, match=r"fused_settings \['down_overlap'\] are the one-launch kernel's"):
@@ -113,23 +110,6 @@ def test_lowers_for_cuda(tokens, splits, down_tile_n, row_chunks):
                            down_tile_n=down_tile_n, down_decode_row_chunks=row_chunks)
     text = _cuda_lowering(op, _specs(256, 5120, 320, tokens, 8 * tokens))
     assert "mosaic_gpu" in text
-
-
-@pytest.mark.parametrize("tokens,down_tile_n", [(1, None), (7, None), (8, 64)])
-def test_pair_sum_lowers_for_cuda_and_counts_in_slots_of_its_own(tokens, down_tile_n):
-    """`pair_sum` lowers at Beam's TP8 shape and returns `[T, H]` bf16; its counters lie past the block waits' slots
-    (a tile of a token each), so calls with and without it can pass one array on."""
-    op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64, down_tile_n=down_tile_n,
-                           pair_sum=True)
-    specs = _specs(256, 5120, 320, tokens, 8 * tokens)
-    assert "mosaic_gpu" in _cuda_lowering(op, specs)
-    assert jax.eval_shape(op, *specs).shape == (tokens, 5120)
-    assert jax.eval_shape(op, *specs).dtype == jnp.bfloat16
-    assert nfm._sum_slot(0, 0, 40) == nfm.counter_slots(nfm.MAX_BLOCKS)
-    assert nfm.counter_slots(64, nfm.MAX_SUM_TILES) == nfm.COUNTER_SLOTS
-    with pytest.raises(ValueError, match="pair_sum counts at most"):
-        jax.eval_shape(functools.partial(op, gate_up_tile_k=64, down_tile_n=64),
-                       *_specs(4, 64 * (nfm.MAX_SUM_TILES + 1), 128, 1, 8, gate_up_tile_k=64))
 
 
 @pytest.mark.parametrize("tokens,scales_first", [(1, False), (2, True)])
@@ -269,9 +249,7 @@ SMALL = (512, 128, 16, 4)  # hidden, intermediate, experts, top_k
     (3, dict(gate_up_splits=1, down_tile_n=64, down_stages=2)), (5, {}), (7, {}), (8, {}),
     (8, dict(gate_up_splits=2, down_tile_n=256, down_decode_row_chunks=4)),
     (1, dict(fused_settings=dict(down_overlap=True))),
-    (5, dict(fused_settings=dict(down_overlap=True), down_tile_n=256, down_decode_row_chunks=4)),
-    (1, dict(fused_settings=dict(pair_sum=True))), (2, dict(fused_settings=dict(pair_sum=True))),
-    (7, dict(fused_settings=dict(pair_sum=True))), (8, dict(fused_settings=dict(pair_sum=True), down_tile_n=64))])
+    (5, dict(fused_settings=dict(down_overlap=True), down_tile_n=256, down_decode_row_chunks=4))])
 def test_fused_layer_matches_reference_on_gpu(tokens, settings):
     """Beam's TP8 expert shape; the same call twice in one program with other inputs (the semaphores and the
     output start from zero in each call)."""
@@ -283,9 +261,6 @@ def test_fused_layer_matches_reference_on_gpu(tokens, settings):
     (5, {}, (512, 128, 6, 3)), (8, dict(gate_up_splits=2, down_tile_n=256, down_decode_row_chunks=4), SMALL),
     (1, dict(fused_settings=dict(down_overlap=False)), (512, 192, 16, 4)),
     (4, dict(fused_settings=dict(down_overlap=True, down_scales_first=True)), SMALL),
-    (1, dict(fused_settings=dict(pair_sum=True)), SMALL),
-    (5, dict(fused_settings=dict(pair_sum=True)), (512, 128, 6, 3)),
-    (8, dict(fused_settings=dict(pair_sum=True), gate_up_splits=2, down_tile_n=64), SMALL),
     pytest.param(1, {}, (5120, 320, 256, 8), marks=pytest.mark.slow)])  # (~2 minutes)
 def test_fused_layer_matches_reference_interpret(tokens, settings, shape):
     """The kernel in Mosaic GPU's interpret mode on the CPU (`interpret=True`: its grid roles, copies, barriers,
@@ -295,17 +270,17 @@ def test_fused_layer_matches_reference_interpret(tokens, settings, shape):
     _assert_fused_layer_close(tokens, settings, *shape)
 
 
-@pytest.mark.parametrize("tokens,real,pair_sum", [(3, 2, False), (5, 5, False), (5, 4, True), (3, 1, True)])
-def test_fused_layer_skips_other_devices_and_padding_interpret(tokens, real, pair_sum):
+@pytest.mark.parametrize("tokens,real", [(3, 2), (5, 5), (5, 4)])
+def test_fused_layer_skips_other_devices_and_padding_interpret(tokens, real):
     """Interpret mode: half the experts on this device (`expert_offset`: the other half's pairs are skipped by the
-    kernel) and a bucket's padding tokens (ids -1: their rows zero; with `pair_sum` written by the kernel)."""
+    kernel) and a bucket's padding tokens (ids -1: their rows zero)."""
     from tests.pallas_kernels.test_moe_gemm import share_of_experts
 
     problem, _ = _layer_problem(tokens + 40, tokens, 512, 128, 16, 4, tile_k=256)
     x, weights, ids, gate, up, down = problem
     share = [share_of_experts(w, 8, 16) for w in (gate, up, down)]
     got = nmm.moe_nvfp4(x, weights, ids.at[real:].set(-1), *nmm.kernel_experts(*share, gate_up_tile_k=256),
-                        expert_offset=8, fused=True, fused_settings=dict(interpret=True, pair_sum=pair_sum))
+                        expert_offset=8, fused=True, fused_settings=dict(interpret=True))
     np.testing.assert_array_equal(np.asarray(got[real:], np.float32), 0.0)
     _assert_layer_close((x[:real], weights[:real], ids[:real], *share), got[:real], expert_offset=8)
 
@@ -322,11 +297,10 @@ def _assert_fused_layer_close(tokens, settings, hidden, intermediate, experts, t
 @pytest.mark.gpu
 def test_counters_passed_from_call_to_call_on_gpu():
     """The counters passed on through eight calls in one program, as a model's layers pass them: 1, 5, 1, 3, 2, 2
-    and 6 tokens (the second 1 and 2 with the down K steps overlapped the other way from their defaults; 5, the
-    second 2 and 6 with `pair_sum`, on slots of its own) and 7 with every pair skipped (ids -1: no counter used),
-    from counters one epoch below wrapping around. Each call matches the reference (the skipped one is zero), and
-    each counter comes back grown by EPOCH a call that used it: its signals' and its waiters' alike, and a token's
-    tile's sum."""
+    and 6 tokens (the second 1 and 2 with the down K steps overlapped the other way from their defaults) and 7 with
+    every pair skipped (ids -1: no counter used), from counters one epoch below wrapping around. Each call matches
+    the reference (the skipped one is zero), and each counter comes back grown by EPOCH a call that used it: its
+    signals' and its waiters' alike."""
     _assert_counters_passed(5120, 320, 256, 8, interpret=False)
 
 
@@ -338,9 +312,8 @@ def test_counters_passed_from_call_to_call_interpret():
 def _assert_counters_passed(hidden, intermediate, experts, top_k, interpret):
     problem, (gate_up, down) = _layer_problem(700, 7, hidden, intermediate, experts, top_k, tile_k=256)
     x, weights, ids = problem[:3]
-    summed = dict(pair_sum=True)
-    plan = ((1, False, {}), (5, False, summed), (1, False, dict(down_overlap=False)), (7, True, summed),
-            (3, False, {}), (2, False, dict(summed, down_overlap=False)), (2, False, {}), (6, False, summed))
+    plan = ((1, False, {}), (5, False, {}), (1, False, dict(down_overlap=False)), (7, True, {}), (3, False, {}),
+            (2, False, dict(down_overlap=False)), (2, False, {}), (6, False, {}))
 
     def chain(x, weights, ids, gate_up, down, counters):
         outs = []
@@ -354,12 +327,9 @@ def _assert_counters_passed(hidden, intermediate, experts, top_k, interpret):
     start = jnp.full((nfm.COUNTER_SLOTS,), -nfm.EPOCH, jnp.int32)  # 2^32 - EPOCH: the first call wraps around
     outs, counters = jax.jit(chain, donate_argnums=5)(x, weights, ids, gate_up, down, start)
     uses = np.zeros(nfm.COUNTER_SLOTS, np.int64)
-    tiles = hidden // 128  # (the default down tile)
-    for tokens, skipped, settings in plan:
+    for tokens, skipped, _ in plan:
         for b in range(0 if skipped else top_k * tokens):
             uses[[2 * b, 2 * b + 1]] += 1
-        for t in range(0 if skipped or not settings.get("pair_sum") else tokens):
-            uses[[nfm._sum_slot(t, n, tiles) for n in range(tiles)]] += 1
     want = ((uses - 1) * nfm.EPOCH) % 2**32  # the start counts one epoch less
     np.testing.assert_array_equal(np.asarray(counters).view(np.uint32), want.astype(np.uint32))
     for (tokens, skipped, _), out in zip(plan, outs):
