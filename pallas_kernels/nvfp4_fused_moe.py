@@ -352,8 +352,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     step while the one before multiplies (`down_stages` then does not apply; unset: at 1-2 tokens);
     `down_scales_first` (with `down_overlap`): it stages every step's block scales before it waits for its block
     (unset: at one token). (Settings that lost everywhere they were timed were removed: a grid of blocks one after
-    another with padded shared memory, a down program's wait per K step, an expert's pairs computed once; RESULTS.md,
-    session 43.)
+    another with padded shared memory, a down program's wait per K step, an expert's pairs computed once, a token's
+    pairs added in the kernel; RESULTS.md, session 43.)
     `counters`:
     int32 `[slots]` from `fresh_counters()` or as the call before returned them (other values break the waits: wrong
     sums or a hang); then (output, counters) come back, for the next call. Unset, or with fewer than
