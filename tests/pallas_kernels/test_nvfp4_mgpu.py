@@ -216,6 +216,7 @@ def _assert_gemm_matches_plain_jnp(experts, n, k, blocks, block_t, tile_k, split
                 *nm.pack_weights(codes, scale, tile_k))
     settings = dict(block_t=block_t, tile_k=tile_k, tile_n=tile_n, decode_chunks=chunks, decode_row_chunks=row_chunks,
                     shared_rows=shared_rows, staging_buffers=buffers, interpret=interpret)
+
     def assert_close(got, want, rtol):  # on the computed blocks' rows (the skipped one's are left unwritten)
         got, want = np.asarray(got, np.float32)[computed], want[computed]
         np.testing.assert_allclose(got, want, rtol=rtol, atol=1e-5 * np.abs(want).max())
