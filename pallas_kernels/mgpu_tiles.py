@@ -32,14 +32,15 @@ def smem_transforms(cols: int, dtype) -> tuple:
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def stamp(stamps, p, column: int, value=None) -> None:
-    """A diagnostic: writes `value` (an int32), or the warpgroup's `%globaltimer_lo` once every thread got here (ns,
-    32 bits), to `stamps[p, column]` (an int32 gmem ref), from one thread."""
+def stamp(stamps, p, column, value=None, *, register: str = "%globaltimer_lo") -> None:
+    """A diagnostic: writes `value` (an int32), or the PTX special `register` once every thread got here (by default
+    the warpgroup's `%globaltimer_lo`, ns, 32 bits; `%smid`: the SM it runs on), to `stamps[p, column]` (an int32
+    gmem ref; `column` an int or a traced int32), from one thread."""
     splat = plgpu.Layout.WG_SPLAT(())
     timed = value is None  # decided here: inside `store`, its own argument is never None
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), splat, splat))
-    def store(ctx, stamps, p, given):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), splat, splat, splat))
+    def store(ctx, stamps, p, column, given):
         del ctx
         from jax._src.lib.mlir import ir
         from jax._src.lib.mlir.dialects import arith, memref
@@ -47,10 +48,12 @@ def stamp(stamps, p, column: int, value=None) -> None:
         i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
         if timed:
             utils.warpgroup_barrier()
-            time = utils.inline_ptx("mov.u32 $0, %globaltimer_lo;", result_types=i32, has_side_effects=True)
+            time = utils.inline_ptx(f"mov.u32 $0, {register};", result_types=i32, has_side_effects=True)
         else:
             time = given.registers.item()
+        as_index = lambda v: arith.index_cast(index, v.registers.item())  # noqa: E731
         with utils.single_thread(scope=utils.ThreadSubset.WARPGROUP):
-            memref.store(time, stamps, [arith.index_cast(index, p.registers.item()), utils.c(column, index)])
+            memref.store(time, stamps, [as_index(p), as_index(column)])
 
-    store(stamps, jnp.asarray(p, jnp.int32), jnp.asarray(0 if value is None else value, jnp.int32))
+    store(stamps, jnp.asarray(p, jnp.int32), jnp.asarray(column, jnp.int32),
+          jnp.asarray(0 if value is None else value, jnp.int32))

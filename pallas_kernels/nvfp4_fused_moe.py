@@ -62,8 +62,12 @@ _X_TILE_K = _X_ROW_BYTES // 2  # (their bf16 columns)
 # The columns of `fused_decode_moe(stamps=True)`: a program's `%globaltimer_lo` (ns) at its start and its end, its
 # kind (0 gate/up, 1 down), and when it got past its phases: a down program past its block's wait ("ready") and
 # with its activations filled ("filled"), any program with its K loop done ("multiplied"); 0 where it did not get
-# there (a real stamp is 0 once in 2^32 ns); and its block (pair).
-STAMPS = ("start", "end", "kind", "ready", "filled", "multiplied", "block")
+# there (a real stamp is 0 once in 2^32 ns); its block (pair); the SM it ran on (`%smid`); a gate/up program with
+# its token's row stored, before it counts itself done ("stored"), and when it began its first STAMPED_STEPS K steps
+# (the step's copies landed and the step before decoded).
+STAMPED_STEPS = 4
+STAMPS = ("start", "end", "kind", "ready", "filled", "multiplied", "block", "sm", "stored",
+          *[f"step{k}" for k in range(STAMPED_STEPS)])
 
 
 def _async_proxy_fence():
@@ -497,9 +501,9 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                down_packed_gmem, down_scales_gmem, down_global_gmem, counters_gmem, out_gmem, sums_gmem, *stamps_gmem):
         p = jax.lax.axis_index("p")
 
-        def mark(name, value=None):  # a stamp (`stamps`)
+        def mark(name, value=None, **options):  # a stamp (`stamps`)
             if stamps:
-                stamp(stamps_gmem[0], p, STAMPS.index(name), value)
+                stamp(stamps_gmem[0], p, STAMPS.index(name), value, **options)
 
         # Every gate/up program first in the grid, then the down programs: a down program waits only on programs
         # that the GPU started before it, so its wait cannot keep them from running.
@@ -512,7 +516,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
         mark("start")
         mark("kind", jnp.logical_not(gate_up).astype(jnp.int32))
         mark("block", b)
-        for phase in ("ready", "filled", "multiplied"):  # 0 until the program gets there
+        mark("sm", register="%smid")
+        for phase in ("ready", "filled", "multiplied", "stored", *STAMPS[-STAMPED_STEPS:]):  # 0 until reached
             mark(phase, 0)
 
         @pl.when(gate_up)
@@ -523,7 +528,14 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
             @pl.when((expert >= 0) & (expert < experts))
             def _():
                 def scoped(staged_smem):
-                    body = decode_step(gu_stage, gu_decodes, gate_up_tile_n, gate_up_tile_k, False, 1, staged_smem)
+                    decode = decode_step(gu_stage, gu_decodes, gate_up_tile_n, gate_up_tile_k, False, 1, staged_smem)
+
+                    def body(acc_ref, indices, *smem):
+                        if stamps:
+                            @pl.when(indices[0] < STAMPED_STEPS)
+                            def _():
+                                stamp(stamps_gmem[0], p, STAMPS.index("step0") + indices[0])
+                        decode(acc_ref, indices, *smem)
                     specs = gu_in_specs(expert, si * gu_k_steps, ni, 0)
                     with jax.named_scope("gate_up_k_loop"):
                         acc = run_k_loop(body, gate_up_tile_n, specs, (gu_packed_gmem, gu_scales_gmem, x_gmem),
@@ -531,6 +543,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                     mark("multiplied")
                     with jax.named_scope("gate_up_write"):
                         token_row(acc, sums_gmem, si, b * block_t + token, ni * gate_up_tile_n, token)
+                    mark("stored")
                 pl.run_scoped(scoped, plgpu.SMEM((gate_up_tile_n * gate_up_tile_k // 16,), jnp.uint32))
                 _add(counters_gmem, 2 * b, _share(r, gu_programs_per_block), release=True)
 

@@ -15,7 +15,9 @@ runs ~2 us longer, and its programs' starts mislead: at one token its trace had 
 `--stamps` runs the kernel unprofiled instead (`fused_decode_moe(stamps=True)`: each program's `%globaltimer` at its
 start and end and past its phases, the counters passed from call to call) and prints, per kind of program, where
 starts and ends fall and how long its phases take (`PHASES`: a down program's wait for its block, SwiGLU fill, K loop
-and write; since session 37), and per block when its last gate/up and last down program ended (since session 41).
+and write; a gate/up program's K loop, store and signal, and when its first K steps began), per block when its last
+gate/up and last down program ended, the spread of the SMs' last gate/up ends by how many gate/up programs an SM ran,
+and it saves every call's raw stamps to `$OUT/fused-stamps-t{tokens}.npy`.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def run_stamps(tokens: int, settings: dict, calls: int = 6) -> list:
 
 
 # Per kind of program, its phases: (name, from column, to column) of `nfm.STAMPS`.
-PHASES = {"gate_up": (("k_loop", "start", "multiplied"), ("write", "multiplied", "end")),
+PHASES = {"gate_up": (("k_loop", "start", "multiplied"), ("store", "multiplied", "stored"), ("signal", "stored", "end"),
+                      *[(f"step{k}", "start", f"step{k}") for k in range(nfm.STAMPED_STEPS)]),
           "down": (("wait", "start", "ready"), ("fill", "ready", "filled"), ("k_loop", "filled", "multiplied"),
                    ("write", "multiplied", "end"))}
 
@@ -116,6 +119,16 @@ def stamp_summary(stamps) -> dict:
 
     ids = np.unique(blocks)
     summary["blocks"] = dict(ready=[last_end(0, b) for b in ids], done=[last_end(1, b) for b in ids])
+    # Per SM: how many gate/up programs it ran, and the spread over SMs of their last end, by that count (whether
+    # the late gate/up programs are those of SMs that ran more of them).
+    sms, gate_up = stamps[:, column["sm"]], kinds == 0
+    by_count: dict[int, list] = {}
+    for sm in np.unique(sms):
+        here = gate_up & (sms == sm)
+        if here.any():
+            by_count.setdefault(int(here.sum()), []).append(float(times[here, column["end"]].max()))
+    summary["sm_gate_up_last_end"] = {count: dict(sms=len(ends), last_end=percentiles(ends))
+                                      for count, ends in sorted(by_count.items())}
     return summary
 
 
@@ -162,7 +175,9 @@ def main():
     out = os.environ.get("OUT", ".")
     settings = json.loads(args.settings)
     if args.stamps:
-        calls = [stamp_summary(stamps) for stamps in run_stamps(args.tokens, settings)]
+        stamped = run_stamps(args.tokens, settings)
+        np.save(os.path.join(out, f"fused-stamps-t{args.tokens}.npy"), np.stack(stamped))  # for other summaries
+        calls = [stamp_summary(stamps) for stamps in stamped]
         for call in calls:
             print(json.dumps(call))
         with open(os.path.join(out, "fused-stamps.json"), "a") as f:

@@ -210,22 +210,27 @@ def test_stamp_summary_reads_the_timer_across_its_wrap_around(monkeypatch):
     """fused_timeline.py's `--stamps` summary: stamps in µs from the first start and phase lengths, per kind of
     program, with the 32-bit nanosecond timer wrapping around between stamps and 0 for a phase not reached."""
     timeline = _moe_benchmark("fused_timeline", monkeypatch)
-    assert nfm.STAMPS == ("start", "end", "kind", "ready", "filled", "multiplied", "block")
+    assert nfm.STAMPS == ("start", "end", "kind", "ready", "filled", "multiplied", "block", "sm", "stored", "step0",
+                          "step1", "step2", "step3")
     first = 2**32 - 2000  # the first start, 2 us before the wrap
     at = lambda us: (first + int(us * 1000)) % 2**32  # noqa: E731
-    stamps = np.array([[at(1), at(6), 0, 0, 0, at(4), 1],  # gate/up: K loop 3 us, write 2 us
-                       [at(0), at(5), 0, 0, 0, at(3), 0],
-                       [at(0.5), at(4), 0, 0, 0, at(3.5), 1],
-                       [at(2.5), at(11), 1, at(7), at(8), at(10), 1],  # down: wait 4.5, fill 1, K loop 2, write 1
-                       [at(2.1), at(9), 1, at(6), at(7), at(8), 0]])
+    # gate/up: K loop 3 us (steps 0-1 begun 1 and 2 us in), store 0.5, signal 1.5; SMs 7, 7, 3
+    stamps = np.array([[at(1), at(6), 0, 0, 0, at(4), 1, 7, at(4.5), at(2), at(3), 0, 0],
+                       [at(0), at(5), 0, 0, 0, at(3), 0, 7, at(3.5), at(1), at(2), 0, 0],
+                       [at(0.5), at(4), 0, 0, 0, at(3.5), 1, 3, at(4), at(1.5), at(2.5), 0, 0],
+                       [at(2.5), at(11), 1, at(7), at(8), at(10), 1, 3, 0, 0, 0, 0, 0],  # down: wait 4.5, fill 1,
+                       [at(2.1), at(9), 1, at(6), at(7), at(8), 0, 5, 0, 0, 0, 0, 0]])  # K loop 2, write 1
     summary = timeline.stamp_summary(stamps.astype(np.uint32).view(np.int32))
     assert summary["kernel_us"] == 11.0
     assert summary["gate_up"] == dict(programs=3, start=[0.0, 0.1, 0.5, 0.9, 1.0], end=[4.0, 4.2, 5.0, 5.8, 6.0],
-                                      k_loop=[3.0] * 5, write=[0.5, 0.8, 2.0, 2.0, 2.0])
+                                      k_loop=[3.0] * 5, store=[0.5] * 5, signal=[0.0, 0.3, 1.5, 1.5, 1.5],
+                                      step0=[1.0] * 5, step1=[2.0] * 5)
     assert summary["down"] == dict(programs=2, start=[2.1, 2.14, 2.3, 2.46, 2.5], end=[9.0, 9.2, 10.0, 10.8, 11.0],
                                    wait=[3.9, 3.96, 4.2, 4.44, 4.5], fill=[1.0] * 5, k_loop=[1.0, 1.1, 1.5, 1.9, 2.0],
                                    write=[1.0] * 5)
     assert summary["blocks"] == dict(ready=[5.0, 6.0], done=[9.0, 11.0])  # block 0's last gate/up ends at 5
+    # SM 3 ran one gate/up program (its last ended at 4), SM 7 two (at 6)
+    assert summary["sm_gate_up_last_end"] == {1: dict(sms=1, last_end=[4.0] * 5), 2: dict(sms=1, last_end=[6.0] * 5)}
 
 
 @pytest.mark.parametrize("tokens,programs", [(1, 720), (4, 1920)])  # the down steps overlapped at 1, piped at 4
