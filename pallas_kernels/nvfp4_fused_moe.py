@@ -256,38 +256,41 @@ def _store_token_row(tile_n: int):
     return body
 
 
-def _store_weighted_transposed(tile_n: int, block_t: int, tokens: int):
-    """inline_mgpu body: the down GEMM's fp32 accumulator [tile_n, block_t] (WGMMA layout) -> smem [block_t,
-    tile_n] fp32: each value times OUTPUT_FACTOR and its row's global scale, rounded to bf16 (the expert's
-    output), times its token's routing weight and rounded to bf16 again (the pair's output, as
-    `moe_gemm_reference`); rows past `tokens` get a weight of zero (only the pair's token's row is stored)."""
+def _store_weighted_row(tile_n: int):
+    """inline_mgpu body: the down GEMM's fp32 accumulator [tile_n, 8] (WGMMA layout) -> gmem: its column `token`
+    (the pair's row of the down tile) to `out[b, n0 ..]`, each value times OUTPUT_FACTOR and its row's global scale,
+    rounded to bf16 (the expert's output), times the pair's routing weight and rounded to bf16 again (the pair's
+    output, as `moe_gemm_reference`); stored from registers by the threads that hold the column (a value of rows r
+    and r + 8 each), as `_store_token_row`. (Through shared memory by TMA, waiting for the copy: 61.6-61.8 us at 7
+    tokens against 58.9-59.8, 15.9 against 15.6-15.8 at one; H100, RESULTS.md session 44.)"""
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, memref, vector
+    from jax._src.lib.mlir.dialects import arith, memref, scf, vector
     from jax.experimental.mosaic.gpu import utils
 
-    def body(ctx, acc, out_ref, scale_ref, *token_weights):
+    def body(ctx, acc, out_ref, scale_ref, b, n0, token, weight):
         del ctx
         index, f32, bf16 = ir.IndexType.get(), ir.F32Type.get(), ir.BF16Type.get()
         round_bf16 = lambda v: arith.extf(f32, arith.truncf(bf16, v))  # noqa: E731
-        weights = [w.registers.item() for w in token_weights]
+        as_index = lambda v: arith.index_cast(index, v.registers.item())  # noqa: E731
+        b, n0, token = map(as_index, (b, n0, token))
+        weight = weight.registers.item()
         row0, lane = nm._thread_place()
-        col0 = arith.muli(arith.remui(lane, utils.c(4, index)), utils.c(2, index))
-        for m in range(tile_n // 64):
-            for half in range(2):
-                row = arith.addi(row0, utils.c(64 * m + 8 * half, index))
-                factor = arith.mulf(memref.load(scale_ref, [row]), arith.constant(f32, nm.OUTPUT_FACTOR))
-                for c in range(block_t // 8):
-                    pair = acc.registers[m, c, 0, 0, half, 0, 0, 0, 0]
-                    for j in range(2):
-                        col = arith.addi(col0, utils.c(8 * c + j, index))
-                        value = round_bf16(arith.mulf(vector.extract(pair, dynamic_position=[],
-                                                                     static_position=[j]), factor))
-                        # The column's token weight: a select over the few tokens (registers, no indexing).
-                        weight = arith.constant(f32, 0.0)
-                        for t, w in enumerate(weights):
-                            is_t = arith.cmpi(arith.CmpIPredicate.eq, col, utils.c(t, index))
-                            weight = arith.select(is_t, w, weight)
-                        memref.store(round_bf16(arith.mulf(value, weight)), out_ref, [col, row])
+        # A thread holds columns 2 (lane % 4) and that + 1.
+        holds = arith.cmpi(arith.CmpIPredicate.eq, arith.remui(lane, utils.c(4, index)),
+                           arith.divui(token, utils.c(2, index)))
+        second = arith.cmpi(arith.CmpIPredicate.eq, arith.remui(token, utils.c(2, index)), utils.c(1, index))
+        guard = scf.IfOp(holds)
+        with ir.InsertionPoint(guard.then_block):
+            for m in range(tile_n // 64):
+                for half in range(2):
+                    row = arith.addi(row0, utils.c(64 * m + 8 * half, index))
+                    factor = arith.mulf(memref.load(scale_ref, [row]), arith.constant(f32, nm.OUTPUT_FACTOR))
+                    pair = acc.registers[m, 0, 0, 0, half, 0, 0, 0, 0]
+                    value = arith.select(second, vector.extract(pair, dynamic_position=[], static_position=[1]),
+                                         vector.extract(pair, dynamic_position=[], static_position=[0]))
+                    value = round_bf16(arith.mulf(round_bf16(arith.mulf(value, factor)), weight))
+                    memref.store(value, out_ref, [b, arith.addi(n0, row)])
+            scf.yield_([])
 
     return body
 
@@ -321,12 +324,12 @@ def _store_token_row_stand_in(tile_n: int):
     return stand_in
 
 
-def _store_weighted_transposed_stand_in(block_t: int, tokens: int):
-    """`_store_weighted_transposed` in interpret mode."""
-    def stand_in(acc, out_ref, scale_ref, *token_weights):
-        expert_out = (acc.T * (scale_ref[...] * nm.OUTPUT_FACTOR)[None, :]).astype(jnp.bfloat16).astype(jnp.float32)
-        weights = jnp.stack([*token_weights, *[jnp.float32(0)] * (block_t - tokens)])
-        out_ref[...] = (expert_out * weights[:, None]).astype(jnp.bfloat16).astype(jnp.float32)
+def _store_weighted_row_stand_in(tile_n: int):
+    """`_store_weighted_row` in interpret mode."""
+    def stand_in(acc, out_ref, scale_ref, b, n0, token, weight):
+        column = jax.lax.dynamic_slice_in_dim(acc, token, 1, axis=1)[:, 0]
+        expert_out = (column * (scale_ref[...] * nm.OUTPUT_FACTOR)).astype(jnp.bfloat16).astype(jnp.float32)
+        out_ref[b, pl.ds(n0, tile_n)] = (expert_out * weight).astype(jnp.bfloat16).astype(jnp.float32)
 
     return stand_in
 
@@ -435,9 +438,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                       _swiglu_activations_stand_in(splits, intermediate), arg_types=fill_types)
     token_row = nm.mgpu_op(_store_token_row(gate_up_tile_n), _store_token_row_stand_in(gate_up_tile_n),
                            arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), *[_SPLAT] * 4))
-    weighted_store = nm.mgpu_op(_store_weighted_transposed(down_tile_n, block_t, tokens),
-                                _store_weighted_transposed_stand_in(block_t, tokens),
-                                arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(), *[_SPLAT] * tokens))
+    row_store = nm.mgpu_op(_store_weighted_row(down_tile_n), _store_weighted_row_stand_in(down_tile_n),
+                           arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(), *[_SPLAT] * 4))
 
     def run_k_loop(step_body, tile_n, specs, gmem_refs, k_steps, stages, fill_activations=None):
         """The program's K loop into a fresh accumulator [tile_n, block_t], returned in registers."""
@@ -554,11 +556,10 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
 
             @pl.when((expert >= 0) & (expert < experts))  # (a skipped pair's row is not written: the caller drops
             def _():  # it)
-                weight = pair_weight_gmem[b]  # its token's row gets it, the other rows none
-                token_weights = [jnp.where(token == t, weight, 0.0) for t in range(tokens)]
+                weight = pair_weight_gmem[b]  # (its token's row is the one stored)
                 gate_scale, up_scale = gu_global_gmem[expert, 0], gu_global_gmem[expert, intermediate]
 
-                def scoped(out_smem, staged_smem, scale_smem, scale_barrier):
+                def scoped(staged_smem, scale_smem, scale_barrier):
                     plgpu.copy_gmem_to_smem(down_global_gmem.at[expert, pl.ds(ni * down_tile_n, down_tile_n)],
                                             scale_smem, scale_barrier)
 
@@ -590,15 +591,10 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                     mark("multiplied")
                     with jax.named_scope("down_write"):
                         plgpu.barrier_wait(scale_barrier)
-                        weighted_store(acc, out_smem, scale_smem, *token_weights)
-                        plgpu.commit_smem()
-                        # The pair's row (its token's row of the tile): rows of its own, no zeroing or reduction.
-                        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(token, 1)],
-                                                out_gmem.at[pl.ds(b, 1), pl.ds(ni * down_tile_n, down_tile_n)])
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        # The pair's row of the tile: a row of its own, no zeroing or reduction.
+                        row_store(acc, out_gmem, scale_smem, b, ni * down_tile_n, token, weight)
 
-                pl.run_scoped(scoped, plgpu.SMEM((block_t, down_tile_n), jnp.float32),
-                              plgpu.SMEM(((down_k_steps if down_overlap else 1) * down_words,), jnp.uint32),
+                pl.run_scoped(scoped, plgpu.SMEM(((down_k_steps if down_overlap else 1) * down_words,), jnp.uint32),
                               plgpu.SMEM((down_tile_n,), jnp.float32), plgpu.Barrier())
 
         mark("end")
