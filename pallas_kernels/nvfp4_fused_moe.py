@@ -236,34 +236,43 @@ def _swiglu_activations(splits: int, block_t: int, intermediate: int):
     return body
 
 
+def _each_token_value(acc, tile_n: int, token, store) -> None:
+    """In an inline_mgpu body: `store(row, value)` for each value of the fp32 accumulator [tile_n, 8] (WGMMA layout)
+    in column `token` (an index), by the threads that hold it (rows r and r + 8 of each 64-row tile: a thread holds
+    columns 2 (lane % 4) and that + 1)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, scf, vector
+    from jax.experimental.mosaic.gpu import utils
+
+    index = ir.IndexType.get()
+    row0, lane = nm._thread_place()
+    holds = arith.cmpi(arith.CmpIPredicate.eq, arith.remui(lane, utils.c(4, index)),
+                       arith.divui(token, utils.c(2, index)))
+    second = arith.cmpi(arith.CmpIPredicate.eq, arith.remui(token, utils.c(2, index)), utils.c(1, index))
+    guard = scf.IfOp(holds)
+    with ir.InsertionPoint(guard.then_block):
+        for m in range(tile_n // 64):
+            for half in range(2):
+                pair = acc.registers[m, 0, 0, 0, half, 0, 0, 0, 0]
+                value = arith.select(second, vector.extract(pair, dynamic_position=[], static_position=[1]),
+                                     vector.extract(pair, dynamic_position=[], static_position=[0]))
+                store(arith.addi(row0, utils.c(64 * m + 8 * half, index)), value)
+        scf.yield_([])
+
+
 def _store_token_row(tile_n: int):
     """inline_mgpu body: the gate/up fp32 accumulator [tile_n, 8] (WGMMA layout) -> gmem: its column `token` (the
     one row of the partial sums that the pair's down programs read) to `sums[split, row, col0 ..]`, stored from
-    registers by the threads that hold it (a value of rows r and r + 8 each), no shared memory or TMA."""
+    registers by the threads that hold it, no shared memory or TMA."""
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, memref, scf, vector
-    from jax.experimental.mosaic.gpu import utils
+    from jax._src.lib.mlir.dialects import arith, memref
 
     def body(ctx, acc, sums_ref, split, row, col0, token):
         del ctx
-        index = ir.IndexType.get()
-        as_index = lambda v: arith.index_cast(index, v.registers.item())  # noqa: E731
+        as_index = lambda v: arith.index_cast(ir.IndexType.get(), v.registers.item())  # noqa: E731
         split, row, col0, token = map(as_index, (split, row, col0, token))
-        row0, lane = nm._thread_place()
-        # A thread holds columns 2 (lane % 4) and that + 1.
-        holds = arith.cmpi(arith.CmpIPredicate.eq, arith.remui(lane, utils.c(4, index)),
-                           arith.divui(token, utils.c(2, index)))
-        second = arith.cmpi(arith.CmpIPredicate.eq, arith.remui(token, utils.c(2, index)), utils.c(1, index))
-        guard = scf.IfOp(holds)
-        with ir.InsertionPoint(guard.then_block):
-            for m in range(tile_n // 64):
-                for half in range(2):
-                    pair = acc.registers[m, 0, 0, 0, half, 0, 0, 0, 0]
-                    value = arith.select(second, vector.extract(pair, dynamic_position=[], static_position=[1]),
-                                         vector.extract(pair, dynamic_position=[], static_position=[0]))
-                    n = arith.addi(col0, arith.addi(row0, utils.c(64 * m + 8 * half, index)))
-                    memref.store(value, sums_ref, [split, row, n])
-            scf.yield_([])
+        _each_token_value(acc, tile_n, token,
+                          lambda n, value: memref.store(value, sums_ref, [split, row, arith.addi(col0, n)]))
 
     return body
 
@@ -272,12 +281,11 @@ def _store_weighted_row(tile_n: int):
     """inline_mgpu body: the down GEMM's fp32 accumulator [tile_n, 8] (WGMMA layout) -> gmem: its column `token`
     (the pair's row of the down tile) to `out[b, n0 ..]`, each value times OUTPUT_FACTOR and its row's global scale,
     rounded to bf16 (the expert's output), times the pair's routing weight and rounded to bf16 again (the pair's
-    output, as `moe_gemm_reference`); stored from registers by the threads that hold the column (a value of rows r
-    and r + 8 each), as `_store_token_row`. (Through shared memory by TMA, waiting for the copy: 61.6-61.8 us at 7
-    tokens against 58.9-59.8, 15.9 against 15.6-15.8 at one; H100, RESULTS.md session 44.)"""
+    output, as `moe_gemm_reference`); stored from registers by the threads that hold the column, as
+    `_store_token_row`. (Through shared memory by TMA, waiting for the copy: 61.6-61.8 us at 7 tokens against
+    58.9-59.8, 15.9 against 15.6-15.8 at one; H100, RESULTS.md session 44.)"""
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, memref, scf, vector
-    from jax.experimental.mosaic.gpu import utils
+    from jax._src.lib.mlir.dialects import arith, memref
 
     def body(ctx, acc, out_ref, scale_ref, b, n0, token, weight):
         del ctx
@@ -286,23 +294,13 @@ def _store_weighted_row(tile_n: int):
         as_index = lambda v: arith.index_cast(index, v.registers.item())  # noqa: E731
         b, n0, token = map(as_index, (b, n0, token))
         weight = weight.registers.item()
-        row0, lane = nm._thread_place()
-        # A thread holds columns 2 (lane % 4) and that + 1.
-        holds = arith.cmpi(arith.CmpIPredicate.eq, arith.remui(lane, utils.c(4, index)),
-                           arith.divui(token, utils.c(2, index)))
-        second = arith.cmpi(arith.CmpIPredicate.eq, arith.remui(token, utils.c(2, index)), utils.c(1, index))
-        guard = scf.IfOp(holds)
-        with ir.InsertionPoint(guard.then_block):
-            for m in range(tile_n // 64):
-                for half in range(2):
-                    row = arith.addi(row0, utils.c(64 * m + 8 * half, index))
-                    factor = arith.mulf(memref.load(scale_ref, [row]), arith.constant(f32, nm.OUTPUT_FACTOR))
-                    pair = acc.registers[m, 0, 0, 0, half, 0, 0, 0, 0]
-                    value = arith.select(second, vector.extract(pair, dynamic_position=[], static_position=[1]),
-                                         vector.extract(pair, dynamic_position=[], static_position=[0]))
-                    value = round_bf16(arith.mulf(round_bf16(arith.mulf(value, factor)), weight))
-                    memref.store(value, out_ref, [b, arith.addi(n0, row)])
-            scf.yield_([])
+
+        def store(row, value):
+            factor = arith.mulf(memref.load(scale_ref, [row]), arith.constant(f32, nm.OUTPUT_FACTOR))
+            value = round_bf16(arith.mulf(round_bf16(arith.mulf(value, factor)), weight))
+            memref.store(value, out_ref, [b, arith.addi(n0, row)])
+
+        _each_token_value(acc, tile_n, token, store)
 
     return body
 
