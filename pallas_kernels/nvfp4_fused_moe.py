@@ -555,6 +555,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                             def _():
                                 stamp(stamps_gmem[0], p, STAMPS.index("step0") + indices[0])
                         decode(acc_ref, indices, *smem)
+
                     specs = gu_in_specs(expert, si * gu_k_steps, ni, 0)
                     with jax.named_scope("gate_up_k_loop"):
                         acc = run_k_loop(body, gate_up_tile_n, specs, (gu_packed_gmem, gu_scales_gmem, x_gmem),
