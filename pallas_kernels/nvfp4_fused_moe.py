@@ -356,7 +356,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                      gate_up_decode_chunks: int | None = None, down_stages: int = 5,
                      down_tile_n: int | None = None,
                      down_decode_row_chunks: int = 1, down_overlap: bool | None = None,
-                     down_scales_first: bool | None = None, down_fetch_after: int | None = None, counters=None,
+                     down_scales_first: bool | None = None, down_fetch_after: int | None = None,
+                     down_prefetch: tuple[int, int] | None = None, counters=None,
                      compiler_params=None, stamps: bool = False, interpret: bool = False):
     """`x [T, H]` bf16 (T <= 8), `pair_expert [T * top_k]` int32 (token t's picks from t * top_k on; an expert
     outside [0, E): skip the pair) and `pair_weight [T * top_k]` fp32, its routing weights. Each pair is a block of
@@ -371,9 +372,12 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     (unset: at one token). `down_fetch_after` (with `down_overlap`; untimed, session 44): a down program issues its
     weight copies only once that many of its block's gate/up programs have counted themselves done, not at its start,
     so that the resident down programs' weights follow the gate/up weights from HBM instead of competing with them
-    (unset: at its start). (Settings that lost everywhere they were timed were removed: a grid of blocks one after
-    another with padded shared memory, a down program's wait per K step, an expert's pairs computed once, a token's
-    pairs added in the kernel; RESULTS.md, session 43.)
+    (unset: at its start). `down_prefetch=(step, first)` (untimed, session 45): as gate/up program p begins its K
+    step `step`, it asks L2 (a TMA prefetch) for the weights of down program `first + p` (and every gu_programs-th
+    after), so that the down programs that start only as gate/up programs leave (those past the first wave) find
+    their weights in L2, fetched behind the gate/up weights rather than after them. (Settings that lost everywhere
+    they were timed were removed: a grid of blocks one after another with padded shared memory, a down program's
+    wait per K step, an expert's pairs computed once, a token's pairs added in the kernel; RESULTS.md, session 43.)
     `counters`:
     int32 `[slots]` from `fresh_counters()` or as the call before returned them (other values break the waits: wrong
     sums or a hang); then (output, counters) come back, for the next call. Unset, or with fewer than
@@ -430,6 +434,9 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     if down_fetch_after is not None and not (down_overlap and 1 <= down_fetch_after <= gu_programs_per_block):
         raise ValueError(f"down_fetch_after={down_fetch_after} needs down_overlap and 1 to {gu_programs_per_block} (a "
                          f"block's gate/up programs); down_overlap={down_overlap}")
+    if down_prefetch is not None and not (0 <= down_prefetch[0] < gu_k_steps and 0 <= down_prefetch[1] < down_programs):
+        raise ValueError(f"down_prefetch={down_prefetch} needs a gate/up K step below {gu_k_steps} and a down "
+                         f"program below {down_programs}")
     if interpret and stamps:
         raise ValueError("stamps read the GPU's clock: not in interpret mode")
     slots = counter_slots(blocks)
@@ -480,6 +487,24 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
         return body
 
     down_words = down_tile_n * down_tile_k // 16  # a step's staged block scales
+
+    def prefetch_down_weights(p, pair_expert_gmem, weight_refs):
+        """`down_prefetch`: gate/up program p asks L2 for the weights of down programs first + p, first + p +
+        gu_programs, ... (no wait: a prefetch only warms L2)."""
+        first = down_prefetch[1]
+        for j in range(-(-(down_programs - first) // gu_programs)):
+            q = first + p + j * gu_programs
+
+            @pl.when(q < down_programs)
+            def _():
+                expert = pair_expert_gmem[q // down_tiles]
+
+                @pl.when((expert >= 0) & (expert < experts))
+                def _():
+                    specs = down_in_specs(expert, 0, q % down_tiles, 0)[:-1]
+                    for kk in range(down_k_steps):
+                        for spec, ref in zip(specs, weight_refs):
+                            plgpu.async_prefetch(nm._block_of(spec, ref, (kk,)))
 
     def resident_down_loop(acc_ref, specs, gmem_refs, fill_activations, staged_smem, before_copies):
         """A down program's K loop with every step's copy issued first (after `before_copies`): after
@@ -554,6 +579,10 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                             @pl.when(indices[0] < STAMPED_STEPS)
                             def _():
                                 stamp(stamps_gmem[0], p, STAMPS.index("step0") + indices[0])
+                        if down_prefetch is not None:
+                            @pl.when(indices[0] == down_prefetch[0])
+                            def _():
+                                prefetch_down_weights(p, pair_expert_gmem, (down_packed_gmem, down_scales_gmem))
                         decode(acc_ref, indices, *smem)
 
                     specs = gu_in_specs(expert, si * gu_k_steps, ni, 0)
