@@ -142,10 +142,8 @@ def _add(counters, slot, amount, *, release: bool) -> None:
                                                                            amount)
 
 
-def _wait_epoch(counters, slot, *, progress: tuple[int, int] | None = None) -> None:
-    """Waits until a signals' counter (`slot`) is EPOCH past this call's start, acquiring what its signals released;
-    with `progress=(least, count)`, until at least `least` of its `count` signallers have added to it, acquiring
-    nothing (a program's share is 1, the program that adds the rest of EPOCH counts one too).
+def _wait_epoch(counters, slot) -> None:
+    """Waits until a signals' counter (`slot`) is EPOCH past this call's start, acquiring what its signals released.
     The start is the waiters' counter (slot + 1) rounded down to a multiple of EPOCH, read before this program adds
     to it, here by the waiting thread just before the wait (read by every thread instead: equal within 0.1 us at 1-2
     tokens, H200 session 35 run 8; both faster than a read at the program's start, session 34 run 8); unsigned
@@ -165,20 +163,10 @@ def _wait_epoch(counters, slot, *, progress: tuple[int, int] | None = None) -> N
             base = arith.andi(load(utils.getelementptr(ptr, [1], i32)), utils.c(-EPOCH, i32))
             loop = scf.WhileOp([], [])
             with ir.InsertionPoint(loop.before.blocks.append()):
-                added = arith.subi(load(ptr), base)
-                if progress is None:
-                    waiting = arith.cmpi(arith.CmpIPredicate.ult, added, utils.c(EPOCH, i32))
-                else:
-                    least, count = progress
-                    # Once the program that adds the rest of EPOCH has added, `added` is EPOCH - count + signals.
-                    signals = arith.select(arith.cmpi(arith.CmpIPredicate.ult, added, utils.c(count, i32)), added,
-                                           arith.subi(added, utils.c(EPOCH - count, i32)))
-                    waiting = arith.cmpi(arith.CmpIPredicate.ult, signals, utils.c(least, i32))
-                scf.condition(waiting, [])
+                scf.condition(arith.cmpi(arith.CmpIPredicate.ult, arith.subi(load(ptr), base), utils.c(EPOCH, i32)), [])
             with ir.InsertionPoint(loop.after.blocks.append()):
                 scf.yield_([])
-            if progress is None:
-                utils.inline_ptx("fence.acquire.gpu;", has_side_effects=True)
+            utils.inline_ptx("fence.acquire.gpu;", has_side_effects=True)
         utils.warpgroup_barrier()
 
     nm.mgpu_op(wait, lambda *refs: None, arg_types=(plgpu.RefType(), _SPLAT))(counters, jnp.asarray(slot, jnp.int32))
@@ -356,8 +344,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                      gate_up_decode_chunks: int | None = None, down_stages: int = 5,
                      down_tile_n: int | None = None,
                      down_decode_row_chunks: int = 1, down_overlap: bool | None = None,
-                     down_scales_first: bool | None = None, down_fetch_after: int | None = None,
-                     down_prefetch: tuple[int, int] | None = None, counters=None,
+                     down_scales_first: bool | None = None, counters=None,
                      compiler_params=None, stamps: bool = False, interpret: bool = False):
     """`x [T, H]` bf16 (T <= 8), `pair_expert [T * top_k]` int32 (token t's picks from t * top_k on; an expert
     outside [0, E): skip the pair) and `pair_weight [T * top_k]` fp32, its routing weights. Each pair is a block of
@@ -369,15 +356,11 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     `decode_chunks`; the down GEMM's; `down_overlap`: a down program issues every K step's copy at once and decodes a
     step while the one before multiplies (`down_stages` then does not apply; unset: at 1-2 tokens);
     `down_scales_first` (with `down_overlap`): it stages every step's block scales before it waits for its block
-    (unset: at one token). `down_fetch_after` (with `down_overlap`; untimed, session 44): a down program issues its
-    weight copies only once that many of its block's gate/up programs have counted themselves done, not at its start,
-    so that the resident down programs' weights follow the gate/up weights from HBM instead of competing with them
-    (unset: at its start). `down_prefetch=(step, first)` (untimed, session 45): as gate/up program p begins its K
-    step `step`, it asks L2 (a TMA prefetch) for the weights of down program `first + p` (and every gu_programs-th
-    after), so that the down programs that start only as gate/up programs leave (those past the first wave) find
-    their weights in L2, fetched behind the gate/up weights rather than after them. (Settings that lost everywhere
-    they were timed were removed: a grid of blocks one after another with padded shared memory, a down program's
-    wait per K step, an expert's pairs computed once, a token's pairs added in the kernel; RESULTS.md, session 43.)
+    (unset: at one token). (Settings that lost everywhere they were timed were removed: a grid of blocks one after
+    another with padded shared memory, a down program's wait per K step, an expert's pairs computed once, a token's
+    pairs added in the kernel, RESULTS.md session 43; a down program's weight copies issued only once some of its
+    block's gate/up programs are done, and gate/up programs asking L2 for later down programs' weights mid-stream,
+    session 45.)
     `counters`:
     int32 `[slots]` from `fresh_counters()` or as the call before returned them (other values break the waits: wrong
     sums or a hang); then (output, counters) come back, for the next call. Unset, or with fewer than
@@ -431,12 +414,6 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     gu_programs_per_block = gu_rows // gate_up_tile_n * splits
     down_tiles = hidden // down_tile_n
     gu_programs, down_programs = blocks * gu_programs_per_block, blocks * down_tiles
-    if down_fetch_after is not None and not (down_overlap and 1 <= down_fetch_after <= gu_programs_per_block):
-        raise ValueError(f"down_fetch_after={down_fetch_after} needs down_overlap and 1 to {gu_programs_per_block} (a "
-                         f"block's gate/up programs); down_overlap={down_overlap}")
-    if down_prefetch is not None and not (0 <= down_prefetch[0] < gu_k_steps and 0 <= down_prefetch[1] < down_programs):
-        raise ValueError(f"down_prefetch={down_prefetch} needs a gate/up K step below {gu_k_steps} and a down "
-                         f"program below {down_programs}")
     if interpret and stamps:
         raise ValueError("stamps read the GPU's clock: not in interpret mode")
     slots = counter_slots(blocks)
@@ -488,33 +465,14 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
 
     down_words = down_tile_n * down_tile_k // 16  # a step's staged block scales
 
-    def prefetch_down_weights(p, pair_expert_gmem, weight_refs):
-        """`down_prefetch`: gate/up program p asks L2 for the weights of down programs first + p, first + p +
-        gu_programs, ... (no wait: a prefetch only warms L2)."""
-        first = down_prefetch[1]
-        for j in range(-(-(down_programs - first) // gu_programs)):
-            q = first + p + j * gu_programs
-
-            @pl.when(q < down_programs)
-            def _():
-                expert = pair_expert_gmem[q // down_tiles]
-
-                @pl.when((expert >= 0) & (expert < experts))
-                def _():
-                    specs = down_in_specs(expert, 0, q % down_tiles, 0)[:-1]
-                    for kk in range(down_k_steps):
-                        for spec, ref in zip(specs, weight_refs):
-                            plgpu.async_prefetch(nm._block_of(spec, ref, (kk,)))
-
-    def resident_down_loop(acc_ref, specs, gmem_refs, fill_activations, staged_smem, before_copies):
-        """A down program's K loop with every step's copy issued first (after `before_copies`): after
-        `fill_activations`, each step's scales are staged into a buffer of its own and its decode runs while the step
-        before multiplies (no wait for a step's wgmma before the next step's decode, as a pipeline's step has)."""
+    def resident_down_loop(acc_ref, specs, gmem_refs, fill_activations, staged_smem):
+        """A down program's K loop with every step's copy issued first: after `fill_activations`, each step's scales
+        are staged into a buffer of its own and its decode runs while the step before multiplies (no wait for a
+        step's wgmma before the next step's decode, as a pipeline's step has)."""
         weight_specs, x_spec = specs[:-1], specs[-1]
         shape = lambda spec: tuple(d for d in spec.block_shape if not nm._squeezed(d))  # noqa: E731
 
         def scoped(weight_bufs, x_buf, barriers):
-            before_copies()
             for kk in range(down_k_steps):
                 for spec, ref, buf in zip(weight_specs, gmem_refs, weight_bufs):
                     plgpu.copy_gmem_to_smem(nm._block_of(spec, ref, (kk,)), buf.at[kk], barriers.at[kk])
@@ -579,10 +537,6 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                             @pl.when(indices[0] < STAMPED_STEPS)
                             def _():
                                 stamp(stamps_gmem[0], p, STAMPS.index("step0") + indices[0])
-                        if down_prefetch is not None:
-                            @pl.when(indices[0] == down_prefetch[0])
-                            def _():
-                                prefetch_down_weights(p, pair_expert_gmem, (down_packed_gmem, down_scales_gmem))
                         decode(acc_ref, indices, *smem)
 
                     specs = gu_in_specs(expert, si * gu_k_steps, ni, 0)
@@ -622,10 +576,6 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                             plgpu.commit_smem()
                         mark("filled")
 
-                    def fetch_when_due():
-                        if down_fetch_after is not None:
-                            _wait_epoch(counters_gmem, 2 * b, progress=(down_fetch_after, gu_programs_per_block))
-
                     body = decode_step(down_stage, down_decodes, down_tile_n, down_tile_k, down_line_box,
                                        down_decode_row_chunks, staged_smem)
                     specs = down_in_specs(expert, 0, ni, 0)
@@ -633,7 +583,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                         if down_overlap:
                             def resident(acc_ref):
                                 resident_down_loop(acc_ref, specs, (down_packed_gmem, down_scales_gmem, x_gmem),
-                                                   fill_activations, staged_smem, fetch_when_due)
+                                                   fill_activations, staged_smem)
                                 return acc_ref[...]
                             acc = pl.run_scoped(resident, plgpu.ACC((down_tile_n, block_t)))
                         else:

@@ -112,36 +112,6 @@ def test_lowers_for_cuda(tokens, splits, down_tile_n, row_chunks):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("tokens,after", [(1, 1), (1, 50), (2, 25)])
-def test_down_fetch_after_lowers(tokens, after):
-    """Down programs that issue their weight copies once `after` of their block's 50 gate/up programs are done."""
-    op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64, down_fetch_after=after)
-    assert "mosaic_gpu" in _cuda_lowering(op, _specs(256, 5120, 320, tokens, 8 * tokens))
-
-
-@pytest.mark.parametrize("tokens,settings", [(1, dict(down_fetch_after=0)), (1, dict(down_fetch_after=51)),
-                                             (1, dict(down_fetch_after=5, down_overlap=False)),
-                                             (4, dict(down_fetch_after=5))])  # (no overlapped down loop at 4)
-def test_down_fetch_after_is_refused_where_it_cannot_wait(tokens, settings):
-    op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64, **settings)
-    with pytest.raises(ValueError, match="down_fetch_after"):
-        jax.eval_shape(op, *_specs(256, 5120, 320, tokens, 8 * tokens))
-
-
-@pytest.mark.parametrize("tokens,prefetch", [(1, (1, 128)), (2, (0, 0)), (4, (3, 100))])
-def test_down_prefetch_lowers(tokens, prefetch):
-    """Gate/up programs that ask L2 for later down programs' weights as they begin a K step."""
-    op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64, down_prefetch=prefetch)
-    assert "cp.async.bulk.prefetch.tensor" in _cuda_lowering(op, _specs(256, 5120, 320, tokens, 8 * tokens))
-
-
-@pytest.mark.parametrize("prefetch", [(4, 0), (-1, 0), (0, 320), (0, -1)])  # (4 K steps, 320 down programs)
-def test_down_prefetch_is_refused_outside_the_grid(prefetch):
-    op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64, down_prefetch=prefetch)
-    with pytest.raises(ValueError, match="down_prefetch"):
-        jax.eval_shape(op, *_specs(256, 5120, 320, 1, 8))
-
-
 @pytest.mark.parametrize("tokens,scales_first", [(1, False), (2, True)])
 def test_down_scales_first_lowers_against_its_default(tokens, scales_first):
     """The overlapped down loop with its step scales staged before or after the block's wait, each where the
@@ -284,9 +254,7 @@ SMALL = (512, 128, 16, 4)  # hidden, intermediate, experts, top_k
     (3, dict(gate_up_splits=1, down_tile_n=64, down_stages=2)), (5, {}), (7, {}), (8, {}),
     (8, dict(gate_up_splits=2, down_tile_n=256, down_decode_row_chunks=4)),
     (1, dict(fused_settings=dict(down_overlap=True))),
-    (5, dict(fused_settings=dict(down_overlap=True), down_tile_n=256, down_decode_row_chunks=4)),
-    (1, dict(fused_settings=dict(down_fetch_after=50))), (2, dict(fused_settings=dict(down_fetch_after=30))),
-    (1, dict(fused_settings=dict(down_prefetch=(1, 128)))), (2, dict(fused_settings=dict(down_prefetch=(0, 0))))])
+    (5, dict(fused_settings=dict(down_overlap=True), down_tile_n=256, down_decode_row_chunks=4))])
 def test_fused_layer_matches_reference_on_gpu(tokens, settings):
     """Beam's TP8 expert shape; the same call twice in one program with other inputs (the semaphores and the
     output start from zero in each call)."""
@@ -298,8 +266,6 @@ def test_fused_layer_matches_reference_on_gpu(tokens, settings):
     (5, {}, (512, 128, 6, 3)), (8, dict(gate_up_splits=2, down_tile_n=256, down_decode_row_chunks=4), SMALL),
     (1, dict(fused_settings=dict(down_overlap=False)), (512, 192, 16, 4)),
     (4, dict(fused_settings=dict(down_overlap=True, down_scales_first=True)), SMALL),
-    (2, dict(fused_settings=dict(down_fetch_after=5)), SMALL),
-    (3, dict(fused_settings=dict(down_prefetch=(0, 1))), SMALL),
     pytest.param(1, {}, (5120, 320, 256, 8), marks=pytest.mark.slow)])  # (~2 minutes)
 def test_fused_layer_matches_reference_interpret(tokens, settings, shape):
     """The kernel in Mosaic GPU's interpret mode on the CPU (`interpret=True`: its grid roles, copies, barriers,
