@@ -14,6 +14,19 @@ def is_hopper(device) -> bool:
     return device.platform == "gpu" and getattr(device, "compute_capability", None) == HOPPER
 
 
+def device_kind() -> str:
+    """The default device's kind as the driver names it ("NVIDIA H100 80GB HBM3", "NVIDIA H200"; "" off a GPU):
+    where an H100 and an H200 timed a setting differently, the kernels' defaults follow the card."""
+    device = jax.devices()[0]
+    return device.device_kind if device.platform == "gpu" else ""
+
+
+def is_h100(kind: str) -> bool:
+    """The H100 that benchmarks/moe timed (SXM, 80 GB HBM3: "NVIDIA H100 80GB HBM3"). Other H100s (PCIe, NVL), never
+    timed, keep the defaults of the H200, on which they were set."""
+    return "H100" in kind and "HBM3" in kind
+
+
 def num_sms() -> int:
     """Streaming multiprocessors of the default device (132 on an H100/H200 SXM, and when lowering on a CPU)."""
     device = jax.devices()[0]

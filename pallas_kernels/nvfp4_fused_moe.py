@@ -1,5 +1,5 @@
 """Beam's NVFP4 MoE layer for a few decode tokens in one Mosaic GPU launch (Hopper only): gate/up GEMM,
-SwiGLU, down GEMM and the routing-weighted pair sum. The layer's default at 1-7 tokens.
+SwiGLU, down GEMM and the routing-weighted pair sum. The layer's default at 1-7 tokens (1-8 on an H100).
 
 Why. At one token the layer of separate kernels (`nvfp4_moe_mgpu.moe_nvfp4(fused=False)`) is six launches, each
 waiting for the one before: the two GEMMs took 8.0 + 5.5 us of its 19.5, XLA's pass between them (the K splits'
@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import nvfp4_mgpu as nm
-from pallas_kernels.mgpu_tiles import interpret_params, stamp
+from pallas_kernels.mgpu_tiles import device_kind, interpret_params, is_h100, stamp
 
 _X_ROW_BYTES = 128  # the down GEMM's activation tile rows: tile_k 64 bf16, one 128-byte swizzled row
 _X_TILE_K = _X_ROW_BYTES // 2  # (their bf16 columns)
@@ -332,6 +332,31 @@ def _store_weighted_row_stand_in(tile_n: int):
     return stand_in
 
 
+def program_defaults(tokens: int, kind: str) -> dict:
+    """The kernel's settings at `tokens` tokens where a call leaves them unset, each the faster one in a same-run
+    comparison on an H200 (spans, µs; benchmarks/moe/RESULTS.md), or on an H100 where `kind` (`device_kind()`) is one
+    and it measured otherwise. `most_splits`: the gate/up K splits, at most (those that divide its K steps);
+    `decode_chunks`: the gate/up decode's K chunks, at most (those that split its tile_k)."""
+    h100 = is_h100(kind)
+    return dict(
+        # Up to 5 at 1-2 tokens, 2 at 3-7, else 1 (16.2-16.3 us against 17.4-17.5 with 4 at one token, session 29;
+        # 23.8 / 29.8 / 37.4 us at 2 / 3 / 4 tokens against 25.0 / 32.4 / 40.7 with the other of 2 and 5, and 29.2
+        # / 34.7 / 39.4 with 1, session 30 run 4; with 4 decode chunks 41.1 / 46.8 / 54.2 at 5 / 6 / 7 against 45.4
+        # / 50.1 / 55.2 with 1, runs 6 and 8). On an H100 4 at 2 tokens, with 3 stages (below).
+        most_splits=4 if h100 and tokens == 2 else 5 if tokens <= 2 else 2 if tokens <= 7 else 1,
+        # 2; on an H100 3 at 2 tokens (with 4 splits: 22.8 / 22.8 / 23.1 / 23.2 against 23.6 / 23.4 / 23.3 / 23.4)
+        # and 4 (37.8 / 38.2 / 37.8 against 39.1 / 39.0 / 39.2; equal at 3 and 5, slower at 6-8; session 45).
+        gate_up_stages=3 if h100 and tokens in (2, 4) else 2,
+        # 4 K chunks at 4-7 tokens (75 registers instead of 102: the gate/up grid in one wave; 35.1 / 41.1 / 46.8 us
+        # at 4 / 5 / 6 tokens against 36.9 / 44.5 / 50.9, session 30 run 6; slower at 1 and 3), else 2.
+        decode_chunks=4 if 4 <= tokens <= 7 else 2,
+        # At 1-2 tokens (14.8 / 21.2-21.4 us against 14.9-15.1 / 21.9-22.0; at 4 and 7 tokens, where the kernel
+        # takes 71 registers, 98 with it: 33.7 / 56.6-56.8 against 32.9-33.0 / 53.4-53.5; session 35 run 10).
+        down_overlap=tokens <= 2,
+        # At one token (13.7-14.0 us against 14.1-14.5; at two 21.0-21.3 against 20.3-20.7, session 40).
+        down_scales_first=tokens == 1)
+
+
 def fits(hidden: int, down_tile_k: int, tokens: int) -> bool:
     """Whether `fused_decode_moe` takes these shapes: down weights in K steps of 64 (its activation tiles are one
     128-byte row), a hidden size in whole 64-row down tiles, at most 8 tokens."""
@@ -340,7 +365,7 @@ def fits(hidden: int, down_tile_k: int, tokens: int) -> bool:
 
 def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales, gate_up_global_scale,
                      down_packed, down_scales, down_global_scale, *, gate_up_tile_k: int, down_tile_k: int,
-                     splits: int | None = None, gate_up_stages: int = 2, gate_up_tile_n: int = 64,
+                     splits: int | None = None, gate_up_stages: int | None = None, gate_up_tile_n: int = 64,
                      gate_up_decode_chunks: int | None = None, down_stages: int = 5,
                      down_tile_n: int | None = None,
                      down_decode_row_chunks: int = 1, down_overlap: bool | None = None,
@@ -354,13 +379,13 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     (`down_tile_k` 64) -> `[8, H]` fp32, the routed experts' output of each token (rows past T zero). Settings as
     `grouped_matmul`'s: the gate/up GEMM's `splits` K splits, pipeline `stages`, `tile_n` rows a program and
     `decode_chunks`; the down GEMM's; `down_overlap`: a down program issues every K step's copy at once and decodes a
-    step while the one before multiplies (`down_stages` then does not apply; unset: at 1-2 tokens);
-    `down_scales_first` (with `down_overlap`): it stages every step's block scales before it waits for its block
-    (unset: at one token). (Settings that lost everywhere they were timed were removed: a grid of blocks one after
-    another with padded shared memory, a down program's wait per K step, an expert's pairs computed once, a token's
-    pairs added in the kernel, RESULTS.md session 43; a down program's weight copies issued only once some of its
-    block's gate/up programs are done, and gate/up programs asking L2 for later down programs' weights mid-stream,
-    session 45.)
+    step while the one before multiplies (`down_stages` then does not apply); `down_scales_first` (with
+    `down_overlap`): it stages every step's block scales before it waits for its block. Unset, the gate/up
+    settings and these two are `program_defaults`' for the token count and the device. (Settings that lost
+    everywhere they were timed were removed: a grid of blocks one after another with padded shared memory, a down
+    program's wait per K step, an expert's pairs computed once, a token's pairs added in the kernel, RESULTS.md
+    session 43; a down program's weight copies issued only once some of its block's gate/up programs are done, and
+    gate/up programs asking L2 for later down programs' weights mid-stream, session 45.)
     `counters`:
     int32 `[slots]` from `fresh_counters()` or as the call before returned them (other values break the waits: wrong
     sums or a hang); then (output, counters) come back, for the next call. Unset, or with fewer than
@@ -374,19 +399,13 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     programs run one at a time in the grid's order (so no wait waits; no `stamps`)."""
     tokens, hidden = x.shape
     experts, gu_steps, gu_rows, _ = gate_up_packed.shape
-    if gate_up_decode_chunks is None:  # 4 K chunks at 4-7 tokens (75 registers instead of 102: the gate/up grid in
-        # one wave; 35.1 / 41.1 / 46.8 us at 4 / 5 / 6 tokens against 36.9 / 44.5 / 50.9, H200 session 30 run 6;
-        # slower at 1 and 3), else 2, where a step has them
-        wanted = 4 if 4 <= tokens <= 7 else 2
-        gate_up_decode_chunks = max(c for c in (1, 2, 4)
-                                    if c <= wanted and gate_up_tile_k % (c * nm.TILE_K_QUANTUM) == 0)
-    if down_overlap is None:  # at 1-2 tokens (14.8 / 21.2-21.4 us against 14.9-15.1 / 21.9-22.0; at 4 and 7 tokens,
-        # where the kernel takes 71 registers, 98 with it: 33.7 / 56.6-56.8 against 32.9-33.0 / 53.4-53.5; H200
-        # session 35 run 10)
-        down_overlap = tokens <= 2
-    if down_scales_first is None:  # at one token (13.7-14.0 us against 14.1-14.5; at two 21.0-21.3 against
-        # 20.3-20.7, H200 session 40)
-        down_scales_first = tokens == 1
+    defaults = program_defaults(tokens, device_kind())
+    if gate_up_decode_chunks is None:  # (as many as a step has, up to the default)
+        gate_up_decode_chunks = max(c for c in (1, 2, 4) if c <= defaults["decode_chunks"]
+                                    and gate_up_tile_k % (c * nm.TILE_K_QUANTUM) == 0)
+    gate_up_stages = defaults["gate_up_stages"] if gate_up_stages is None else gate_up_stages
+    down_overlap = defaults["down_overlap"] if down_overlap is None else down_overlap
+    down_scales_first = defaults["down_scales_first"] if down_scales_first is None else down_scales_first
     if down_tile_n is None:  # 128 rows where they divide the hidden size (17.1 us against 19.1 with 64
         # and 4 stages, session 29 run A)
         down_tile_n = 128 if hidden % 128 == 0 else 64
@@ -401,12 +420,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
         raise ValueError(f"shapes: x {x.shape}, pairs {pair_expert.shape} / {pair_weight.shape}, gate/up "
                          f"{gate_up_packed.shape} (tile_k {gate_up_tile_k}), down {down_packed.shape} "
                          f"(tile_k {down_tile_k}), tile_n {gate_up_tile_n} / {down_tile_n}")
-    if splits is None:  # up to 5 at 1-2 tokens, 2 at 3-7, else 1 (H200 spans: 16.2-16.3 us against 17.4-17.5 with
-        # 4 at one token, session 29; 23.8 / 29.8 / 37.4 us at 2 / 3 / 4 tokens against 25.0 / 32.4 / 40.7 with
-        # the other of 2 and 5, and 29.2 / 34.7 / 39.4 with 1, session 30 run 4; with 4 decode chunks 41.1 / 46.8
-        # / 54.2 at 5 / 6 / 7 against 45.4 / 50.1 / 55.2 with 1, runs 6 and 8)
-        most = 5 if tokens <= 2 else 2 if tokens <= 7 else 1
-        splits = max(s for s in (1, 2, 4, 5) if gu_steps % s == 0 and s <= most)
+    if splits is None:  # (as many as divide the K steps, up to the default)
+        splits = max(s for s in (1, 2, 4, 5) if gu_steps % s == 0 and s <= defaults["most_splits"])
     if gate_up_tile_k % (nm.TILE_K_QUANTUM * gate_up_decode_chunks):
         raise ValueError(f"gate_up_decode_chunks={gate_up_decode_chunks} must split gate_up_tile_k={gate_up_tile_k} "
                          f"into multiples of {nm.TILE_K_QUANTUM}")

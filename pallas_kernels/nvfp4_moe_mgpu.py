@@ -1,8 +1,8 @@
 """Beam's NVFP4 MoE layer on the Mosaic GPU grouped GEMM (`nvfp4_mgpu.grouped_matmul`), Hopper only.
 
 The weights are repacked once into the kernel's layouts (`KernelNvfp4.from_expert_weights`; the model
-does it at load time on Hopper, `beam_jax.quant.kernel_layout`). At 1-7 tokens the whole layer is one kernel
-on the pairs as they come (`nvfp4_fused_moe`). Otherwise per call the pairs are put into blocks
+does it at load time on Hopper, `beam_jax.quant.kernel_layout`). At 1-7 tokens (1-8 on an H100) the whole layer is
+one kernel on the pairs as they come (`nvfp4_fused_moe`). Otherwise per call the pairs are put into blocks
 of one expert each (up to 8 tokens: one block per distinct expert, multiplying all the step's tokens; 9-64
 tokens: blocks opened by the pairs, built and gathered by one kernel, `row_gather.gather_opened_blocks`;
 larger batches: pairs sorted by XLA into blocks of `block_t` rows), and after
@@ -31,6 +31,7 @@ from pallas_kernels import moe_gemm as mg
 from pallas_kernels import nvfp4_fused_moe as nfm
 from pallas_kernels import nvfp4_mgpu as nm
 from pallas_kernels import row_gather as rg
+from pallas_kernels.mgpu_tiles import device_kind, is_h100
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["packed", "scales", "global_scale"],
@@ -165,9 +166,10 @@ BLOCK_BUILDERS = ("shared", "sort", "compare", "opened")
 PAIR_ORDER_MAX_BLOCK_T = 16  # the down GEMM stores a row at a time up to this many rows per block
 
 
-def default_config(tokens: int) -> dict:
+def default_config(tokens: int, kind: str | None = None) -> dict:
     """The layer's settings by token count, each the faster one in a same-run comparison on one H200
-    (benchmarks/moe/RESULTS.md; µs of the whole layer unless said; runs O-AA without a session are sessions 8-10).
+    (benchmarks/moe/RESULTS.md; µs of the whole layer unless said; runs O-AA without a session are sessions 8-10),
+    or on an H100 where `kind` (the device's, `device_kind()` where unset) is one and it measured otherwise.
     Blocks:
     - up to SHARED_ROWS_MAX_TOKENS tokens every block takes all the tokens (`_shared_blocks`: no gather, an
       expert's weights read once); from 9 to 64 one kernel opens a block per pair and gathers its rows
@@ -204,11 +206,13 @@ def default_config(tokens: int) -> dict:
     us against 18.7-18.9 for the GEMMs and XLA's kernels between them at one token, spans, session 29 run F; 24.2
     / 30.0 / 35.1 / 41.1 / 46.8 / 54.2 against 29.8 / 34.3 / 40.1 / 45.4 / 48.8 / 57.2 at 2-7 tokens, session 30
     runs 6 and 8; at 8 60.9 against 58.8, though 1-8 % faster at the 8-token bucket with 5-7 real tokens, run 8).
+    On an H100 at 8 tokens too (66.0 / 67.4 / 69.1-69.8 against 72.9 / 71.9 / 72.4, sessions 45 / 44 / 43).
     Launches: from 9 to 64 tokens both GEMMs launch as programmatic dependents, the down GEMM's weights
     streaming during the gate/up GEMM's last wave (spans of the layer's kernels, session 26 runs B-C: 77.2 / 88.0 /
     117.9 / 136.3 against 83.5 / 92.8 / 123.2 / 140.0 at T = 12 / 16 / 24 / 32; equal at 40-64); not at 8 (58.6
     against 58.4: the gate/up grid is one wave) or 1 (19.5 against 19.2)."""
     shared, small_blocks = tokens <= SHARED_ROWS_MAX_TOKENS, tokens <= 1024
+    h100 = is_h100(device_kind() if kind is None else kind)
     builder = "shared" if shared else "opened" if tokens <= 64 else "sort"
     return dict(block_builder=builder,
                 block_t=8 if tokens <= 64 else 32 if small_blocks else 64, gate_up_splits=4 if tokens == 1 else 1,
@@ -219,7 +223,7 @@ def default_config(tokens: int) -> dict:
                 gate_up_epilogue=tokens > 1, down_epilogue=not shared,
                 gate_up_decode_chunks=2 if tokens <= 8 else 1, gate_up_swiglu=True,
                 opened_program=dict(column_groups=5) if tokens <= 16 else dict(compact=True) if tokens >= 40 else {},
-                pdl=not shared and tokens <= 64, fused=tokens <= 7)
+                pdl=not shared and tokens <= 64, fused=tokens <= 7 or (h100 and tokens == 8))
 
 
 def _fused_layer(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, expert_offset, matmul, counters,
@@ -267,8 +271,8 @@ def moe_nvfp4(x, weights, ids, gate_up: KernelNvfp4, down: KernelNvfp4, *, block
     `fused` (shared-row blocks only, up to SHARED_ROWS_MAX_TOKENS tokens): the whole layer in one launch,
     `nvfp4_fused_moe.fused_decode_moe`, with the gate/up settings above that are set (its K splits:
     `gate_up_splits`) and the down GEMM's tile, stages and row chunks; unset, the kernel's own defaults (the
-    epilogue, SwiGLU, staging and `pdl` settings are the two GEMMs' and do not apply). Unset, on at 1-7 tokens
-    with shared-row blocks where the kernel takes the shapes (`nfm.fits`). `fused_settings`: further keyword
+    epilogue, SwiGLU, staging and `pdl` settings are the two GEMMs' and do not apply). Unset, on at 1-7 tokens (1-8
+    on an H100) with shared-row blocks where the kernel takes the shapes (`nfm.fits`). `fused_settings`: further keyword
     arguments of `fused_decode_moe` (e.g. `down_overlap`; unset: its defaults).
     `counters`: the fused kernel's (`nvfp4_fused_moe.fresh_counters()`), passed from call to call (e.g. layer to
     layer), which spares each fused call zeroing its own; then (output, counters) come back, the counters

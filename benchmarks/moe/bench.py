@@ -23,7 +23,7 @@ Variants (MoE layer = both GEMMs, SwiGLU, routing-weight combine; routing exclud
               bf16 at T >= 512: pallas_kernels.bf16_moe_mgpu.moe_bf16 (TMA + wgmma prefill GEMM);
               mosaic_sort (1 < T <= 64): the same with sorted blocks instead of its default ones (shared
               rows up to 8 tokens, opened by the pairs up to 64). Timed by `time_calls`
-              (no wall time); with `--timer spans`, where the layer is the one-launch kernel (1-7 tokens),
+              (no wall time); with `--timer spans`, where the layer is the one-launch kernel (1-7 tokens; 8 on an H100),
               also mosaic_counters_passed: its counters passed from call to call, as the model's layers
               pass them (`PagedBatch.moe_counters`; a lone call zeroes fresh ones first)
 Routing: pallas_kernels.routing.routing_kernel against the jitted plain-jnp reference; with `--timer spans` also

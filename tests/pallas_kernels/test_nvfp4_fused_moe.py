@@ -15,7 +15,10 @@ import pytest
 from pallas_kernels import nvfp4_fused_moe as nfm
 from pallas_kernels import nvfp4_mgpu as nm
 from pallas_kernels import nvfp4_moe_mgpu as nmm
+from pallas_kernels.mgpu_tiles import is_h100
 from tests.pallas_kernels.test_nvfp4_mgpu import _assert_layer_close, _layer_problem, _moe_benchmark
+
+H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"  # as the driver names them
 
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 16, 4), (3, 16, 4), (8, 12, 4), (5, 6, 3)])
@@ -102,6 +105,29 @@ def _cuda_lowering(op, specs) -> str:
     return jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
 
 
+@pytest.mark.parametrize("kind,timed", [(H100, True), ("NVIDIA H100 PCIe", False), ("NVIDIA H100 NVL", False),
+                                        (H200, False), ("", False)])
+def test_only_the_timed_h100_has_defaults_of_its_own(kind, timed):
+    assert is_h100(kind) == timed
+
+
+@pytest.mark.parametrize("tokens,h100_settings", [(1, {}), (2, dict(splits=4, gate_up_stages=3)),
+                                                   (4, dict(gate_up_stages=3)), (7, {})])
+def test_unset_settings_follow_the_device(tokens, h100_settings, monkeypatch):
+    """`program_defaults`: on an H100 the kernel traces as with its H100 settings spelled out; an H200 (and a CPU)
+    as with the H200's. (Jaxprs compared: two lowerings of one program differ in their serialized modules.)"""
+    def traced(kind, **settings):
+        monkeypatch.setattr(nfm, "device_kind", lambda: kind)
+        op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64, **settings)
+        return str(jax.make_jaxpr(op)(*_specs(256, 5120, 320, tokens, 8 * tokens)))
+
+    h100, h200 = traced(H100), traced(H200)
+    assert h200 == traced("")
+    assert h100 == traced(H200, **h100_settings)
+    assert (h100 != h200) == bool(h100_settings)
+    assert nfm.program_defaults(tokens, H100)["gate_up_stages"] == h100_settings.get("gate_up_stages", 2)
+
+
 @pytest.mark.parametrize("tokens,splits,down_tile_n,row_chunks", [(1, 4, 64, 1), (3, None, 128, 1), (2, 2, 256, 4),
                                                                 (5, None, 128, 1)])
 def test_lowers_for_cuda(tokens, splits, down_tile_n, row_chunks):
@@ -173,10 +199,13 @@ def test_one_token_takes_the_two_gemms_where_the_fused_kernel_does_not_fit():
     assert not nfm.fits(256, 128, 1) and nfm.fits(256, 64, 1) and not nfm.fits(256, 64, 9)
 
 
-@pytest.mark.parametrize("tokens,fused", [(2, True), (7, True), (8, False)])
-def test_default_is_one_launch_up_to_seven_tokens(tokens, fused):
-    """`default_config`: the fused layer at 1-7 tokens (its emulation, not the GEMM passed in, is called), the two
-    GEMMs from 8; the reference's output either way, experts picked by several tokens (12 experts, 28 pairs)."""
+@pytest.mark.parametrize("tokens,kind,fused", [(2, "", True), (7, "", True), (8, "", False), (8, H200, False),
+                                               (8, H100, True), (9, H100, False)])
+def test_default_is_one_launch_up_to_seven_tokens_or_eight_on_an_h100(tokens, kind, fused, monkeypatch):
+    """`default_config`: the fused layer at 1-7 tokens (its emulation, not the GEMM passed in, is called), at 8 on
+    an H100 too, else the two GEMMs; the reference's output either way, experts picked by several tokens (12
+    experts, 28 pairs)."""
+    monkeypatch.setattr(nmm, "device_kind", lambda: kind)
     problem, (gate_up, down) = _layer_problem(tokens + 60, tokens, 256, 64, 12, 4, tile_k=128)
     calls = []
 
