@@ -345,8 +345,14 @@ def program_defaults(tokens: int, kind: str) -> dict:
         # / 50.1 / 55.2 with 1, runs 6 and 8). On an H100 4 at 2 tokens, with 3 stages (below).
         most_splits=4 if h100 and tokens == 2 else 5 if tokens <= 2 else 2 if tokens <= 7 else 1,
         # 2; on an H100 3 at 2 tokens (with 4 splits: 22.8 / 22.8 / 23.1 / 23.2 against 23.6 / 23.4 / 23.3 / 23.4)
-        # and 4 (37.8 / 38.2 / 37.8 against 39.1 / 39.0 / 39.2; equal at 3 and 5, slower at 6-8; session 45).
-        gate_up_stages=3 if h100 and tokens in (2, 4) else 2,
+        # and 4 (37.8 / 38.2 / 37.8 against 39.1 / 39.0 / 39.2; equal at 3 and 5, slower at 6-8; session 45); 4 at
+        # one token, with the scales staged by chunk (below).
+        gate_up_stages=4 if h100 and tokens == 1 else 3 if h100 and tokens in (2, 4) else 2,
+        # On an H100 at one token, so that 4 stages (every K step's copy at once) fit 4 programs an SM: 15.4 / 15.4 /
+        # 15.4 / 15.4 / 15.5 / 15.3 us against 15.9 / 16.1 / 15.7 / 15.6 / 15.7 / 15.6 (4 stages alone, 3 programs an
+        # SM: 15.5 / 15.6; the staging alone 15.8 / 15.6; session 46). At two tokens equal (23.0-23.3 against
+        # 22.9-23.4). Off elsewhere: untimed on an H200.
+        gate_up_chunk_scales=h100 and tokens == 1,
         # 4 K chunks at 4-7 tokens (75 registers instead of 102: the gate/up grid in one wave; 35.1 / 41.1 / 46.8 us
         # at 4 / 5 / 6 tokens against 36.9 / 44.5 / 50.9, session 30 run 6; slower at 1 and 3), else 2.
         decode_chunks=4 if 4 <= tokens <= 7 else 2,
@@ -369,7 +375,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                      gate_up_decode_chunks: int | None = None, down_stages: int = 5,
                      down_tile_n: int | None = None,
                      down_decode_row_chunks: int = 1, down_overlap: bool | None = None,
-                     down_scales_first: bool | None = None, counters=None,
+                     down_scales_first: bool | None = None, gate_up_chunk_scales: bool | None = None, counters=None,
                      compiler_params=None, stamps: bool = False, interpret: bool = False):
     """`x [T, H]` bf16 (T <= 8), `pair_expert [T * top_k]` int32 (token t's picks from t * top_k on; an expert
     outside [0, E): skip the pair) and `pair_weight [T * top_k]` fp32, its routing weights. Each pair is a block of
@@ -380,8 +386,11 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     `grouped_matmul`'s: the gate/up GEMM's `splits` K splits, pipeline `stages`, `tile_n` rows a program and
     `decode_chunks`; the down GEMM's; `down_overlap`: a down program issues every K step's copy at once and decodes a
     step while the one before multiplies (`down_stages` then does not apply); `down_scales_first` (with
-    `down_overlap`): it stages every step's block scales before it waits for its block. Unset, the gate/up
-    settings and these two are `program_defaults`' for the token count and the device. (Settings that lost
+    `down_overlap`): it stages every step's block scales before it waits for its block; `gate_up_chunk_scales`: a
+    gate/up program stages each decode chunk's block scales before that chunk's decode, in a buffer of 1 / chunks
+    the size (4 gate/up stages then fit 4 programs an SM at 1-2 tokens: 55376 bytes a program against 57424, with
+    the 1 KB the GPU reserves a program 4 x 56400 of 228 KB). Unset, the gate/up
+    settings and these three are `program_defaults`' for the token count and the device. (Settings that lost
     everywhere they were timed were removed: a grid of blocks one after another with padded shared memory, a down
     program's wait per K step, an expert's pairs computed once, a token's pairs added in the kernel, RESULTS.md
     session 43; a down program's weight copies issued only once some of its block's gate/up programs are done, and
@@ -406,6 +415,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     gate_up_stages = defaults["gate_up_stages"] if gate_up_stages is None else gate_up_stages
     down_overlap = defaults["down_overlap"] if down_overlap is None else down_overlap
     down_scales_first = defaults["down_scales_first"] if down_scales_first is None else down_scales_first
+    if gate_up_chunk_scales is None:
+        gate_up_chunk_scales = defaults["gate_up_chunk_scales"]
     if down_tile_n is None:  # 128 rows where they divide the hidden size (17.1 us against 19.1 with 64
         # and 4 stages, session 29 run A)
         down_tile_n = 128 if hidden % 128 == 0 else 64
@@ -439,7 +450,9 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     if gu_steps % splits:
         raise ValueError(f"splits={splits} must divide gate/up's {gu_steps} K steps")
     gu_in_specs, gu_stage, gu_decodes, _ = nm._tile_programs(
-        gate_up_tile_n, gate_up_tile_k, block_t, False, False, gate_up_decode_chunks)
+        gate_up_tile_n, gate_up_tile_k, block_t, False, False, gate_up_decode_chunks,
+        chunk_staging=gate_up_chunk_scales)
+    gu_staged_words = gate_up_tile_n * gate_up_tile_k // 16 // (gate_up_decode_chunks if gate_up_chunk_scales else 1)
     down_line_box = down_tile_k // 2 < nm._LINE
     down_in_specs, down_stage, down_decodes, _ = nm._tile_programs(
         down_tile_n, down_tile_k, block_t, True, down_line_box, 1, row_chunks=down_decode_row_chunks)
@@ -473,9 +486,13 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
         def body(acc_ref, indices, w_smem, s_smem, x_smem):
             del indices
             weights = w_smem if line_box else nm._load_bytes(w_smem)
-            stage(s_smem, staged_smem)
+            stage_chunk = None
+            if isinstance(stage, list):  # (chunk staging)
+                stage_chunk = lambda chunk: stage[chunk](s_smem, staged_smem)  # noqa: E731
+            else:
+                stage(s_smem, staged_smem)
             nm.multiply_step(acc_ref, decodes, weights, staged_smem, x_smem, tile_n=tile_n, tile_k=tile_k,
-                             row_chunks=row_chunks, drain=drain)
+                             row_chunks=row_chunks, drain=drain, stage_chunk=stage_chunk)
         return body
 
     down_words = down_tile_n * down_tile_k // 16  # a step's staged block scales
@@ -562,7 +579,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
                     with jax.named_scope("gate_up_write"):
                         token_row(acc, sums_gmem, si, b * block_t + token, ni * gate_up_tile_n, token)
                     mark("stored")
-                pl.run_scoped(scoped, plgpu.SMEM((gate_up_tile_n * gate_up_tile_k // 16,), jnp.uint32))
+                pl.run_scoped(scoped, plgpu.SMEM((gu_staged_words,), jnp.uint32))
                 _add(counters_gmem, 2 * b, _share(r, gu_programs_per_block), release=True)
 
         @pl.when(jnp.logical_not(gate_up))

@@ -317,7 +317,7 @@ def weight_words(packed, tile_k: int, line_box: bool):
     return word_at
 
 
-def _stage_scales(tile_n: int, tile_k: int, double_buffered: bool = False):
+def _stage_scales(tile_n: int, tile_k: int, double_buffered: bool = False, chunk: int = 0, chunks: int = 1):
     """inline_mgpu body: the step's scale words (smem) -> a staging buffer (smem, `tile_n * tile_k / 16` words):
     the warpgroup converts them into one bf16x2 register per block scale (the scale in both halves), a word
     or two of scales per thread, for `_decode_tile` to read its rows' scales from. Converting in each
@@ -325,12 +325,16 @@ def _stage_scales(tile_n: int, tile_k: int, double_buffered: bool = False):
     program fewer per SM, and was 12 % slower at T = 8 (H200, benchmarks/moe/RESULTS.md, session 16).
     `double_buffered`: steps alternate between two staging buffers, so no barrier waits for the last step's
     decode to finish reading (the decode two steps back finished before every thread passed the last step's
-    second barrier)."""
+    second barrier).
+    `chunks` > 1: only the scales of K chunk `chunk` of `chunks` (the decode's, `_decode_tile(chunk_staged=True)`),
+    a buffer of 1 / `chunks` the size (so that a program's deeper pipeline fits beside it)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
     from jax.experimental.mosaic.gpu import utils
 
-    words = tile_n * tile_k // (16 * _SCALES_PER_WORD)  # staged 4 w .. 4 w + 3 from word w
+    row_words = tile_k // (16 * _SCALES_PER_WORD)
+    chunk_words = row_words // chunks
+    words = tile_n * chunk_words  # staged 4 i .. 4 i + 3 from the chunk's word i (all the step's words if one chunk)
 
     def body(ctx, scale_ref, staged_ref):
         del ctx
@@ -338,12 +342,17 @@ def _stage_scales(tile_n: int, tile_k: int, double_buffered: bool = False):
         if not double_buffered:
             utils.warpgroup_barrier()  # the previous step's decode has read the staged scales
 
-        def convert(w):
+        def convert(i):
+            w = i
+            if chunks > 1:  # the row's word of the chunk: row i / chunk_words, word chunk * chunk_words + i % ..
+                w = arith.addi(arith.muli(arith.divui(i, utils.c(chunk_words, index)), utils.c(row_words, index)),
+                               arith.addi(arith.remui(i, utils.c(chunk_words, index)),
+                                          utils.c(chunk * chunk_words, index)))
             word = memref.load(scale_ref, [arith.divui(w, utils.c(_SCALE_ROW, index)),
                                            arith.remui(w, utils.c(_SCALE_ROW, index))])
             staged = [llvm.inline_asm(i32, [word], _scale_asm(j), "=r,r") for j in range(_SCALES_PER_WORD)]
             vector.store(vector.from_elements(ir.VectorType.get((_SCALES_PER_WORD,), i32), staged), staged_ref,
-                         [arith.muli(w, utils.c(_SCALES_PER_WORD, index))])
+                         [arith.muli(i, utils.c(_SCALES_PER_WORD, index))])
 
         for_each_index(words, convert)
         utils.warpgroup_barrier()
@@ -352,12 +361,13 @@ def _stage_scales(tile_n: int, tile_k: int, double_buffered: bool = False):
 
 
 def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False, chunk: int = 0, chunks: int = 1, row_chunk: int = 0,
-                 row_chunks: int = 1):
+                 row_chunks: int = 1, chunk_staged: bool = False):
     """inline_mgpu body: bytes [tile_n, tile_k/2] (WGMMA_8BIT layout; with `line_box` the step's smem
     tile itself, its rows one after another, which each thread reads its words from) and the step's staged
     block scales (`_stage_scales`) -> bf16 [tile_n / row_chunks, tile_k / chunks] (WGMMA): the step's K chunk
     `chunk` of `chunks` of its row chunk `row_chunk` of `row_chunks`. A thread's registers: first index the 64-row
-    tile m, second the column group; its rows are 64 m + 16 warp + lane / 4 and that + 8 (the `half` index)."""
+    tile m, second the column group; its rows are 64 m + 16 warp + lane / 4 and that + 8 (the `half` index).
+    `chunk_staged`: the staging buffer holds this K chunk's scales only (`_stage_scales(chunk=, chunks=)`)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, vector
     from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -377,12 +387,13 @@ def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False, chunk: int = 
         for m in row_tiles:
             for half in range(2):
                 row = arith.addi(row0, utils.c(64 * m + 8 * half, index))
-                row_scales = arith.muli(row, utils.c(2 * groups, index))  # the row's staged block scales
+                staged_groups, first_group = (len(chunk_groups), chunk_groups[0]) if chunk_staged else (groups, 0)
+                row_scales = arith.muli(row, utils.c(2 * staged_groups, index))  # the row's staged block scales
                 for c in chunk_groups:
                     word = word_at(m, c, half)
                     # Pairs 0-1 are in the group's first scale block, 2-3 in its second.
                     scales = vector.load(ir.VectorType.get((2,), i32), staged_ref,
-                                         [arith.addi(row_scales, utils.c(2 * c, index))])
+                                         [arith.addi(row_scales, utils.c(2 * (c - first_group), index))])
                     for pair in range(4):
                         block_scale = vector.extract(scales, dynamic_position=[], static_position=[pair // 2])
                         reg = llvm.inline_asm(i32, [word, block_scale], _decode_pair_asm(pair), "=r,r,r")
@@ -453,27 +464,36 @@ def _swiglu_rows(block_t: int, width: int):
 
 
 # Interpret mode's stand-ins (`mgpu_op`) for the bodies above.
-def _stage_scales_stand_in(tile_n: int, tile_k: int):
-    """`_stage_scales` in interpret mode: the step's scale words as they are, at the staging buffer's start (its
-    decode stand-in reads them from there)."""
-    words = tile_n * tile_k // 64
+def _stage_scales_stand_in(tile_n: int, tile_k: int, chunk: int = 0, chunks: int = 1):
+    """`_stage_scales` in interpret mode: the step's scale words (its K chunk's) as they are, at the staging buffer's
+    start (its decode stand-in reads them from there)."""
+    row_words = tile_k // 64
+    chunk_words = row_words // chunks
 
     def stand_in(scale_ref, staged_ref):
-        staged_ref[pl.ds(0, words)] = scale_ref[...].reshape(words)
+        words = scale_ref[...].reshape(tile_n, row_words)[:, chunk * chunk_words:(chunk + 1) * chunk_words]
+        staged_ref[pl.ds(0, tile_n * chunk_words)] = words.reshape(-1)
 
     return stand_in
 
 
-def _decode_tile_stand_in(tile_n: int, tile_k: int, chunk: int, chunks: int, row_chunk: int, row_chunks: int):
+def _decode_tile_stand_in(tile_n: int, tile_k: int, chunk: int, chunks: int, row_chunk: int, row_chunks: int,
+                          chunk_staged: bool = False):
     """`_decode_tile` in interpret mode: the step's bytes (loaded, or the smem lines of a line box) and the scale
-    words staged by `_stage_scales_stand_in` -> the piece's bf16 weights times 2^-7, as the PTX gives them."""
+    words staged by `_stage_scales_stand_in` (the chunk's, if `chunk_staged`) -> the piece's bf16 weights times
+    2^-7, as the PTX gives them."""
     rows, columns = tile_n // row_chunks, tile_k // chunks
 
     def stand_in(packed, staged_ref):
-        data = packed if isinstance(packed, jax.Array) else packed[...]
-        words = staged_ref[pl.ds(0, tile_n * tile_k // 64)].reshape(tile_n, tile_k // 64)
-        weights = (decode_values(data.reshape(tile_n, tile_k // 2), words) / OUTPUT_FACTOR).astype(jnp.bfloat16)
-        return weights[row_chunk * rows:(row_chunk + 1) * rows, chunk * columns:(chunk + 1) * columns]
+        data = (packed if isinstance(packed, jax.Array) else packed[...]).reshape(tile_n, tile_k // 2)
+        staged_k = columns if chunk_staged else tile_k
+        words = staged_ref[pl.ds(0, tile_n * staged_k // 64)].reshape(tile_n, staged_k // 64)
+        if chunk_staged:  # (a 32-value group is 16 bytes of a row in the kernel layout)
+            data = data[:, chunk * columns // 2:(chunk + 1) * columns // 2]
+        weights = (decode_values(data, words) / OUTPUT_FACTOR).astype(jnp.bfloat16)
+        if not chunk_staged:
+            weights = weights[:, chunk * columns:(chunk + 1) * columns]
+        return weights[row_chunk * rows:(row_chunk + 1) * rows]
 
     return stand_in
 
@@ -533,7 +553,8 @@ def _fold_scales(scales, tile_k: int) -> jax.Array:
 
 
 def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool, line_box: bool, chunks: int,
-                   paired_steps: int | None = None, row_chunks: int = 1, staging_buffers: int = 1):
+                   paired_steps: int | None = None, row_chunks: int = 1, staging_buffers: int = 1,
+                   chunk_staging: bool = False):
     """What a program of `tile_n` rows needs: `in_specs(expert, k0, ni, x_block)` (the pipeline's BlockSpecs:
     step kk takes the expert's packed bytes and folded scales of K step k0 + kk and row tile ni, and block
     x_block's activations), the scale staging, the decodes of the step's pieces (its `chunks` K chunks, each in
@@ -541,7 +562,9 @@ def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool, line_bo
     `_LINE`-byte lines, unswizzled, a box of `tile_n * tile_k / 2 / _LINE` lines. `paired_steps` (SwiGLU
     programs; the weights' K steps): bytes and scales are read through `[E * K steps, 2, I, ...]` views
     (`_paired_views`), and a step's box is `tile_n / 2` gate rows with their up rows, the same smem bytes as a
-    box of `tile_n` consecutive rows (gate rows first): one copy each, and the decode of any other tile."""
+    box of `tile_n` consecutive rows (gate rows first): one copy each, and the decode of any other tile.
+    `chunk_staging`: the staging is a list, one op a K chunk that stages that chunk's scales only (a buffer of
+    `tile_n * tile_k / 16 / chunks` words), for `multiply_step` to run before the chunk's decode."""
     byte_swizzle = plgpu.find_swizzle(tile_k // 2 * 8, "lhs")
     x_swizzle = plgpu.find_swizzle(tile_k * 16, "rhs")
     scale_rows = tile_n * tile_k // 64 // _SCALE_ROW  # a step's scale words in folded rows
@@ -566,11 +589,19 @@ def _tile_programs(tile_n: int, tile_k: int, block_t: int, scaled: bool, line_bo
                 plgpu.BlockSpec((*lead, *shapes[1]), at),
                 plgpu.BlockSpec((block_t, tile_k), lambda kk: (x_block, k0 + kk), transforms=x_transforms)]
 
-    stage = mgpu_op(_stage_scales(tile_n, tile_k, staging_buffers == 2), _stage_scales_stand_in(tile_n, tile_k),
-                    arg_types=(plgpu.RefType(),) * 2)
+    if chunk_staging:
+        if staging_buffers != 1 or tile_k // 64 % chunks:
+            raise ValueError(f"chunk staging needs one staging buffer and tile_k={tile_k} in chunks={chunks} of "
+                             f"whole scale words (64 values)")
+        stage = [mgpu_op(_stage_scales(tile_n, tile_k, chunk=chunk, chunks=chunks),
+                         _stage_scales_stand_in(tile_n, tile_k, chunk, chunks), arg_types=(plgpu.RefType(),) * 2)
+                 for chunk in range(chunks)]
+    else:
+        stage = mgpu_op(_stage_scales(tile_n, tile_k, staging_buffers == 2), _stage_scales_stand_in(tile_n, tile_k),
+                        arg_types=(plgpu.RefType(),) * 2)
     decodes = [mgpu_op(
-        _decode_tile(tile_n, tile_k, line_box, chunk, chunks, row_chunk, row_chunks),
-        _decode_tile_stand_in(tile_n, tile_k, chunk, chunks, row_chunk, row_chunks),
+        _decode_tile(tile_n, tile_k, line_box, chunk, chunks, row_chunk, row_chunks, chunk_staging),
+        _decode_tile_stand_in(tile_n, tile_k, chunk, chunks, row_chunk, row_chunks, chunk_staging),
         arg_types=(plgpu.RefType() if line_box else plgpu.Layout.WGMMA_8BIT, plgpu.RefType()),
         return_type=plgpu.ShapeDtypeStruct((tile_n // row_chunks, tile_k // chunks), jnp.bfloat16,
                                            layout=plgpu.Layout.WGMMA),
@@ -686,16 +717,19 @@ def _wgmma(acc_ref, weights, x_smem) -> None:
 
 
 def multiply_step(acc_ref, decodes, weights, staged, x_smem, *, tile_n: int, tile_k: int, row_chunks: int,
-                  drain: bool = True):
+                  drain: bool = True, stage_chunk=None):
     """One K step of a program: each of `decodes` (`_tile_programs`' pieces: K chunks, each in `row_chunks` row
     chunks) decodes its piece of the step's `weights` with the `staged` block scales and multiplies it by its K
     chunk of the activations into its rows of the accumulator, the next piece decoding while one multiplies. Not
     `drain`: the last piece's wgmma may still run on return (the next step's first decode overlaps it; the caller
-    waits for it)."""
+    waits for it). `stage_chunk(chunk)`, if given, stages a K chunk's scales into `staged` before its decode
+    (`_tile_programs(chunk_staging=True)`)."""
     chunks = len(decodes) // row_chunks
     chunk_k, chunk_n = tile_k // chunks, tile_n // row_chunks
     for piece, decode in enumerate(decodes):
         chunk, row_chunk = divmod(piece, row_chunks)
+        if stage_chunk is not None and row_chunk == 0:
+            stage_chunk(chunk)
         x_chunk = x_smem if chunks == 1 else x_smem.at[:, pl.ds(chunk * chunk_k, chunk_k)]
         acc = acc_ref if row_chunks == 1 else acc_ref.at[pl.ds(row_chunk * chunk_n, chunk_n)]
         _wgmma(acc, decode(weights, staged), x_chunk.transpose((1, 0)))

@@ -41,7 +41,8 @@ def cheap_decode(mode: str):
     """A stand-in for `nm._decode_tile` (same signature): "no_scales", "raw" or "const" (the module doc)."""
 
     def make(tile_n: int, tile_k: int, line_box: bool = False, chunk: int = 0, chunks: int = 1, row_chunk: int = 0,
-             row_chunks: int = 1):
+             row_chunks: int = 1, chunk_staged: bool = False):
+        del chunk_staged  # (the stand-ins read no scales)
         from jax._src.lib.mlir import ir
         from jax._src.lib.mlir.dialects import llvm
         from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -80,7 +81,7 @@ def stand_in(mode: str):
     try:
         if mode != "full":  # the stand-ins read no scales: nothing to stage
             nm._decode_tile = cheap_decode("raw" if mode == "copy" else mode)
-            nm._stage_scales = lambda *shape: lambda ctx, *refs: None
+            nm._stage_scales = lambda *shape, **options: lambda ctx, *refs: None
         if mode == "copy":
             plgpu.wgmma = plgpu.wgmma_wait = lambda *args, **kwargs: None
         yield

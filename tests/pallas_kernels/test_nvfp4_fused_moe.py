@@ -111,7 +111,8 @@ def test_only_the_timed_h100_has_defaults_of_its_own(kind, timed):
     assert is_h100(kind) == timed
 
 
-@pytest.mark.parametrize("tokens,h100_settings", [(1, {}), (2, dict(splits=4, gate_up_stages=3)),
+@pytest.mark.parametrize("tokens,h100_settings", [(1, dict(gate_up_stages=4, gate_up_chunk_scales=True)),
+                                                   (2, dict(splits=4, gate_up_stages=3)),
                                                    (4, dict(gate_up_stages=3)), (7, {})])
 def test_unset_settings_follow_the_device(tokens, h100_settings, monkeypatch):
     """`program_defaults`: on an H100 the kernel traces as with its H100 settings spelled out; an H200 (and a CPU)
@@ -126,6 +127,50 @@ def test_unset_settings_follow_the_device(tokens, h100_settings, monkeypatch):
     assert h100 == traced(H200, **h100_settings)
     assert (h100 != h200) == bool(h100_settings)
     assert nfm.program_defaults(tokens, H100)["gate_up_stages"] == h100_settings.get("gate_up_stages", 2)
+
+
+def _shared_memory_bytes(op, specs) -> list[int]:
+    """The dynamic shared memory of each Mosaic GPU launch in `op`'s CUDA lowering (read from the kernel's module)."""
+    import re
+
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax._src.lib.mlir import ir
+    from jax.experimental.mosaic.gpu import dialect as mgpu_dialect
+
+    modules = []
+
+    def walk(operation):
+        for region in operation.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if inner.operation.name == "stablehlo.custom_call" and "mhlo.backend_config" in inner.attributes:
+                        config = ir.DictAttr(inner.attributes["mhlo.backend_config"])
+                        modules.append(ir.StringAttr(config["module"]).value_bytes)
+                    walk(inner.operation)
+
+    walk(jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo").operation)
+    sizes = []
+    for blob in modules:
+        with jax_mlir.make_ir_context() as context, ir.Location.unknown():
+            mgpu_dialect.register_dialect(context)
+            context.allow_unregistered_dialects = True
+            text = ir.Module.parse(blob).operation.get_asm(enable_debug_info=False)
+        for operands in re.findall(r'gpu.launch"\(([^)]*)\)', text):  # the last operand: dynamic smem bytes
+            sizes.append(int(re.search(re.escape(operands.split(", ")[-1]) + r" = [^\n]*value = (\d+)", text)[1]))
+    return sizes
+
+
+def test_h100_one_token_default_fits_four_programs_an_sm(monkeypatch):
+    """The H100's one-token default (4 gate/up stages, scales staged by chunk) keeps 4 programs an SM (what its
+    registers allow): 4 x (its shared memory + the 1 KB the GPU reserves a program) within an SM's 228 KB, where the
+    same stages with whole-step staging would not fit."""
+    monkeypatch.setattr(nfm, "device_kind", lambda: H100)
+    op = functools.partial(nfm.fused_decode_moe, gate_up_tile_k=256, down_tile_k=64)
+    specs = _specs(256, 5120, 320, 1, 8)
+    per_program = lambda smem: smem + 1024  # noqa: E731
+    (default,) = _shared_memory_bytes(op, specs)
+    (whole_steps,) = _shared_memory_bytes(functools.partial(op, gate_up_chunk_scales=False), specs)
+    assert 4 * per_program(default) <= 228 * 1024 < 4 * per_program(whole_steps)
 
 
 @pytest.mark.parametrize("tokens,splits,down_tile_n,row_chunks", [(1, 4, 64, 1), (3, None, 128, 1), (2, 2, 256, 4),
@@ -283,7 +328,9 @@ SMALL = (512, 128, 16, 4)  # hidden, intermediate, experts, top_k
     (3, dict(gate_up_splits=1, down_tile_n=64, down_stages=2)), (5, {}), (7, {}), (8, {}),
     (8, dict(gate_up_splits=2, down_tile_n=256, down_decode_row_chunks=4)),
     (1, dict(fused_settings=dict(down_overlap=True))),
-    (5, dict(fused_settings=dict(down_overlap=True), down_tile_n=256, down_decode_row_chunks=4))])
+    (5, dict(fused_settings=dict(down_overlap=True), down_tile_n=256, down_decode_row_chunks=4)),
+    (1, dict(fused_settings=dict(gate_up_chunk_scales=True, gate_up_stages=4))),
+    (4, dict(fused_settings=dict(gate_up_chunk_scales=True)))])
 def test_fused_layer_matches_reference_on_gpu(tokens, settings):
     """Beam's TP8 expert shape; the same call twice in one program with other inputs (the semaphores and the
     output start from zero in each call)."""
@@ -295,6 +342,8 @@ def test_fused_layer_matches_reference_on_gpu(tokens, settings):
     (5, {}, (512, 128, 6, 3)), (8, dict(gate_up_splits=2, down_tile_n=256, down_decode_row_chunks=4), SMALL),
     (1, dict(fused_settings=dict(down_overlap=False)), (512, 192, 16, 4)),
     (4, dict(fused_settings=dict(down_overlap=True, down_scales_first=True)), SMALL),
+    (1, dict(fused_settings=dict(gate_up_chunk_scales=True, gate_up_stages=4)), SMALL),
+    (4, dict(fused_settings=dict(gate_up_chunk_scales=True)), SMALL),
     pytest.param(1, {}, (5120, 320, 256, 8), marks=pytest.mark.slow)])  # (~2 minutes)
 def test_fused_layer_matches_reference_interpret(tokens, settings, shape):
     """The kernel in Mosaic GPU's interpret mode on the CPU (`interpret=True`: its grid roles, copies, barriers,
