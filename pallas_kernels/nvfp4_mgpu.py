@@ -384,10 +384,10 @@ def _decode_tile(tile_n: int, tile_k: int, line_box: bool = False, chunk: int = 
         row0, _ = _thread_place()
         word_at = weight_words(packed, tile_k, line_box)
         out = np.empty(fa.WGMMA_LAYOUT.registers_shape((64 * len(row_tiles), tile_k // chunks)), dtype=object)
+        staged_groups, first_group = (len(chunk_groups), chunk_groups[0]) if chunk_staged else (groups, 0)
         for m in row_tiles:
             for half in range(2):
                 row = arith.addi(row0, utils.c(64 * m + 8 * half, index))
-                staged_groups, first_group = (len(chunk_groups), chunk_groups[0]) if chunk_staged else (groups, 0)
                 row_scales = arith.muli(row, utils.c(2 * staged_groups, index))  # the row's staged block scales
                 for c in chunk_groups:
                     word = word_at(m, c, half)
