@@ -389,8 +389,8 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     `down_overlap`): it stages every step's block scales before it waits for its block; `gate_up_chunk_scales`: a
     gate/up program stages each decode chunk's block scales before that chunk's decode, in a buffer of 1 / chunks
     the size (4 gate/up stages then fit 4 programs an SM at 1-2 tokens: 55376 bytes a program against 57424, with
-    the 1 KB the GPU reserves a program 4 x 56400 of 228 KB). Unset, the gate/up
-    settings and these three are `program_defaults`' for the token count and the device. (Settings that lost
+    the 1 KB the GPU reserves a program 4 x 56400 of 228 KB). Unset, the gate/up settings and these three are
+    `program_defaults`' for the token count and the device. (Settings that lost
     everywhere they were timed were removed: a grid of blocks one after another with padded shared memory, a down
     program's wait per K step, an expert's pairs computed once, a token's pairs added in the kernel, RESULTS.md
     session 43; a down program's weight copies issued only once some of its block's gate/up programs are done, and
@@ -415,8 +415,7 @@ def fused_decode_moe(x, pair_expert, pair_weight, gate_up_packed, gate_up_scales
     gate_up_stages = defaults["gate_up_stages"] if gate_up_stages is None else gate_up_stages
     down_overlap = defaults["down_overlap"] if down_overlap is None else down_overlap
     down_scales_first = defaults["down_scales_first"] if down_scales_first is None else down_scales_first
-    if gate_up_chunk_scales is None:
-        gate_up_chunk_scales = defaults["gate_up_chunk_scales"]
+    gate_up_chunk_scales = defaults["gate_up_chunk_scales"] if gate_up_chunk_scales is None else gate_up_chunk_scales
     if down_tile_n is None:  # 128 rows where they divide the hidden size (17.1 us against 19.1 with 64
         # and 4 stages, session 29 run A)
         down_tile_n = 128 if hidden % 128 == 0 else 64
